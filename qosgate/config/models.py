@@ -1,0 +1,309 @@
+"""The policy file: tiers, tenants, scheduler, backend, quotas.
+
+Every model is frozen and forbids unknown keys, so a typo in the YAML is an
+error that names the field rather than a setting silently ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeFloat = Annotated[float, Field(ge=0)]
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+_KEY_REF = re.compile(r"^(sha256:[0-9a-f]{64}|env:[A-Za-z_][A-Za-z0-9_]*)$")
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class ServerConfig(StrictModel):
+    host: str = "127.0.0.1"
+    """Address the HTTP API listens on."""
+    port: Annotated[int, Field(ge=0, le=65535)] = 8080
+    """TCP port of the HTTP API (0 picks a free one)."""
+    max_body_bytes: PositiveInt = 1 << 20
+    """Largest request body accepted; larger bodies get 413."""
+    admin_token_env: str | None = "QOSGATE_ADMIN_TOKEN"
+    """Environment variable holding the token for /admin endpoints (unset: admin disabled)."""
+    trusted_header_secret_env: str | None = None
+    """Environment variable holding the shared secret that makes X-Tenant-Id trusted."""
+
+
+class BatchWindow(StrictModel):
+    """How long a tier may hold requests back to form a batch."""
+
+    max_wait_ms: NonNegativeFloat = 0.0
+    """Release a batch once its oldest request has waited this long (0: at once)."""
+    max_batch_size: PositiveInt = 256
+    """Release at once when this many requests of the tier are ready."""
+    max_batch_tokens: PositiveInt = 1 << 20
+    """Release at once when the ready requests hold this many prompt tokens."""
+
+
+class TierConfig(StrictModel):
+    priority: Annotated[int, Field(ge=0, le=1000)]
+    """0 is the most important; larger numbers are served later."""
+    ttft_slo_ms: Annotated[float, Field(gt=0)] | None = None
+    """Time-to-first-token objective; None for tiers judged end to end only."""
+    e2e_slo_ms: Annotated[float, Field(gt=0)] | None = None
+    """End-to-end latency objective, used when the tier has no TTFT objective."""
+    max_queue_wait_ms: Annotated[float, Field(gt=0)] = 30_000.0
+    """Queue budget: predicted waits beyond it are refused (reject) and queued
+    requests reaching it expire (reject) or start ageing (delay)."""
+    max_queue_len: PositiveInt = 10_000
+    """Cap on queued requests of this tier; beyond it requests get 429."""
+    on_timeout: Literal["reject", "delay"] = "reject"
+    """What the queue budget means: refuse/expire, or keep waiting and age."""
+    batch: BatchWindow = BatchWindow()
+    """Dynamic-batch window for this tier."""
+    max_tokens: PositiveInt = 4096
+    """Cap on a request's max_tokens (larger asks are clamped to it)."""
+    default_max_tokens: PositiveInt | None = None
+    """max_tokens for requests that do not give one (default: the cap)."""
+    preemptible: bool = False
+    """Whether running requests of this tier may be preempted for higher tiers."""
+
+    @model_validator(mode="after")
+    def _slo_present(self) -> "TierConfig":
+        if self.default_max_tokens is not None and self.default_max_tokens > self.max_tokens:
+            raise ValueError("default_max_tokens must not exceed max_tokens")
+        return self
+
+
+class AgingConfig(StrictModel):
+    """Anti-starvation: a request that has spent its tier's queue budget (on_timeout:
+    delay) climbs one priority level per interval, up to max_boost levels."""
+
+    interval_ms: Annotated[float, Field(gt=0)] = 2_000.0
+    """Time per level of boost."""
+    max_boost: Annotated[int, Field(ge=0, le=1000)] = 2
+    """Most levels a request can climb (0 disables ageing)."""
+
+
+class VtcConfig(StrictModel):
+    """Virtual token counter weights: a tenant's counter grows by
+    (w_in * prompt_tokens + w_out * output_tokens) / tenant weight."""
+
+    w_in: NonNegativeFloat = 1.0
+    """Weight of a prompt token."""
+    w_out: NonNegativeFloat = 2.0
+    """Weight of an output token."""
+
+
+class SchedulerConfig(StrictModel):
+    policy: Literal["qos", "strict", "fcfs"] = "qos"
+    """qos: tiers, ageing, fairness, SLA admission; strict: tiers only; fcfs: one FIFO."""
+    fairness: Literal["vtc", "fifo"] = "vtc"
+    """How tenants of one tier share it."""
+    aging: AgingConfig = AgingConfig()
+    """Anti-starvation settings."""
+    vtc: VtcConfig = VtcConfig()
+    """Counter weights for vtc fairness."""
+    admission: bool = True
+    """Refuse at the door what the predicted wait says cannot meet its budget."""
+    preemption: bool = False
+    """Allow preempting running requests of preemptible tiers for higher tiers."""
+    drain_rate_tau_s: Annotated[float, Field(gt=0)] = 10.0
+    """Time constant of the drain-rate EWMA (tokens/s the backend completes)."""
+    initial_drain_rate: Annotated[float, Field(gt=0)] | None = None
+    """Drain rate (tokens/s) assumed before any measurement (default: backend's hint)."""
+
+
+class RateLimit(StrictModel):
+    """A token bucket: `limit` per period, holding at most `burst`."""
+
+    limit: PositiveInt
+    """Refill per period."""
+    burst: PositiveInt | None = None
+    """Bucket size (default: limit)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: object) -> object:
+        # `tokens_per_minute: 1000` is the common case; accept it as {limit: 1000}.
+        if isinstance(value, int) and not isinstance(value, bool):
+            return {"limit": value}
+        return value
+
+
+class TenantQuotas(StrictModel):
+    tokens_per_minute: RateLimit | None = None
+    """Prompt + output tokens per minute."""
+    tokens_per_day: RateLimit | None = None
+    """Prompt + output tokens per day."""
+    requests_per_minute: RateLimit | None = None
+    """Requests per minute."""
+    max_concurrency: PositiveInt | None = None
+    """Requests queued or running at once."""
+
+
+class TenantConfig(StrictModel):
+    id: str
+    """Tenant identifier (metrics label, quota key)."""
+    tier: str
+    """Name of the tier this tenant's requests go to."""
+    weight: Annotated[float, Field(gt=0)] = 1.0
+    """Share of its tier under vtc fairness, relative to the tier's other tenants."""
+    api_keys: tuple[str, ...] = ()
+    """Keys as `sha256:<hex>` or `env:VARIABLE` (never the plain key)."""
+    quotas: TenantQuotas = TenantQuotas()
+    """Token and request quotas."""
+
+    @field_validator("id")
+    @classmethod
+    def _id_shape(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError("must be 1-64 letters, digits, '_', '.', '-'")
+        return value
+
+    @field_validator("api_keys")
+    @classmethod
+    def _key_shape(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for key in value:
+            if not _KEY_REF.match(key):
+                raise ValueError(
+                    "each key must be 'sha256:<64 lowercase hex>' or 'env:VARIABLE'; "
+                    "plain keys are not stored"
+                )
+        return value
+
+
+class QuotaStoreConfig(StrictModel):
+    kind: Literal["memory", "redis"] = "memory"
+    """memory: one process; redis: replicas share one budget."""
+    url: str = "redis://127.0.0.1:6379/0"
+    """Redis URL (kind: redis)."""
+    key_prefix: str = "qosgate:"
+    """Namespace for Redis keys."""
+    on_error: Literal["fail_open", "fail_closed"] = "fail_open"
+    """With Redis unreachable: keep serving on a local limiter, or answer 503."""
+
+
+class SimBackendConfig(StrictModel):
+    kind: Literal["sim"] = "sim"
+    profile: str = "h100-llama3-8b"
+    """Cost-model profile of the simulated GPU."""
+    speed: Annotated[float, Field(gt=0)] = 1.0
+    """Real-time speed factor (2.0 runs twice as fast as the modelled GPU)."""
+    max_num_seqs: PositiveInt | None = None
+    """Running sequences at once (default: the profile's)."""
+    max_num_batched_tokens: PositiveInt | None = None
+    """Tokens per engine step (default: the profile's)."""
+    enable_chunked_prefill: bool = True
+    """Split long prefills across steps."""
+    kv_capacity_tokens: PositiveInt | None = None
+    """KV cache size in tokens (default: the profile's)."""
+    scheduling_policy: Literal["fcfs", "priority"] = "priority"
+    """Order of the engine's own waiting queue."""
+    model: str = "sim-llama3-8b"
+    """Model name served."""
+
+
+class UpstreamConfig(StrictModel):
+    url: str
+    """Base URL of an OpenAI-compatible server (…/v1)."""
+    max_concurrency: PositiveInt = 64
+    """Requests in flight to this upstream at once."""
+    api_key_env: str | None = None
+    """Environment variable with the upstream's key."""
+    weight: Annotated[float, Field(gt=0)] = 1.0
+    """Relative share of traffic."""
+
+
+class OpenAIBackendConfig(StrictModel):
+    kind: Literal["openai"] = "openai"
+    upstreams: Annotated[tuple[UpstreamConfig, ...], Field(min_length=1)]
+    """The servers requests are routed to."""
+    models: tuple[str, ...] = ()
+    """Model names served (empty: ask the upstreams)."""
+    affinity: Literal["none", "tenant", "session"] = "none"
+    """Prefer the same upstream per tenant or per X-Session-Id."""
+    health_interval_s: Annotated[float, Field(gt=0)] = 5.0
+    """Seconds between health checks."""
+    timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    """Upstream request timeout."""
+
+
+class VllmBackendConfig(StrictModel):
+    kind: Literal["vllm"] = "vllm"
+    model: str
+    """Model path or name for the co-located engine."""
+    engine_args: dict[str, Union[str, int, float, bool, None]] = {}
+    """Further vLLM engine arguments (max_num_seqs, max_num_batched_tokens, ...)."""
+
+
+BackendConfig = Annotated[
+    Union[SimBackendConfig, OpenAIBackendConfig, VllmBackendConfig],
+    Field(discriminator="kind"),
+]
+
+
+class PolicyConfig(StrictModel):
+    """The whole policy file."""
+
+    version: Literal[1] = 1
+    """Format version of this file."""
+    server: ServerConfig = ServerConfig()
+    """HTTP server settings."""
+    backend: BackendConfig = SimBackendConfig()
+    """Where the work runs."""
+    scheduler: SchedulerConfig = SchedulerConfig()
+    """Scheduling policy."""
+    tiers: Annotated[dict[str, TierConfig], Field(min_length=1)]
+    """SLA tiers by name."""
+    tenants: tuple[TenantConfig, ...] = ()
+    """Tenants and their tier, weight, keys and quotas."""
+    default_tier: str | None = None
+    """Tier for requests of unknown tenants (None: such requests are refused)."""
+    quota_store: QuotaStoreConfig = QuotaStoreConfig()
+    """Where quota counters live."""
+
+    @field_validator("tiers")
+    @classmethod
+    def _tier_names(cls, value: dict[str, TierConfig]) -> dict[str, TierConfig]:
+        for name in value:
+            if not _NAME.match(name):
+                raise ValueError(f"tier name {name!r}: must be 1-64 letters, digits, '_', '.', '-'")
+        return value
+
+    @model_validator(mode="after")
+    def _references(self) -> "PolicyConfig":
+        errors: list[str] = []
+        seen: dict[str, int] = {}
+        for index, tenant in enumerate(self.tenants):
+            if tenant.id in seen:
+                errors.append(
+                    f"tenants.{index}.id: duplicate tenant {tenant.id!r} (first at tenants.{seen[tenant.id]})"
+                )
+            else:
+                seen[tenant.id] = index
+            if tenant.tier not in self.tiers:
+                errors.append(
+                    f"tenants.{index}.tier: unknown tier {tenant.tier!r} "
+                    f"(tiers: {', '.join(sorted(self.tiers))})"
+                )
+        if self.default_tier is not None and self.default_tier not in self.tiers:
+            errors.append(f"default_tier: unknown tier {self.default_tier!r}")
+        keys: dict[str, str] = {}
+        for index, tenant in enumerate(self.tenants):
+            for key in tenant.api_keys:
+                if key in keys and keys[key] != tenant.id:
+                    errors.append(
+                        f"tenants.{index}.api_keys: key already belongs to tenant {keys[key]!r}"
+                    )
+                keys[key] = tenant.id
+        if errors:
+            raise ValueError("\n".join(errors))
+        return self
+
+    def tenant(self, tenant_id: str) -> TenantConfig | None:
+        for tenant in self.tenants:
+            if tenant.id == tenant_id:
+                return tenant
+        return None

@@ -1,0 +1,74 @@
+"""The request record the core schedules, and the outcome every request ends with."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Outcome(enum.StrEnum):
+    """How a request ended. Exactly one per request; also the metrics label."""
+
+    COMPLETED = "completed"
+    REJECTED_QUOTA = "rejected_quota"
+    REJECTED_OVERLOAD = "rejected_overload"
+    REJECTED_QUEUE_FULL = "rejected_queue_full"
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"
+    BACKEND_ERROR = "backend_error"
+    BAD_REQUEST = "bad_request"
+    UNAUTHORIZED = "unauthorized"
+
+
+class RequestState(enum.Enum):
+    NEW = "new"
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One inference request as the scheduler sees it (no prompt text: only sizes)."""
+
+    id: str
+    tenant: str
+    tier: str
+    prompt_tokens: int
+    max_tokens: int
+    arrival: float
+    """When it reached the gateway (scheduler clock, seconds)."""
+    priority_offset: int = 0
+    """Levels below its tier's priority the client asked for (never above)."""
+
+    state: RequestState = RequestState.NEW
+    outcome: Outcome | None = None
+    deadline: float | None = None
+    """When its queue budget runs out (None: no budget)."""
+    dispatched_at: float | None = None
+    """Last time it was released to the backend."""
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    output_tokens: int = 0
+    """Output tokens produced (reported by the backend)."""
+    preemptions: int = 0
+    seq: int = 0
+    """Admission order, the tie-breaker everywhere (set by the scheduler)."""
+    charged_service: float = field(default=0.0, repr=False)
+    """Virtual service charged to its tenant at dispatch (vtc bookkeeping)."""
+
+    @property
+    def finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+    @property
+    def queue_wait(self) -> float | None:
+        if self.dispatched_at is None:
+            return None
+        return self.dispatched_at - self.arrival
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_at is None:
+            return None
+        return self.first_token_at - self.arrival
