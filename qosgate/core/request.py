@@ -54,6 +54,9 @@ class Request:
     preemptions: int = 0
     seq: int = 0
     """Admission order, the tie-breaker everywhere (set by the scheduler)."""
+    work: int = field(default=0, repr=False)
+    """Tokens of backend work it is expected to cost (prompt + expected output),
+    fixed at admission so queue totals stay consistent when it leaves."""
     charged_service: float = field(default=0.0, repr=False)
     """Virtual service charged to its tenant at dispatch (vtc bookkeeping)."""
 

@@ -1,0 +1,82 @@
+"""SLA-aware admission: predict a request's queue wait before queueing it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from qosgate.core.request import Outcome
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionDecision:
+    """The answer at the door: admitted, or refused with a reason and when to retry."""
+
+    admitted: bool
+    outcome: Outcome | None = None
+    """Why it was refused (None when admitted)."""
+    retry_after_s: float | None = None
+    """Seconds after which a retry may be admitted."""
+    predicted_wait_s: float = 0.0
+    """Predicted queue wait at the time of the decision."""
+    reason: str = ""
+
+    @property
+    def retry_after_header(self) -> str | None:
+        if self.retry_after_s is None:
+            return None
+        return str(max(1, math.ceil(self.retry_after_s)))
+
+
+ADMITTED = AdmissionDecision(admitted=True)
+
+
+class DrainRateEstimator:
+    """Tokens per second the backend completes, as an exponentially weighted
+    average over the time the backend was saturated.
+
+    Time only counts while work is waiting: when the queue is empty the
+    completions measure the offered load, not what the backend can do, and an
+    estimate that decays through idle periods would refuse the next burst.
+    Both the token sum and the time sum decay with time constant `tau`, so the
+    ratio is a continuous-time EWMA of the rate.
+    """
+
+    __slots__ = ("tau", "prior", "_tokens", "_time", "_last", "_saturated")
+
+    def __init__(self, tau_s: float, prior_tokens_per_s: float) -> None:
+        self.tau = tau_s
+        self.prior = prior_tokens_per_s
+        self._tokens = 0.0
+        self._time = 0.0
+        self._last: float | None = None
+        self._saturated = False
+
+    def advance(self, now: float, saturated: bool) -> None:
+        """Account the time since the last call; `saturated` says what the next
+        interval will be (work waiting or the backend full)."""
+        last = self._last
+        if last is not None and self._saturated and now > last:
+            dt = now - last
+            decay = math.exp(-dt / self.tau)
+            self._tokens *= decay
+            self._time = self._time * decay + dt
+        self._last = now
+        self._saturated = saturated
+
+    def observe(self, tokens: int, now: float) -> None:
+        """`tokens` (prompt + output) of a request completed at `now`."""
+        self.advance(now, self._saturated)
+        if self._saturated:
+            self._tokens += tokens
+
+    @property
+    def rate(self) -> float:
+        # Until a few seconds of saturated time are seen the prior dominates,
+        # blended in proportion so the estimate does not jump on one sample.
+        span = self._time
+        if span <= 0.0:
+            return self.prior
+        measured = self._tokens / span
+        trust = min(1.0, span / self.tau)
+        return trust * measured + (1.0 - trust) * self.prior

@@ -1,0 +1,485 @@
+"""The scheduling core: admission, tier queues, ageing, fairness, batch windows,
+expiry and preemption, with no I/O and no clock of its own.
+
+Like vLLM's engine core it is driven from outside: the runtime (live) or the
+simulator (virtual clock) calls `submit`, `schedule`, `on_first_token`,
+`finish`, `cancel` with the current time, and carries out the returned plan
+(hand requests to the backend, abort preempted ones, answer expired ones).
+Every request that enters ends in exactly one `Outcome`, set here.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from qosgate.config.models import PolicyConfig, TierConfig
+from qosgate.core.admission import ADMITTED, AdmissionDecision, DrainRateEstimator
+from qosgate.core.fairness import FairnessOrder, FifoOrder, VtcOrder
+from qosgate.core.request import Outcome, Request, RequestState
+from qosgate.core.tier_queue import TierQueue
+
+_QUEUED = RequestState.QUEUED
+_RUNNING = RequestState.RUNNING
+_FINISHED = RequestState.FINISHED
+
+# What an unmeasured backend is assumed to drain, only until it is measured.
+_DEFAULT_DRAIN_RATE = 10_000.0
+# Output length assumed for a request before any has completed.
+_DEFAULT_OUTPUT_ESTIMATE = 256.0
+# A request preempted this often is no longer chosen as a victim, so a
+# preemptible tier cannot be livelocked by a steady stream of higher work.
+_MAX_PREEMPTIONS = 2
+FCFS_QUEUE = "*"
+
+
+@dataclass(frozen=True, slots=True)
+class BackendCapacity:
+    """What the backend can take right now, as it reports it."""
+
+    free_slots: int
+    """Sequences it can start now without queueing them itself."""
+    free_kv_tokens: int
+    """KV-cache tokens not yet spoken for."""
+    kv_capacity_tokens: int | None = None
+    """Total KV-cache tokens (None: unknown); a prompt larger can never run."""
+
+
+@dataclass(slots=True)
+class SchedulePlan:
+    """What the caller must do after one `schedule` call."""
+
+    dispatch: list[Request] = field(default_factory=list)
+    """Hand these to the backend now (already marked running)."""
+    expired: list[Request] = field(default_factory=list)
+    """Answer these with 504: their queue deadline passed (already finished)."""
+    preempt: list[Request] = field(default_factory=list)
+    """Abort these in the backend: they are back in their queue, at its head."""
+    failed: list[Request] = field(default_factory=list)
+    """Answer these with 400: they can never fit the backend (already finished)."""
+    batches: list[tuple[str, int, float]] = field(default_factory=list)
+    """(tier, requests released, how long the batch's oldest request waited)."""
+    wakeup_at: float | None = None
+    """Call `schedule` again by this time even if nothing else happens."""
+
+
+class Scheduler:
+    """One gateway's queues and the decisions over them."""
+
+    def __init__(self, policy: PolicyConfig, *, drain_rate_hint: float | None = None) -> None:
+        sched = policy.scheduler
+        self.policy = policy
+        self.kind = sched.policy
+        self._admission = sched.admission and self.kind != "fcfs"
+        self._preemption = sched.preemption and self.kind != "fcfs"
+        ageing = self.kind == "qos" and sched.aging.max_boost > 0
+        self._interval = sched.aging.interval_ms / 1000.0
+        self._max_boost = sched.aging.max_boost if ageing else 0
+        self._w_in = sched.vtc.w_in
+        self._w_out = sched.vtc.w_out
+        prior = sched.initial_drain_rate or drain_rate_hint or _DEFAULT_DRAIN_RATE
+        self.drain = DrainRateEstimator(sched.drain_rate_tau_s, prior)
+        self._output_estimate = _DEFAULT_OUTPUT_ESTIMATE
+
+        self._queues: dict[str, TierQueue] = {}
+        self._build_queues(policy)
+
+        self._queued: dict[str, Request] = {}
+        self._running: dict[str, Request] = {}
+        self._deadlines: list[tuple[float, int, Request]] = []
+        self._seq = 0
+        self._saturated = False
+
+    # -- configuration -------------------------------------------------------
+
+    def _build_queues(self, policy: PolicyConfig) -> None:
+        weights = {t.id: t.weight for t in policy.tenants}
+        use_vtc = self.kind == "qos" and policy.scheduler.fairness == "vtc"
+
+        def order() -> FairnessOrder:
+            return VtcOrder(weights) if use_vtc else FifoOrder()
+
+        if self.kind == "fcfs":
+            # One FIFO for everything: no tiers, no budgets, no windows.
+            single = TierQueue(
+                FCFS_QUEUE, priority=0, budget_s=None, delays=True, max_len=1 << 62,
+                max_wait_s=0.0, max_batch_size=1 << 30, max_batch_tokens=1 << 62,
+                preemptible=False, order=FifoOrder(),
+            )
+            self._queues = {name: single for name in policy.tiers}
+            self._queue_list = [single]
+            return
+        self._queues = {name: _tier_queue(name, tier, order()) for name, tier in policy.tiers.items()}
+        self._queue_list = sorted(self._queues.values(), key=lambda q: (q.priority, q.name))
+
+    def queue(self, tier: str) -> TierQueue:
+        try:
+            return self._queues[tier]
+        except KeyError:
+            raise ValueError(f"unknown tier {tier!r}") from None
+
+    @property
+    def queues(self) -> list[TierQueue]:
+        return list(self._queue_list)
+
+    def engine_priority(self, req: Request) -> int:
+        """The priority handed to the backend (lower runs first)."""
+        return self._queues[req.tier].priority + req.priority_offset
+
+    # -- admission -----------------------------------------------------------
+
+    def _advance(self, now: float) -> None:
+        self.drain.advance(now, self._saturated or bool(self._queued))
+
+    def _reject(self, req: Request, now: float, decision: AdmissionDecision) -> AdmissionDecision:
+        req.state = _FINISHED
+        req.outcome = decision.outcome
+        req.finished_at = now
+        return decision
+
+    def submit(self, req: Request, now: float) -> AdmissionDecision:
+        """Admit `req` into its tier's queue, or refuse it (it is then finished)."""
+        if req.state is not RequestState.NEW:
+            raise ValueError(f"request {req.id!r} was already submitted")
+        if req.id in self._queued or req.id in self._running:
+            raise ValueError(f"duplicate request id {req.id!r}")
+        queue = self.queue(req.tier)
+        self._advance(now)
+        rate = self.drain.rate
+        estimate = self._output_estimate
+        req.work = req.prompt_tokens + (req.max_tokens if req.max_tokens < estimate else int(estimate))
+
+        if len(queue) >= queue.max_len:
+            return self._reject(req, now, AdmissionDecision(
+                admitted=False, outcome=Outcome.REJECTED_QUEUE_FULL,
+                retry_after_s=queue.work / rate,
+                reason=f"tier {req.tier!r} queue is full ({queue.max_len} requests)",
+            ))
+
+        predicted = 0.0
+        budget = queue.budget_s
+        if self._admission and budget is not None:
+            ahead = 0
+            for other in self._queue_list:
+                if other.priority > queue.priority:
+                    break
+                ahead += other.work
+            predicted = ahead / rate
+            if predicted > budget and not queue.delays:
+                return self._reject(req, now, AdmissionDecision(
+                    admitted=False, outcome=Outcome.REJECTED_OVERLOAD,
+                    retry_after_s=predicted - budget, predicted_wait_s=predicted,
+                    reason=(f"predicted queue wait {predicted:.2f}s exceeds tier "
+                            f"{req.tier!r} budget {budget:.2f}s"),
+                ))
+
+        self._seq += 1
+        req.seq = self._seq
+        if budget is not None:
+            req.deadline = req.arrival + budget
+            if not queue.delays:
+                heapq.heappush(self._deadlines, (req.deadline, req.seq, req))
+        queue.push(req)
+        self._queued[req.id] = req
+        if predicted:
+            return AdmissionDecision(admitted=True, predicted_wait_s=predicted)
+        return ADMITTED
+
+    # -- the dispatch decision -----------------------------------------------
+
+    def _boost(self, queue: TierQueue, oldest: Request, now: float) -> int:
+        # Ageing starts once the queue budget is spent (on_timeout: delay), so
+        # a request climbs to the top by budget + max_boost * interval.
+        if not self._max_boost or not queue.delays or queue.budget_s is None:
+            return 0
+        over = now - oldest.arrival - queue.budget_s
+        if over < self._interval:
+            return 0
+        levels = int(over / self._interval)
+        return levels if levels < self._max_boost else self._max_boost
+
+    def level(self, queue: TierQueue, now: float) -> int | None:
+        """The effective priority level a non-empty queue competes at now."""
+        oldest = queue.oldest()
+        if oldest is None:
+            return None
+        level = queue.priority - self._boost(queue, oldest, now)
+        return level if level > 0 else 0
+
+    def _window_opens(self, queue: TierQueue, oldest: Request, now: float) -> float:
+        """When the queue's batch window releases (now or earlier: ready)."""
+        if queue.max_wait_s <= 0.0:
+            return now
+        if len(queue) >= queue.max_batch_size or queue.prompt_tokens >= queue.max_batch_tokens:
+            return now
+        return oldest.arrival + queue.max_wait_s
+
+    def schedule(self, now: float, capacity: BackendCapacity) -> SchedulePlan:
+        """Release what the backend has room for, best first; expire what is overdue."""
+        self._advance(now)
+        plan = SchedulePlan()
+        self._expire(now, plan.expired)
+
+        free_slots = capacity.free_slots
+        free_kv = capacity.free_kv_tokens
+        kv_total = capacity.kv_capacity_tokens
+        # An open batch keeps releasing after its window fires, up to its size,
+        # even though the requests behind the oldest have waited less.
+        open_batches: dict[str, list] = {}
+        wakeup: float | None = None
+        blocked: TierQueue | None = None
+
+        while free_slots > 0:
+            best: TierQueue | None = None
+            best_key: tuple[int, float, int] | None = None
+            for queue in self._queue_list:
+                oldest = queue.oldest()
+                if oldest is None:
+                    continue
+                batch = open_batches.get(queue.name)
+                if batch is None or batch[0] <= 0 or batch[1] <= 0:
+                    opens = self._window_opens(queue, oldest, now)
+                    if opens > now:
+                        if wakeup is None or opens < wakeup:
+                            wakeup = opens
+                        continue
+                level = queue.priority - self._boost(queue, oldest, now)
+                # Equal levels go oldest first: that is what lets an aged request
+                # overtake fresher work of the tier it has climbed to.
+                key = (level if level > 0 else 0, oldest.arrival, queue.priority)
+                if best_key is None or key < best_key:
+                    best, best_key = queue, key
+            if best is None:
+                break
+            req = best.peek()
+            assert req is not None
+            if kv_total is not None and req.prompt_tokens >= kv_total:
+                best.pop()
+                self._fail(req, now, plan.failed)
+                continue
+            need = self._kv_need(req, kv_total)
+            if need > free_kv:
+                # Keep order: a large request is not overtaken just because
+                # smaller ones behind it would fit.
+                blocked = best
+                break
+            batch = open_batches.get(best.name)
+            if batch is None or batch[0] <= 0 or batch[1] <= 0:
+                if batch is not None:
+                    plan.batches.append((best.name, batch[2], batch[3]))
+                oldest = best.oldest()
+                batch = [best.max_batch_size, best.max_batch_tokens, 0, now - oldest.arrival]
+                open_batches[best.name] = batch
+            best.pop()
+            self._dispatch(best, req, now)
+            plan.dispatch.append(req)
+            batch[0] -= 1
+            batch[1] -= req.prompt_tokens
+            batch[2] += 1
+            free_slots -= 1
+            free_kv -= need
+
+        for name, batch in open_batches.items():
+            plan.batches.append((name, batch[2], batch[3]))
+
+        if self._preemption and (blocked is not None or free_slots <= 0):
+            self._preempt(now, blocked, plan)
+
+        self._saturated = free_slots <= 0 or blocked is not None
+        deadline = self._next_deadline()
+        if deadline is not None and (wakeup is None or deadline < wakeup):
+            wakeup = deadline
+        plan.wakeup_at = wakeup
+        return plan
+
+    def _kv_need(self, req: Request, kv_total: int | None) -> int:
+        # Room for the prompt and the output it is expected to produce, so the
+        # backend does not have to preempt what it was just given.
+        need = req.work
+        if kv_total is not None and need > kv_total:
+            return kv_total
+        return need
+
+    def _dispatch(self, queue: TierQueue, req: Request, now: float) -> None:
+        del self._queued[req.id]
+        req.state = _RUNNING
+        req.dispatched_at = now
+        charge = self._w_in * req.prompt_tokens + self._w_out * (req.work - req.prompt_tokens)
+        req.charged_service = charge
+        queue.order.on_dispatch(req, charge)
+        self._running[req.id] = req
+        queue.running[req.id] = req
+
+    def _fail(self, req: Request, now: float, into: list[Request]) -> None:
+        del self._queued[req.id]
+        req.state = _FINISHED
+        req.outcome = Outcome.BAD_REQUEST
+        req.finished_at = now
+        into.append(req)
+
+    def _expire(self, now: float, into: list[Request]) -> None:
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            _, _, req = heapq.heappop(heap)
+            if req.state is _QUEUED and req.deadline is not None and req.deadline <= now:
+                self._queues[req.tier].remove(req, _FINISHED)
+                del self._queued[req.id]
+                req.outcome = Outcome.EXPIRED
+                req.finished_at = now
+                into.append(req)
+
+    def _next_deadline(self) -> float | None:
+        heap = self._deadlines
+        while heap:
+            deadline, _, req = heap[0]
+            if req.state is _QUEUED and req.deadline == deadline:
+                return deadline
+            heapq.heappop(heap)
+        return None
+
+    def _preempt(self, now: float, blocked: TierQueue | None, plan: SchedulePlan) -> None:
+        """Make room for the most important waiting tier by sending back the
+        newest running request of a less important preemptible tier."""
+        waiting = blocked
+        if waiting is None:
+            for queue in self._queue_list:
+                if len(queue) and self._window_opens(queue, queue.oldest(), now) <= now:
+                    waiting = queue
+                    break
+        if waiting is None:
+            return
+        for queue in reversed(self._queue_list):
+            if queue.priority <= waiting.priority:
+                return
+            if not queue.preemptible:
+                continue
+            for victim in reversed(queue.running.values()):
+                if victim.preemptions < _MAX_PREEMPTIONS:
+                    self._requeue(victim, now)
+                    plan.preempt.append(victim)
+                    return
+
+    def _requeue(self, req: Request, now: float) -> None:
+        queue = self._queues[req.tier]
+        del self._running[req.id]
+        del queue.running[req.id]
+        queue.order.on_settle(req, -req.charged_service)
+        req.charged_service = 0.0
+        req.preemptions += 1
+        req.output_tokens = 0
+        req.first_token_at = None
+        # Already admitted and started once: it keeps its place and never expires.
+        req.deadline = None if not queue.delays else req.deadline
+        queue.push(req, front=True)
+        self._queued[req.id] = req
+
+    # -- progress reported by the backend ------------------------------------
+
+    def on_first_token(self, req_id: str, now: float) -> None:
+        req = self._running.get(req_id)
+        if req is not None and req.first_token_at is None:
+            req.first_token_at = now
+
+    def requeue(self, req_id: str, now: float) -> Request:
+        """The backend dropped a running request by itself (e.g. its own
+        preemption): put it back at the head of its tier."""
+        req = self._running.get(req_id)
+        if req is None:
+            raise KeyError(req_id)
+        self._requeue(req, now)
+        return req
+
+    def finish(self, req_id: str, now: float, outcome: Outcome, output_tokens: int) -> Request:
+        """A running request ended (completed, failed, cancelled mid-stream)."""
+        req = self._running.pop(req_id, None)
+        if req is None:
+            raise KeyError(f"request {req_id!r} is not running")
+        queue = self._queues[req.tier]
+        del queue.running[req_id]
+        req.state = _FINISHED
+        req.outcome = outcome
+        req.finished_at = now
+        req.output_tokens = output_tokens
+        actual = self._w_in * req.prompt_tokens + self._w_out * output_tokens
+        queue.order.on_settle(req, actual - req.charged_service)
+        req.charged_service = actual
+        if outcome is Outcome.COMPLETED:
+            self.drain.observe(req.prompt_tokens + output_tokens, now)
+            self._output_estimate += 0.05 * (output_tokens - self._output_estimate)
+        return req
+
+    def cancel(self, req_id: str, now: float, output_tokens: int = 0) -> tuple[Request | None, bool]:
+        """The client went away. Returns the request and whether it was running
+        (then the caller must abort it in the backend)."""
+        req = self._queued.pop(req_id, None)
+        if req is not None:
+            self._queues[req.tier].remove(req, _FINISHED)
+            req.outcome = Outcome.CANCELLED
+            req.finished_at = now
+            return req, False
+        if req_id in self._running:
+            return self.finish(req_id, now, Outcome.CANCELLED, output_tokens), True
+        return None, False
+
+    # -- views ---------------------------------------------------------------
+
+    def get(self, req_id: str) -> Request | None:
+        return self._queued.get(req_id) or self._running.get(req_id)
+
+    @property
+    def queued_count(self) -> int:
+        return len(self._queued)
+
+    @property
+    def running_count(self) -> int:
+        return len(self._running)
+
+    def queued(self) -> Iterable[Request]:
+        return self._queued.values()
+
+    def running(self) -> Iterable[Request]:
+        return self._running.values()
+
+    def depth_by_tier(self) -> dict[str, int]:
+        """Queued requests per tier (the request's own tier, also under fcfs)."""
+        if self.kind == "fcfs":
+            depth = dict.fromkeys(self.policy.tiers, 0)
+            for req in self._queued.values():
+                depth[req.tier] += 1
+            return depth
+        return {name: len(q) for name, q in self._queues.items()}
+
+    def snapshot(self, now: float) -> dict:
+        tiers = {}
+        for queue in self._queue_list:
+            oldest = queue.oldest()
+            tiers[queue.name] = {
+                "queued": len(queue),
+                "queued_tokens": queue.work,
+                "running": len(queue.running),
+                "oldest_wait_s": (now - oldest.arrival) if oldest else 0.0,
+                "level": self.level(queue, now),
+            }
+        return {
+            "policy": self.kind,
+            "queued": len(self._queued),
+            "running": len(self._running),
+            "drain_rate_tokens_per_s": self.drain.rate,
+            "tiers": tiers,
+        }
+
+
+def _tier_queue(name: str, tier: TierConfig, order: FairnessOrder) -> TierQueue:
+    return TierQueue(
+        name,
+        priority=tier.priority,
+        budget_s=tier.max_queue_wait_ms / 1000.0,
+        delays=tier.on_timeout == "delay",
+        max_len=tier.max_queue_len,
+        max_wait_s=tier.batch.max_wait_ms / 1000.0,
+        max_batch_size=tier.batch.max_batch_size,
+        max_batch_tokens=tier.batch.max_batch_tokens,
+        preemptible=tier.preemptible,
+        order=order,
+    )

@@ -1,0 +1,93 @@
+"""One tier's queue: its release order, its oldest request, and its running totals."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from qosgate.core.fairness import FairnessOrder
+from qosgate.core.request import Request, RequestState
+
+
+class TierQueue:
+    """Queued requests of one tier.
+
+    `order` decides who is released next (FIFO or VTC between tenants);
+    `_by_age` keeps admission order so the oldest request, which drives ageing,
+    batch windows and expiry, is found in O(1) and any request leaves in O(1).
+    """
+
+    __slots__ = (
+        "name", "priority", "budget_s", "delays", "max_len", "max_wait_s",
+        "max_batch_size", "max_batch_tokens", "preemptible", "order",
+        "_by_age", "work", "prompt_tokens", "running",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        priority: int,
+        budget_s: float | None,
+        delays: bool,
+        max_len: int,
+        max_wait_s: float,
+        max_batch_size: int,
+        max_batch_tokens: int,
+        preemptible: bool,
+        order: FairnessOrder,
+    ) -> None:
+        self.name = name
+        self.priority = priority
+        self.budget_s = budget_s
+        """Queue budget in seconds (None: no budget, never expires or ages)."""
+        self.delays = delays
+        """True for on_timeout: delay (age past the budget), False for reject."""
+        self.max_len = max_len
+        self.max_wait_s = max_wait_s
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.preemptible = preemptible
+        self.order = order
+        self._by_age: OrderedDict[str, Request] = OrderedDict()
+        self.work = 0
+        """Expected backend tokens of everything queued (prompt + expected output)."""
+        self.prompt_tokens = 0
+        self.running: OrderedDict[str, Request] = OrderedDict()
+        """Requests of this tier on the backend, in dispatch order (newest last)."""
+
+    def __len__(self) -> int:
+        return len(self._by_age)
+
+    def oldest(self) -> Request | None:
+        for req in self._by_age.values():
+            return req
+        return None
+
+    def push(self, req: Request, *, front: bool = False) -> None:
+        req.state = RequestState.QUEUED
+        self._by_age[req.id] = req
+        if front:
+            # A preempted request goes back ahead of everything admitted after it.
+            self._by_age.move_to_end(req.id, last=False)
+        self.work += req.work
+        self.prompt_tokens += req.prompt_tokens
+        self.order.push(req)
+
+    def _forget(self, req: Request) -> None:
+        del self._by_age[req.id]
+        self.work -= req.work
+        self.prompt_tokens -= req.prompt_tokens
+
+    def remove(self, req: Request, state: RequestState) -> None:
+        """Take `req` out of turn (cancelled, expired); `state` is what it becomes."""
+        self._forget(req)
+        req.state = state
+        self.order.discard(req)
+
+    def peek(self) -> Request | None:
+        return self.order.peek()
+
+    def pop(self) -> Request:
+        req = self.order.pop()
+        self._forget(req)
+        return req
