@@ -96,6 +96,16 @@ class VtcConfig(StrictModel):
     """Weight of an output token."""
 
 
+class ReserveConfig(StrictModel):
+    """Backend capacity held back from work below the top level, so the most
+    important requests find room at once instead of waiting for a completion."""
+
+    slots: Annotated[int, Field(ge=0)] = 0
+    """Sequence slots only top-level work may take."""
+    kv_tokens: Annotated[int, Field(ge=0)] = 0
+    """KV-cache tokens only top-level work may take."""
+
+
 class SchedulerConfig(StrictModel):
     policy: Literal["qos", "strict", "fcfs"] = "qos"
     """qos: tiers, ageing, fairness, SLA admission; strict: tiers only; fcfs: one FIFO."""
@@ -109,6 +119,8 @@ class SchedulerConfig(StrictModel):
     """Refuse at the door what the predicted wait says cannot meet its budget."""
     preemption: bool = False
     """Allow preempting running requests of preemptible tiers for higher tiers."""
+    reserve: ReserveConfig = ReserveConfig()
+    """Capacity kept free for the top priority level (qos and strict)."""
     drain_rate_tau_s: Annotated[float, Field(gt=0)] = 10.0
     """Time constant of the drain-rate EWMA (tokens/s the backend completes)."""
     initial_drain_rate: Annotated[float, Field(gt=0)] | None = None

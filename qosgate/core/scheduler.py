@@ -76,6 +76,9 @@ class Scheduler:
         ageing = self.kind == "qos" and sched.aging.max_boost > 0
         self._interval = sched.aging.interval_ms / 1000.0
         self._max_boost = sched.aging.max_boost if ageing else 0
+        tiered = self.kind != "fcfs"
+        self._reserve_slots = sched.reserve.slots if tiered else 0
+        self._reserve_kv = sched.reserve.kv_tokens if tiered else 0
         self._w_in = sched.vtc.w_in
         self._w_out = sched.vtc.w_out
         prior = sched.initial_drain_rate or drain_rate_hint or _DEFAULT_DRAIN_RATE
@@ -109,9 +112,11 @@ class Scheduler:
             )
             self._queues = {name: single for name in policy.tiers}
             self._queue_list = [single]
+            self._top_level = 0
             return
         self._queues = {name: _tier_queue(name, tier, order()) for name, tier in policy.tiers.items()}
         self._queue_list = sorted(self._queues.values(), key=lambda q: (q.priority, q.name))
+        self._top_level = self._queue_list[0].priority
 
     def queue(self, tier: str) -> TierQueue:
         try:
@@ -252,6 +257,12 @@ class Scheduler:
                     best, best_key = queue, key
             if best is None:
                 break
+            if best_key[0] > self._top_level and (
+                free_slots <= self._reserve_slots
+            ):
+                # What is left is held for top-level work.
+                blocked = best
+                break
             req = best.peek()
             assert req is not None
             if kv_total is not None and req.prompt_tokens >= kv_total:
@@ -259,7 +270,8 @@ class Scheduler:
                 self._fail(req, now, plan.failed)
                 continue
             need = self._kv_need(req, kv_total)
-            if need > free_kv:
+            held = self._reserve_kv if best_key[0] > self._top_level else 0
+            if need + held > free_kv:
                 # Keep order: a large request is not overtaken just because
                 # smaller ones behind it would fit.
                 blocked = best

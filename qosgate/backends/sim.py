@@ -1,0 +1,517 @@
+"""The simulated GPU: a continuous-batching engine on a step cost model.
+
+`SimEngine` is sans-I/O and synchronous. It never reads a clock: `step()`
+plans and executes one engine step and says how long the modelled GPU took,
+so the discrete-event simulator can run it on a virtual clock and a real-time
+backend can run it by sleeping that long. Its scheduler follows vLLM v1: one
+token budget per step, running sequences first (decodes, then the next chunk
+of any prefill in progress), then admission from the engine's own waiting
+queue, and recompute preemption when the KV cache runs out.
+
+A step costs O(prefilling + finishing sequences + log n), not O(running):
+decoding sequences are kept in aggregate (a count, their total context, and a
+heap of the steps at which they finish), and a decoding sequence's output
+count is derived from the step at which it started decoding.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from qosgate.config.models import SimBackendConfig
+
+
+# --------------------------------------------------------------------------
+# Cost model
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """One simulated GPU + model: the step cost model and the engine's limits.
+
+    A step costs, in ms, `t0 + c_p*P + c_q*sum(l_i^2) + c_d*D**decode_exponent
+    + c_kv*K` (DESIGN.md section 5), with P the prefill tokens of the step, l_i
+    each prefill chunk's length, D the decoding sequences and K their total
+    context tokens.
+    """
+
+    name: str
+    description: str
+    t0_ms: float
+    """Fixed cost of a step (weights streamed once, kernel launches)."""
+    c_p: float
+    """ms per prefill token."""
+    c_q: float
+    """ms per squared prefill-chunk token (attention within the chunk)."""
+    c_d: float
+    """ms per decoding sequence (per D**decode_exponent)."""
+    c_kv: float
+    """ms per context token read by the decoding sequences."""
+    kv_capacity_tokens: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    decode_exponent: float = 1.0
+    """1.0 is DESIGN.md's linear model. Below 1, the per-sequence decode cost
+    falls as the batch fills the GPU; only a profile whose table no linear
+    model can fit sets it (see `a100-llama3-8b`)."""
+
+    def step_ms(
+        self, prefill_chunks: Sequence[int], decode_seqs: int, decode_context_tokens: int
+    ) -> float:
+        p = 0
+        q = 0
+        for chunk in prefill_chunks:
+            p += chunk
+            q += chunk * chunk
+        d = decode_seqs if self.decode_exponent == 1.0 else decode_seqs**self.decode_exponent
+        return (
+            self.t0_ms
+            + self.c_p * p
+            + self.c_q * q
+            + self.c_d * d
+            + self.c_kv * decode_context_tokens
+        )
+
+
+PROFILES: dict[str, CostProfile] = {
+    p.name: p
+    for p in (
+        CostProfile(
+            name="h100-llama3-8b",
+            description="Llama-3.1-8B, BF16, one H100 80GB (DESIGN.md section 5: fitted from "
+            "public simulator calibrations)",
+            t0_ms=6.0,
+            c_p=0.025,
+            c_q=8e-7,
+            c_d=0.006,
+            c_kv=5.5e-5,
+            kv_capacity_tokens=467_000,
+            max_num_seqs=256,
+            max_num_batched_tokens=2048,
+        ),
+        # Fitted to the Hermes 3 70B / 4xA100 table in
+        # shared/reference/batch-processing-and-concurrent-inference.txt (section 61.1).
+        # Its latency column gives ~1,500 output tokens per request (tokens/s / batch *
+        # latency = 1,499 at batch 1, 1,509 at 4); the prompt is not stated, 512 is assumed,
+        # so decode context averages ~1,260 tokens. Prefill and KV-read costs are set from
+        # the hardware, not the table: 70B at ~50% of 4x312 TFLOPs (c_p), attention FLOPs
+        # (c_q), 320 KiB of KV per token over 4x2 TB/s at 70% (c_kv); with a fixed context,
+        # c_d and c_kv are indistinguishable to the table. t0 and c_d are the least-squares
+        # fit (on log tokens/s, engine in the loop) of benchmarks/b10_seed_tables.yaml's
+        # rows. KV: 4x80 GB x 0.9 - 141 GB weights - ~8 GB runtime, at 320 KiB/token.
+        CostProfile(
+            name="a100x4-hermes3-70b",
+            description="Hermes 3 70B (Llama-3.1-70B), BF16, tensor-parallel on 4x A100 80GB",
+            t0_ms=22.81,
+            c_p=0.22,
+            c_q=2e-6,
+            c_d=0.8769,
+            c_kv=6e-5,
+            kv_capacity_tokens=420_000,
+            max_num_seqs=256,
+            max_num_batched_tokens=2048,
+        ),
+        # Fitted to "A100 80GB: ~30 tokens/s at batch 1, ~300 at 16, ~900 at 64" for
+        # Llama-3-8B in shared/reference/dynamic-batching-for-llm.txt. The text gives no
+        # lengths: 512-token prompts and 256-token outputs are assumed (decode context
+        # ~640). No linear step model fits it within 10%: the step times it implies
+        # (33.3, 53.3, 71.1 ms) rise 1.33 ms per sequence from 1 to 16 and 0.37 from 16 to
+        # 64, and with per-token time t0/B + x the 16->64 gain needs t0 >= 38 ms while
+        # batch 1 needs t0 <= 37 ms. So the decode term is c_d * D**decode_exponent.
+        # t0 = 10 ms is 16 GB of weights read at ~1.6 TB/s; with it fixed (t0 and the
+        # decode term trade off freely over three rows), c_d and the exponent are the
+        # least-squares fit (log tokens/s, engine in the loop). c_p, c_q, c_kv are the
+        # H100 profile's scaled to the A100 (3.2x less compute, 1.7x less bandwidth);
+        # KV as for the H100 profile (same 80 GB).
+        CostProfile(
+            name="a100-llama3-8b",
+            description="Llama-3-8B, BF16, one A100 80GB",
+            t0_ms=10.0,
+            c_p=0.08,
+            c_q=2.5e-6,
+            c_d=23.49,
+            c_kv=9.4e-5,
+            kv_capacity_tokens=467_000,
+            max_num_seqs=256,
+            max_num_batched_tokens=2048,
+            decode_exponent=0.1784,
+        ),
+    )
+}
+
+
+def get_profile(name: str) -> CostProfile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        known = ", ".join(sorted(PROFILES))
+        raise ValueError(f"unknown sim profile {name!r} (known: {known})") from None
+
+
+# --------------------------------------------------------------------------
+# Engine
+
+
+@dataclass(frozen=True)
+class EngineCapacity:
+    free_slots: int
+    """max_num_seqs - running - waiting, never below 0."""
+    free_kv_tokens: int
+    """KV capacity - allocated - what is promised but not yet allocated: the prompts
+    of engine-waiting sequences, and the rest of each prefill in progress with its
+    first output token. Never below 0."""
+    running: int
+    waiting: int
+    max_num_seqs: int
+    kv_capacity_tokens: int
+
+
+@dataclass
+class StepResult:
+    """What one step did. Preemptions happen before the step's work, so a
+    sequence is never both preempted and in `first_token`/`finished` of one step."""
+
+    duration: float
+    """Seconds of modelled GPU time."""
+    prefill_tokens: int
+    decode_tokens: int
+    batch_size: int
+    """Sequences that took part (decoding + prefilling)."""
+    first_token: list[str] = field(default_factory=list)
+    """Sequences whose prefill completed: they emit output token 1 now."""
+    finished: list[str] = field(default_factory=list)
+    """Sequences that produced their last token and left the engine."""
+    preempted: list[str] = field(default_factory=list)
+    """Sequences preempted for lack of KV (recompute): back in the engine's
+    waiting queue with nothing generated; they start over."""
+
+
+_WAITING = 0
+_PREFILLING = 1
+_DECODING = 2
+_GONE = 3
+
+
+class _Seq:
+    __slots__ = (
+        "admitted",
+        "arrival",
+        "base",
+        "entry",
+        "id",
+        "output",
+        "prefilled",
+        "priority",
+        "prompt",
+        "state",
+    )
+
+    def __init__(self, seq_id: str, prompt: int, output: int, priority: int, arrival: int) -> None:
+        self.id = seq_id
+        self.prompt = prompt
+        self.output = output
+        self.priority = priority
+        self.arrival = arrival
+        self.state = _WAITING
+        self.prefilled = 0
+        self.admitted = 0
+        # While decoding, generated = engine step - base and it finishes at step base + output.
+        self.base = 0
+        # Its live entry in the finish heap; stale entries (aborted, preempted) are skipped.
+        self.entry: tuple[int, int, _Seq] | None = None
+
+
+class SimEngine:
+    def __init__(
+        self,
+        profile: CostProfile,
+        *,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        enable_chunked_prefill: bool = True,
+        kv_capacity_tokens: int | None = None,
+        scheduling_policy: Literal["fcfs", "priority"] = "fcfs",
+    ) -> None:
+        self.profile = profile
+        self.max_num_seqs = max_num_seqs or profile.max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens or profile.max_num_batched_tokens
+        self.kv_capacity_tokens = kv_capacity_tokens or profile.kv_capacity_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        if scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', not {scheduling_policy!r}"
+            )
+        self.scheduling_policy = scheduling_policy
+        # vLLM refuses this too; it also lets every decode take its token without a check.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs})"
+            )
+
+        self._seqs: dict[str, _Seq] = {}
+        self._step = 0
+        self._counter = 0
+        self._priority = scheduling_policy == "priority"
+        # Engine-waiting queue: arrival order (fcfs) or a (priority, arrival) heap.
+        # Aborted sequences stay in it as stale entries and are skipped.
+        self._fifo: deque[_Seq] = deque()
+        self._heap: list[tuple[int, int, _Seq]] = []
+        self._n_waiting = 0
+        self._waiting_prompt = 0
+        # Running sequences in admission order (dicts keep insertion order).
+        self._running: dict[str, _Seq] = {}
+        self._prefilling: dict[str, _Seq] = {}
+        # KV still to allocate for running prefills: the rest of each prompt + token 1.
+        self._prefill_left = 0
+        self._n_decoding = 0
+        self._decode_ctx = 0  # sum of prompt + generated over decoding seqs
+        self._finish_heap: list[tuple[int, int, _Seq]] = []
+        self._kv_used = 0
+
+    @classmethod
+    def from_config(cls, cfg: SimBackendConfig) -> SimEngine:
+        return cls(
+            get_profile(cfg.profile),
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            enable_chunked_prefill=cfg.enable_chunked_prefill,
+            kv_capacity_tokens=cfg.kv_capacity_tokens,
+            scheduling_policy=cfg.scheduling_policy,
+        )
+
+    # -- requests ----------------------------------------------------------
+
+    def add(self, seq_id: str, prompt_tokens: int, output_tokens: int, priority: int = 0) -> None:
+        """Queue a sequence; `output_tokens` is how many it will really generate."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} is already in the engine")
+        if prompt_tokens < 1 or output_tokens < 1:
+            raise ValueError("prompt_tokens and output_tokens must be >= 1")
+        # Alone in the engine a sequence needs prompt + output tokens of KV; more could
+        # never finish and would be preempted forever.
+        if prompt_tokens + output_tokens > self.kv_capacity_tokens:
+            raise ValueError(
+                f"sequence {seq_id!r} needs {prompt_tokens + output_tokens} KV tokens, "
+                f"more than the cache holds ({self.kv_capacity_tokens})"
+            )
+        self._counter += 1
+        seq = _Seq(seq_id, prompt_tokens, output_tokens, priority, self._counter)
+        self._seqs[seq_id] = seq
+        self._enqueue(seq, front=False)
+
+    def abort(self, seq_id: str) -> bool:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return False
+        if seq.state == _WAITING:
+            self._n_waiting -= 1
+            self._waiting_prompt -= seq.prompt
+        else:
+            self._release(seq)
+        seq.state = _GONE
+        return True
+
+    def generated(self, seq_id: str) -> int:
+        """Output tokens produced so far (0 if unknown, finished or aborted)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.state != _DECODING:
+            return 0
+        return self._step - seq.base
+
+    def capacity(self) -> EngineCapacity:
+        running = len(self._running)
+        reserved = self._kv_used + self._waiting_prompt + self._prefill_left
+        return EngineCapacity(
+            free_slots=max(0, self.max_num_seqs - running - self._n_waiting),
+            free_kv_tokens=max(0, self.kv_capacity_tokens - reserved),
+            running=running,
+            waiting=self._n_waiting,
+            max_num_seqs=self.max_num_seqs,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+        )
+
+    def has_work(self) -> bool:
+        return bool(self._seqs)
+
+    # -- the step ----------------------------------------------------------
+
+    def step(self) -> StepResult:
+        if not self._seqs:
+            raise RuntimeError("SimEngine.step() called with no work (check has_work())")
+        step = self._step + 1
+        budget_total = self.max_num_batched_tokens
+        preempted: list[str] = []
+
+        # Running sequences: every decode takes one token (the budget always has room,
+        # see __init__), then prefills in progress take their next chunk. If the KV
+        # cache cannot hold what they need, preempt and plan again.
+        while True:
+            decodes = self._n_decoding
+            budget = budget_total - decodes
+            chunks: list[tuple[_Seq, int]] = []
+            need = decodes
+            for seq in self._prefilling.values():
+                if budget <= 0:
+                    break
+                chunk = min(seq.prompt - seq.prefilled, budget)
+                budget -= chunk
+                chunks.append((seq, chunk))
+                need += chunk + (seq.prefilled + chunk == seq.prompt)
+            if self._kv_used + need <= self.kv_capacity_tokens:
+                break
+            preempted.append(self._preempt_one())
+
+        # Admission, skipped in a step that had to preempt (as vLLM does): the cache
+        # is full and the preempted would only be taken straight back. A prefill
+        # reserves its whole prompt and first output token up front, so admissions
+        # never overcommit the cache among themselves; decode growth is what runs it out.
+        if not preempted:
+            kv_free = self.kv_capacity_tokens - self._kv_used - decodes - self._prefill_left
+            room = self.max_num_seqs - len(self._running)
+            while room > 0 and budget > 0:
+                seq = self._peek_waiting()
+                if seq is None or seq.prompt + 1 > kv_free:
+                    break
+                if self.enable_chunked_prefill:
+                    chunk = min(seq.prompt, budget)
+                elif seq.prompt <= budget or budget == budget_total:
+                    # A prompt longer than the whole budget goes alone rather than never.
+                    chunk = seq.prompt
+                else:
+                    break
+                self._pop_waiting(seq)
+                seq.state = _PREFILLING
+                self._counter += 1
+                seq.admitted = self._counter
+                self._running[seq.id] = seq
+                self._prefilling[seq.id] = seq
+                self._prefill_left += seq.prompt + 1
+                kv_free -= seq.prompt + 1
+                room -= 1
+                budget -= chunk
+                chunks.append((seq, chunk))
+
+        # Execute. Cost first: K is the decoders' context before this step's token.
+        lengths = [c for _, c in chunks]
+        duration_ms = self.profile.step_ms(lengths, decodes, self._decode_ctx)
+        self._step = step
+        self._kv_used += decodes
+        self._decode_ctx += decodes
+
+        first_token: list[str] = []
+        finished: list[str] = []
+        for seq, chunk in chunks:
+            seq.prefilled += chunk
+            self._kv_used += chunk
+            self._prefill_left -= chunk
+            if seq.prefilled < seq.prompt:
+                continue
+            del self._prefilling[seq.id]
+            self._kv_used += 1
+            self._prefill_left -= 1
+            first_token.append(seq.id)
+            if seq.output == 1:
+                self._kv_used -= seq.prompt + 1
+                self._finish(seq)
+                finished.append(seq.id)
+                continue
+            seq.state = _DECODING
+            seq.base = step - 1
+            entry = (seq.base + seq.output, seq.admitted, seq)
+            seq.entry = entry
+            heapq.heappush(self._finish_heap, entry)
+            self._n_decoding += 1
+            self._decode_ctx += seq.prompt + 1
+
+        heap = self._finish_heap
+        while heap and heap[0][0] <= step:
+            entry = heapq.heappop(heap)
+            seq = entry[2]
+            if seq.entry is not entry:
+                continue
+            held = seq.prompt + seq.output
+            self._kv_used -= held
+            self._decode_ctx -= held
+            self._n_decoding -= 1
+            self._finish(seq)
+            finished.append(seq.id)
+
+        prefill_tokens = sum(lengths)
+        return StepResult(
+            duration=duration_ms / 1000.0,
+            prefill_tokens=prefill_tokens,
+            decode_tokens=decodes,
+            batch_size=decodes + len(chunks),
+            first_token=first_token,
+            finished=finished,
+            preempted=preempted,
+        )
+
+    # -- internals ---------------------------------------------------------
+
+    def _finish(self, seq: _Seq) -> None:
+        seq.state = _GONE
+        seq.entry = None
+        del self._running[seq.id]
+        del self._seqs[seq.id]
+
+    def _release(self, seq: _Seq) -> None:
+        """Take a running sequence out of the batch and give back its KV."""
+        del self._running[seq.id]
+        if seq.state == _PREFILLING:
+            del self._prefilling[seq.id]
+            self._kv_used -= seq.prefilled
+            self._prefill_left -= seq.prompt + 1 - seq.prefilled
+        else:
+            held = seq.prompt + self._step - seq.base
+            self._kv_used -= held
+            self._decode_ctx -= held
+            self._n_decoding -= 1
+            seq.entry = None
+
+    def _preempt_one(self) -> str:
+        if self._priority:
+            victim = max(self._running.values(), key=lambda s: (s.priority, s.admitted))
+        else:
+            victim = next(reversed(self._running.values()))
+        self._release(victim)
+        victim.prefilled = 0
+        self._enqueue(victim, front=True)
+        return victim.id
+
+    def _enqueue(self, seq: _Seq, *, front: bool) -> None:
+        seq.state = _WAITING
+        self._n_waiting += 1
+        self._waiting_prompt += seq.prompt
+        if self._priority:
+            # A preempted sequence keeps its arrival, which puts it ahead of its peers.
+            heapq.heappush(self._heap, (seq.priority, seq.arrival, seq))
+        elif front:
+            self._fifo.appendleft(seq)
+        else:
+            self._fifo.append(seq)
+
+    def _peek_waiting(self) -> _Seq | None:
+        if self._priority:
+            heap = self._heap
+            while heap and heap[0][2].state != _WAITING:
+                heapq.heappop(heap)
+            return heap[0][2] if heap else None
+        fifo = self._fifo
+        while fifo and fifo[0].state != _WAITING:
+            fifo.popleft()
+        return fifo[0] if fifo else None
+
+    def _pop_waiting(self, seq: _Seq) -> None:
+        if self._priority:
+            heapq.heappop(self._heap)
+        else:
+            self._fifo.popleft()
+        self._n_waiting -= 1
+        self._waiting_prompt -= seq.prompt

@@ -1,0 +1,483 @@
+"""Turning one simulated run into the numbers of BENCHMARKS.md, a table and a plot.
+
+`build_policy_report` gives the `{"tiers", "tenants", "totals"}` object of one
+scheduler policy in the machine-readable result; `format_table` prints a
+whole result; `plot_run` draws queue depth and TTFT over time per policy.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from qosgate.config.models import PolicyConfig, TierConfig
+from qosgate.core.request import Outcome, Request
+from qosgate.sim.scenario import MetricsConfig
+
+REJECTED = frozenset(
+    {Outcome.REJECTED_QUOTA, Outcome.REJECTED_OVERLOAD, Outcome.REJECTED_QUEUE_FULL}
+)
+# Simulated times are sums of floats; a request landing exactly on its SLO
+# must not fail it by rounding.
+_EPS = 1e-9
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """The q-th percentile (0-100) with linear interpolation between ranks, like
+    numpy's default; None for no values."""
+    ordered = sorted(values)
+    return _percentile_sorted(ordered, q)
+
+
+def _percentile_sorted(ordered: Sequence[float], q: float) -> float | None:
+    if not ordered:
+        return None
+    rank = (len(ordered) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def met_slo(request: Request, tier: TierConfig | None) -> bool:
+    """Whether a request met its tier's objective: TTFT if the tier has one, else
+    end-to-end latency if it has one, else simply completing."""
+    if request.outcome is not Outcome.COMPLETED:
+        return False
+    if tier is None:
+        return True
+    if tier.ttft_slo_ms is not None:
+        ttft = request.ttft
+        return ttft is not None and ttft <= tier.ttft_slo_ms / 1000.0 + _EPS
+    if tier.e2e_slo_ms is not None:
+        return (
+            request.finished_at is not None
+            and request.finished_at - request.arrival <= tier.e2e_slo_ms / 1000.0 + _EPS
+        )
+    return True
+
+
+def _met_ttft(request: Request, slo_s: float) -> bool:
+    ttft = request.ttft
+    return request.outcome is Outcome.COMPLETED and ttft is not None and ttft <= slo_s + _EPS
+
+
+def _queue_wait(request: Request) -> float | None:
+    if request.dispatched_at is not None:
+        return request.dispatched_at - request.arrival
+    # Never dispatched: it waited until it expired or was cancelled. Refusals at
+    # the door never queued, so they add no wait.
+    if request.outcome in REJECTED or request.finished_at is None:
+        return None
+    return request.finished_at - request.arrival
+
+
+def _tier_stats(
+    requests: list[Request], tier: TierConfig | None, window_len: float
+) -> dict:
+    counts: dict[Outcome | None, int] = defaultdict(int)
+    for request in requests:
+        counts[request.outcome] += 1
+    rejected_quota = counts[Outcome.REJECTED_QUOTA]
+    judged = len(requests) - rejected_quota
+    met = sum(1 for request in requests if met_slo(request, tier))
+
+    ttft_attainment: float | None = None
+    if tier is not None and tier.ttft_slo_ms is not None and judged > 0:
+        slo_s = tier.ttft_slo_ms / 1000.0
+        ttft_attainment = sum(1 for r in requests if _met_ttft(r, slo_s)) / judged
+
+    ttfts = sorted(r.first_token_at - r.arrival for r in requests if r.first_token_at is not None)
+    waits = sorted(w for w in map(_queue_wait, requests) if w is not None)
+    e2es = sorted(
+        r.finished_at - r.arrival
+        for r in requests
+        if r.outcome is Outcome.COMPLETED and r.finished_at is not None
+    )
+    return {
+        "requests": len(requests),
+        "completed": counts[Outcome.COMPLETED],
+        "rejected": sum(counts[o] for o in REJECTED),
+        "rejected_quota": rejected_quota,
+        "rejected_overload": counts[Outcome.REJECTED_OVERLOAD],
+        "rejected_queue_full": counts[Outcome.REJECTED_QUEUE_FULL],
+        "expired": counts[Outcome.EXPIRED],
+        "cancelled": counts[Outcome.CANCELLED],
+        "backend_error": counts[Outcome.BACKEND_ERROR],
+        "lost": counts[None],
+        "ttft_slo_attainment": ttft_attainment,
+        "slo_attainment": met / judged if judged > 0 else None,
+        "ttft_p50_s": _percentile_sorted(ttfts, 50),
+        "ttft_p99_s": _percentile_sorted(ttfts, 99),
+        "queue_wait_p99_s": _percentile_sorted(waits, 99),
+        "queue_wait_max_s": waits[-1] if waits else None,
+        "e2e_p50_s": _percentile_sorted(e2es, 50),
+        "e2e_p99_s": _percentile_sorted(e2es, 99),
+        "goodput_rps": met / window_len,
+    }
+
+
+class _ServiceLedger:
+    """Weighted service per tenant, per fairness window and over the whole
+    measurement window (BENCHMARKS B4).
+
+    A request's prompt tokens count at its first token; its output tokens are
+    spread evenly over [first_token_at, finished_at].
+    """
+
+    def __init__(self, start: float, end: float, width: float) -> None:
+        self.start, self.end = start, end
+        count = math.floor((end - start) / width + _EPS)
+        # A run shorter than one fairness window is judged as a single window.
+        self.width = width if count >= 1 else end - start
+        self.count = max(count, 1)
+        self.windows: dict[str, list[float]] = {}
+        self.total: dict[str, float] = defaultdict(float)
+
+    def _bins(self, tenant: str) -> list[float]:
+        bins = self.windows.get(tenant)
+        if bins is None:
+            bins = self.windows[tenant] = [0.0] * self.count
+        return bins
+
+    def _point(self, tenant: str, t: float, amount: float) -> None:
+        if not self.start <= t < self.end:
+            return
+        self.total[tenant] += amount
+        k = int((t - self.start) // self.width)
+        if k < self.count:
+            self._bins(tenant)[k] += amount
+
+    def _spread(self, tenant: str, t0: float, t1: float, amount: float) -> None:
+        density = amount / (t1 - t0)
+        lo, hi = max(t0, self.start), min(t1, self.end)
+        if hi > lo:
+            self.total[tenant] += density * (hi - lo)
+        bins_end = self.start + self.count * self.width
+        lo, hi = max(t0, self.start), min(t1, bins_end)
+        if hi <= lo:
+            return
+        bins = self._bins(tenant)
+        first = int((lo - self.start) // self.width)
+        last = min(int((hi - self.start) // self.width), self.count - 1)
+        for k in range(first, last + 1):
+            w0 = self.start + k * self.width
+            overlap = min(hi, w0 + self.width) - max(lo, w0)
+            if overlap > 0:
+                bins[k] += density * overlap
+
+    def add(self, request: Request, w_in: float, w_out: float, weight: float) -> None:
+        t0 = request.first_token_at
+        if t0 is None:
+            return
+        tenant = request.tenant
+        self._point(tenant, t0, w_in * request.prompt_tokens / weight)
+        out = w_out * request.output_tokens / weight
+        if out <= 0:
+            return
+        t1 = request.finished_at
+        if t1 is None or t1 <= t0:
+            self._point(tenant, t0, out)
+        else:
+            self._spread(tenant, t0, t1, out)
+
+
+def _backlogged_windows(
+    requests: list[Request], start: float, width: float, count: int
+) -> list[bool]:
+    """For each fairness window, whether the tenant had a request arrived but not
+    finished at every instant of it."""
+    spans = sorted(
+        (r.arrival, r.finished_at if r.finished_at is not None else math.inf) for r in requests
+    )
+    starts: list[float] = []
+    ends: list[float] = []
+    for s, e in spans:
+        if starts and s <= ends[-1]:
+            ends[-1] = max(ends[-1], e)
+        else:
+            starts.append(s)
+            ends.append(e)
+    flags = []
+    for k in range(count):
+        w0 = start + k * width
+        i = bisect_right(starts, w0) - 1
+        flags.append(i >= 0 and ends[i] >= w0 + width)
+    return flags
+
+
+def _service_differences(
+    ledger: _ServiceLedger, by_tenant: dict[str, list[Request]], tier_of: dict[str, str]
+) -> list[float]:
+    # Fairness is a promise between tenants of one tier, so each tier's
+    # tenants are compared among themselves and the tiers' differences added.
+    backlog = {
+        tenant: _backlogged_windows(reqs, ledger.start, ledger.width, ledger.count)
+        for tenant, reqs in by_tenant.items()
+    }
+    groups: dict[str, list[str]] = defaultdict(list)
+    for tenant in by_tenant:
+        groups[tier_of[tenant]].append(tenant)
+    diffs = [0.0] * ledger.count
+    for tenants in groups.values():
+        if len(tenants) < 2:
+            continue
+        for k in range(ledger.count):
+            served = [
+                ledger.windows[t][k] if t in ledger.windows else 0.0
+                for t in tenants
+                if backlog[t][k]
+            ]
+            if len(served) >= 2:
+                top = max(served)
+                diffs[k] += sum(top - s for s in served)
+    return diffs
+
+
+def build_policy_report(
+    requests: list[Request],
+    policy: PolicyConfig,
+    *,
+    window: tuple[float, float],
+    metrics: MetricsConfig,
+    samples: list[tuple[float, dict[str, int]]],
+) -> dict:
+    """The `{"tiers", "tenants", "totals"}` object of one scheduler policy's run.
+
+    window is the measurement window [start, end) in simulated seconds:
+    per-request statistics cover requests that arrived in it, rates are per
+    second of it, and service and throughput count what happened inside it.
+    samples are (t, {tier: queued requests}) snapshots of queue depth.
+    `lost` in totals counts every request without an outcome, in or out of the
+    window.
+    """
+    start, end = window
+    if not end > start:
+        raise ValueError(f"empty measurement window {window!r}")
+    length = end - start
+    weights = {tenant.id: tenant.weight for tenant in policy.tenants}
+
+    in_window = [r for r in requests if start <= r.arrival < end]
+    by_tier: dict[str, list[Request]] = {name: [] for name in policy.tiers}
+    by_tenant_window: dict[str, list[Request]] = {tenant.id: [] for tenant in policy.tenants}
+    for request in in_window:
+        by_tier.setdefault(request.tier, []).append(request)
+        by_tenant_window.setdefault(request.tenant, []).append(request)
+
+    tiers = {
+        name: _tier_stats(reqs, policy.tiers.get(name), length) for name, reqs in by_tier.items()
+    }
+    depth: dict[str, list[int]] = defaultdict(list)
+    for t, snapshot in samples:
+        if start <= t < end:
+            for name in tiers:
+                depth[name].append(snapshot.get(name, 0))
+    for name, stats in tiers.items():
+        values = depth.get(name)
+        stats["queue_depth_max"] = max(values) if values else None
+        stats["queue_depth_mean"] = sum(values) / len(values) if values else None
+
+    # Service and backlog look at every request, whenever it arrived: a request
+    # from the warm-up still occupies the engine and the tenant's queue.
+    ledger = _ServiceLedger(start, end, metrics.window_s)
+    by_tenant_all: dict[str, list[Request]] = defaultdict(list)
+    tier_of: dict[str, str] = {tenant.id: tenant.tier for tenant in policy.tenants}
+    for request in requests:
+        ledger.add(request, metrics.service_w_in, metrics.service_w_out,
+                   weights.get(request.tenant, 1.0))
+        by_tenant_all[request.tenant].append(request)
+        tier_of.setdefault(request.tenant, request.tier)
+    diffs = _service_differences(ledger, by_tenant_all, tier_of)
+
+    tenants: dict[str, dict] = {}
+    for tenant in sorted(by_tenant_window):
+        reqs = by_tenant_window[tenant]
+        ttfts = sorted(r.first_token_at - r.arrival for r in reqs if r.first_token_at is not None)
+        tenants[tenant] = {
+            "tier": tier_of.get(tenant),
+            "weight": weights.get(tenant, 1.0),
+            "requests": len(reqs),
+            "completed": sum(1 for r in reqs if r.outcome is Outcome.COMPLETED),
+            "rejected": sum(1 for r in reqs if r.outcome in REJECTED),
+            "prompt_tokens": sum(r.prompt_tokens for r in reqs if r.first_token_at is not None),
+            "output_tokens": sum(r.output_tokens for r in reqs),
+            "service": ledger.total.get(tenant, 0.0),
+            "ttft_p99_s": _percentile_sorted(ttfts, 99),
+        }
+
+    done = [
+        r
+        for r in requests
+        if r.outcome is Outcome.COMPLETED
+        and r.finished_at is not None
+        and start <= r.finished_at < end
+    ]
+    prompt_done = sum(r.prompt_tokens for r in done)
+    output_done = sum(r.output_tokens for r in done)
+    totals = {
+        "requests": len(in_window),
+        "completed": sum(s["completed"] for s in tiers.values()),
+        "rejected": sum(s["rejected"] for s in tiers.values()),
+        "expired": sum(s["expired"] for s in tiers.values()),
+        "cancelled": sum(s["cancelled"] for s in tiers.values()),
+        "throughput_tokens_per_s": (prompt_done + output_done) / length,
+        "output_tokens_per_s": output_done / length,
+        "goodput_rps": sum(s["goodput_rps"] for s in tiers.values()),
+        "max_service_difference": max(diffs),
+        "avg_service_difference": sum(diffs) / len(diffs),
+        "service_windows": len(diffs),
+        "lost": sum(1 for r in requests if r.outcome is None),
+    }
+    return {"tiers": tiers, "tenants": tenants, "totals": totals}
+
+
+# -- text --------------------------------------------------------------------------------
+
+
+def _fmt(value: object, spec: str = ".3f", suffix: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:{spec}}{suffix}"
+    return f"{value}{suffix}"
+
+
+_COLUMNS = (
+    ("tier", "<14", "name"),
+    ("requests", ">9", "requests"),
+    ("completed", ">10", "completed"),
+    ("rejected", ">9", "rejected"),
+    ("expired", ">8", "expired"),
+    ("slo_att", ">8", "slo_attainment"),
+    ("ttft_att", ">9", "ttft_slo_attainment"),
+    ("ttft_p50", ">9", "ttft_p50_s"),
+    ("ttft_p99", ">9", "ttft_p99_s"),
+    ("wait_p99", ">9", "queue_wait_p99_s"),
+    ("wait_max", ">9", "queue_wait_max_s"),
+)
+
+
+def _header(result: dict) -> str:
+    parts = [f"scenario {result.get('scenario', '?')}"]
+    if result.get("load") is not None:
+        parts.append(f"load {result['load']:g}x")
+    if result.get("rate_rps") is not None:
+        parts.append(f"rate {result['rate_rps']:.2f} req/s")
+    if result.get("capacity_rps") is not None:
+        parts.append(f"capacity {result['capacity_rps']:.2f} req/s")
+    return "  ".join(parts)
+
+
+def format_table(result: dict) -> str:
+    """A fixed-width table of a result object: per policy, one row per tier and
+    a totals line (plus target checks when the result carries `targets`)."""
+    lines = [_header(result)]
+    for policy, run in result.get("policies", {}).items():
+        lines.append("")
+        lines.append(f"policy {policy}  (times in seconds)")
+        lines.append("  " + " ".join(f"{title:{align}}" for title, align, _ in _COLUMNS))
+        for name, stats in run.get("tiers", {}).items():
+            cells = []
+            for _, align, key in _COLUMNS:
+                value = name if key == "name" else stats.get(key)
+                cells.append(f"{_fmt(value):{align}}")
+            lines.append("  " + " ".join(cells))
+        totals = run.get("totals", {})
+        lines.append(
+            "  totals: "
+            f"throughput {_fmt(totals.get('throughput_tokens_per_s'), '.1f')} tok/s, "
+            f"goodput {_fmt(totals.get('goodput_rps'), '.3f')} req/s, "
+            f"max service diff {_fmt(totals.get('max_service_difference'), '.1f')} "
+            f"(avg {_fmt(totals.get('avg_service_difference'), '.1f')}), "
+            f"lost {_fmt(totals.get('lost'))}"
+        )
+    checks = result.get("targets")
+    if checks:
+        lines.append("")
+        lines.append("targets")
+        for check in checks:
+            verdict = "PASS" if check.get("passed") else "FAIL"
+            lines.append(
+                f"  {verdict}  {check.get('name')}: {_fmt(check.get('value'), '.4g')} "
+                f"{check.get('op')} {check.get('threshold'):g}"
+            )
+    return "\n".join(lines)
+
+
+# -- plot --------------------------------------------------------------------------------
+
+
+def plot_run(result_runs: dict, series: dict[str, dict], path: str | Path) -> None:
+    """Write a PNG: one column per policy, queue depth per tier over time on top,
+    TTFT per tier over time below (log scale), axes shared across policies.
+
+    result_runs is the result object ({"scenario", "load", "policies", ...})
+    whose scenario and load go in the title; a bare {policy: report} mapping
+    also works. series[policy] holds "queue_depth": [(t, {tier: n})] and
+    "ttft": [(t_arrival, tier, ttft_s)].
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result_runs.get("policies", result_runs)
+    policies = [p for p in runs if p in series] + [p for p in series if p not in runs]
+    if not policies:
+        raise ValueError("nothing to plot: no policy has a series")
+
+    tiers: list[str] = []
+    for policy in policies:
+        for name in runs.get(policy, {}).get("tiers", {}):
+            if name not in tiers:
+                tiers.append(name)
+        for _, snapshot in series[policy].get("queue_depth", ()):
+            tiers.extend(name for name in snapshot if name not in tiers)
+        for _, name, _ in series[policy].get("ttft", ()):
+            if name not in tiers:
+                tiers.append(name)
+    palette = plt.get_cmap("tab10")
+    colour = {name: palette(i % 10) for i, name in enumerate(tiers)}
+
+    fig, axes = plt.subplots(
+        2, len(policies), figsize=(4.5 * len(policies), 6.5), sharex=True, sharey="row",
+        squeeze=False,
+    )
+    for col, policy in enumerate(policies):
+        depth_ax, ttft_ax = axes[0][col], axes[1][col]
+        data = series[policy]
+        depth = data.get("queue_depth", ())
+        times = [t for t, _ in depth]
+        for name in tiers:
+            if depth:
+                depth_ax.step(times, [snap.get(name, 0) for _, snap in depth], where="post",
+                              color=colour[name], label=name, linewidth=1.0)
+        depth_ax.set_title(policy)
+        by_tier: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n in tiers}
+        for t, name, ttft in data.get("ttft", ()):
+            if ttft is not None and ttft > 0:
+                by_tier[name][0].append(t)
+                by_tier[name][1].append(ttft)
+        for name, (xs, ys) in by_tier.items():
+            if xs:
+                ttft_ax.scatter(xs, ys, s=3, color=colour[name], label=name, alpha=0.6,
+                                linewidths=0, rasterized=True)
+        ttft_ax.set_yscale("log")
+        ttft_ax.set_xlabel("simulated time (s)")
+        if col == 0:
+            depth_ax.set_ylabel("queued requests")
+            ttft_ax.set_ylabel("TTFT (s)")
+    handles = [
+        plt.Line2D([], [], color=colour[name], marker="o", linestyle="", label=name)
+        for name in tiers
+    ]
+    fig.legend(handles=handles, loc="upper right", title="tier", fontsize="small")
+    title = f"scenario {result_runs.get('scenario', '?')}" if "policies" in result_runs else "run"
+    if result_runs.get("load") is not None:
+        title += f", load {result_runs['load']:g}x"
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0, 0.9, 0.95))
+    fig.savefig(Path(path), dpi=100)
+    plt.close(fig)

@@ -1,0 +1,219 @@
+"""Discrete-event simulation: the live scheduling core against a simulated GPU,
+on a virtual clock.
+
+The loop has three kinds of events: an arrival, the end of the engine step in
+progress, and the scheduler's own wake-up (batch windows, queue deadlines).
+Nothing here knows scheduling policy; it only carries out the core's plans,
+exactly as the async runtime does with a real backend.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from qosgate.backends.sim import SimEngine
+from qosgate.config.models import PolicyConfig, SimBackendConfig
+from qosgate.core.request import Outcome, Request
+from qosgate.core.scheduler import BackendCapacity, Scheduler, SchedulePlan
+from qosgate.sim.workload import Arrival
+
+_INF = math.inf
+
+
+@dataclass
+class PolicyRun:
+    """Everything one policy's run produced."""
+
+    policy: str
+    requests: list[Request]
+    samples: list[tuple[float, dict[str, int]]]
+    """Queue depth per tier at regular instants."""
+    end_time: float
+    steps: int = 0
+    engine_busy_s: float = 0.0
+    engine_preemptions: int = 0
+    gateway_preemptions: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+def with_policy(policy: PolicyConfig, name: str) -> PolicyConfig:
+    """The same policy file with a different scheduler.policy."""
+    scheduler = policy.scheduler.model_copy(update={"policy": name})
+    return policy.model_copy(update={"scheduler": scheduler})
+
+
+def build_engine(engine_cfg: SimBackendConfig) -> SimEngine:
+    return SimEngine.from_config(engine_cfg)
+
+
+def _capacity(engine: SimEngine) -> BackendCapacity:
+    cap = engine.capacity()
+    return BackendCapacity(cap.free_slots, cap.free_kv_tokens, cap.kv_capacity_tokens)
+
+
+def run_policy(
+    policy: PolicyConfig,
+    engine_cfg: SimBackendConfig,
+    arrivals: Sequence[Arrival],
+    *,
+    drain_until: float,
+    drain_rate_hint: float | None = None,
+    sample_every_s: float = 1.0,
+    progress: Callable[[float], None] | None = None,
+) -> PolicyRun:
+    """Replay `arrivals` through a fresh scheduler and engine.
+
+    The run ends when every request has an outcome, or at `drain_until`, when
+    whatever is still queued or running is cancelled (and counted as such).
+    """
+    scheduler = Scheduler(policy, drain_rate_hint=drain_rate_hint)
+    engine = build_engine(engine_cfg)
+    by_id: dict[str, Request] = {}
+    true_output: dict[str, int] = {}
+    run = PolicyRun(policy=policy.scheduler.policy, requests=[], samples=[], end_time=0.0)
+    n = len(arrivals)
+    next_arrival = 0
+    step_end = _INF
+    step = None
+    wakeup = _INF
+    now = 0.0
+    next_sample = 0.0
+    next_progress = 0
+
+    def carry_out(plan: SchedulePlan) -> None:
+        nonlocal wakeup
+        for req in plan.dispatch:
+            engine.add(req.id, req.prompt_tokens, true_output[req.id], scheduler.engine_priority(req))
+        for req in plan.preempt:
+            engine.abort(req.id)
+            run.gateway_preemptions += 1
+        for _, size, _ in plan.batches:
+            if size:
+                run.batch_sizes.append(size)
+        wakeup = plan.wakeup_at if plan.wakeup_at is not None else _INF
+
+    def schedule() -> None:
+        plan = scheduler.schedule(now, _capacity(engine))
+        carry_out(plan)
+        # A preemption frees room that this same instant can use.
+        while plan.preempt:
+            plan = scheduler.schedule(now, _capacity(engine))
+            carry_out(plan)
+
+    while True:
+        t_arrival = arrivals[next_arrival].t if next_arrival < n else _INF
+        now = min(t_arrival, step_end, wakeup)
+        if now == _INF or now > drain_until:
+            now = min(now, drain_until)
+            break
+        while next_sample <= now:
+            run.samples.append((next_sample, scheduler.depth_by_tier()))
+            next_sample += sample_every_s
+
+        if now == step_end:
+            result = step
+            step_end = _INF
+            for seq_id in result.first_token:
+                scheduler.on_first_token(seq_id, now)
+            for seq_id in result.finished:
+                scheduler.finish(seq_id, now, Outcome.COMPLETED, true_output[seq_id])
+            run.engine_preemptions += len(result.preempted)
+            schedule()
+        elif now == t_arrival:
+            # Every arrival at this instant is submitted before one schedule.
+            while next_arrival < n and arrivals[next_arrival].t <= now:
+                arrival = arrivals[next_arrival]
+                next_arrival += 1
+                req = Request(
+                    arrival.id, arrival.tenant, arrival.tier, arrival.prompt_tokens,
+                    arrival.max_tokens, arrival.t, priority_offset=arrival.priority_offset,
+                )
+                by_id[req.id] = req
+                true_output[req.id] = arrival.output_tokens
+                scheduler.submit(req, now)
+            if progress is not None and next_arrival >= next_progress:
+                progress(next_arrival / n)
+                next_progress = next_arrival + max(1, n // 20)
+            schedule()
+        else:
+            schedule()
+
+        if step_end == _INF and engine.has_work():
+            step = engine.step()
+            run.steps += 1
+            run.engine_busy_s += step.duration
+            step_end = now + step.duration
+        if next_arrival >= n and scheduler.queued_count == 0 and scheduler.running_count == 0:
+            break
+
+    # The horizon ended the run: whatever is left is cancelled, never lost.
+    for req in list(scheduler.running()):
+        scheduler.cancel(req.id, now, engine.generated(req.id))
+        engine.abort(req.id)
+    for req in list(scheduler.queued()):
+        scheduler.cancel(req.id, now)
+    while next_arrival < n:
+        arrival = arrivals[next_arrival]
+        next_arrival += 1
+        req = Request(arrival.id, arrival.tenant, arrival.tier, arrival.prompt_tokens,
+                      arrival.max_tokens, arrival.t, priority_offset=arrival.priority_offset)
+        req.outcome = Outcome.CANCELLED
+        req.finished_at = now
+        by_id[req.id] = req
+    run.samples.append((now, scheduler.depth_by_tier()))
+    run.requests = list(by_id.values())
+    run.end_time = now
+    return run
+
+
+def measure_capacity(
+    engine_cfg: SimBackendConfig,
+    workload: Sequence[Arrival],
+) -> tuple[float, float]:
+    """Requests/s and tokens/s (prompt + output) the engine sustains when kept
+    full with this length mix: the denominator of every `load`.
+
+    The engine is fed the way the dispatcher feeds it (only what it has room
+    for), and the rate is read between the 20th and 80th percentile of
+    completions so the fill-up and drain transients do not count.
+    """
+    engine = build_engine(engine_cfg)
+    pending = list(workload)
+    pending.reverse()
+    sizes = {a.id: a.prompt_tokens + a.output_tokens for a in workload}
+    now = 0.0
+    finishes: list[tuple[float, int]] = []
+    total = len(workload)
+    while len(finishes) < total:
+        cap = engine.capacity()
+        free_slots, free_kv = cap.free_slots, cap.free_kv_tokens
+        while pending and free_slots > 0:
+            nxt = pending[-1]
+            need = min(nxt.prompt_tokens + nxt.output_tokens, cap.kv_capacity_tokens)
+            if need > free_kv:
+                break
+            pending.pop()
+            engine.add(nxt.id, nxt.prompt_tokens, nxt.output_tokens, 0)
+            free_slots -= 1
+            free_kv -= need
+        if not engine.has_work():
+            raise RuntimeError("capacity measurement stalled: a request does not fit the engine")
+        result = engine.step()
+        now += result.duration
+        for seq_id in result.finished:
+            finishes.append((now, sizes[seq_id]))
+    lo, hi = int(total * 0.2), int(total * 0.8)
+    span = finishes[hi][0] - finishes[lo][0]
+    tokens = sum(size for _, size in finishes[lo + 1 : hi + 1])
+    return (hi - lo) / span, tokens / span
+
+
+def stderr_progress(label: str) -> Callable[[float], None]:
+    def report(fraction: float) -> None:
+        print(f"\r  {label}: {fraction:4.0%}", end="" if fraction < 1 else "\n",
+              file=sys.stderr, flush=True)
+
+    return report

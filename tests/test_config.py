@@ -1,0 +1,489 @@
+"""Policy loading: good files load, bad files name the field and the line."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from qosgate.cli import main
+from qosgate.config import (
+    ConfigError,
+    ConfigIssue,
+    PolicyConfig,
+    load_model,
+    load_policy,
+    load_policy_text,
+)
+from qosgate.config.commands import policy_warnings
+
+POLICIES = Path(__file__).resolve().parent.parent / "policies"
+
+GOOD = textwrap.dedent(
+    """\
+    scheduler:
+      aging:
+        interval_ms: 1000
+        max_boost: 1
+    tiers:
+      fast:
+        priority: 0
+        ttft_slo_ms: 500
+        batch:
+          max_wait_ms: 0
+      slow:
+        priority: 1
+        e2e_slo_ms: 60000
+        on_timeout: delay
+    tenants:
+      - id: alice
+        tier: fast
+      - id: bob
+        tier: slow
+    """
+)
+
+
+def issues_of(text: str) -> list[ConfigIssue]:
+    with pytest.raises(ConfigError) as caught:
+        load_policy_text(text, source="bad.yaml")
+    assert caught.value.issues, "a ConfigError must carry at least one issue"
+    return caught.value.issues
+
+
+def line_of(text: str, needle: str, occurrence: int = 1) -> int:
+    """1-based line of the n-th line containing `needle`."""
+    hits = [number for number, line in enumerate(text.splitlines(), start=1) if needle in line]
+    return hits[occurrence - 1]
+
+
+def the_issue(text: str, path: str) -> ConfigIssue:
+    issues = issues_of(text)
+    matching = [issue for issue in issues if issue.path == path]
+    assert matching, f"no issue at {path!r}; got {issues}"
+    return matching[0]
+
+
+# --- good files ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["example.yaml", "multi-tenant.yaml"])
+def test_shipped_policies_load(name: str) -> None:
+    policy = load_policy(POLICIES / name)
+    assert isinstance(policy, PolicyConfig)
+    assert policy.tenants
+    assert all(tenant.tier in policy.tiers for tenant in policy.tenants)
+
+
+def test_example_policy_has_the_documented_tiers() -> None:
+    policy = load_policy(str(POLICIES / "example.yaml"))
+    assert list(policy.tiers) == ["interactive", "standard", "batch"]
+    interactive, standard, batch = (policy.tiers[name] for name in policy.tiers)
+    assert (interactive.priority, interactive.ttft_slo_ms, interactive.max_queue_wait_ms) == (
+        0,
+        500,
+        300,
+    )
+    assert (interactive.on_timeout, interactive.max_tokens) == ("reject", 1024)
+    assert (standard.priority, standard.ttft_slo_ms, standard.max_queue_wait_ms) == (1, 2000, 1500)
+    assert (batch.priority, batch.e2e_slo_ms, batch.max_queue_wait_ms) == (2, 60000, 20000)
+    assert (batch.on_timeout, batch.preemptible) == ("delay", True)
+    assert (policy.scheduler.aging.interval_ms, policy.scheduler.aging.max_boost) == (2000, 2)
+    assert policy.backend.kind == "sim" and policy.backend.profile == "h100-llama3-8b"
+
+
+def test_example_policy_demo_keys_are_their_sha256() -> None:
+    import hashlib
+
+    policy = load_policy(POLICIES / "example.yaml")
+    keys = {key for tenant in policy.tenants for key in tenant.api_keys}
+    for demo in ("demo-interactive-key", "demo-standard-key", "demo-batch-key"):
+        assert "sha256:" + hashlib.sha256(demo.encode()).hexdigest() in keys
+
+
+def test_shipped_policies_have_no_warnings() -> None:
+    for name in ("example.yaml", "multi-tenant.yaml"):
+        assert policy_warnings(load_policy(POLICIES / name)) == []
+
+
+def test_yaml_anchors_and_merge_keys_work() -> None:
+    text = textwrap.dedent(
+        """\
+        tiers:
+          fast: &fast
+            priority: 0
+            ttft_slo_ms: 500
+          fast-eu:
+            <<: *fast
+            priority: 1   # overriding a merged key is not a duplicate
+        """
+    )
+    policy = load_policy_text(text)
+    assert policy.tiers["fast-eu"].priority == 1
+    assert policy.tiers["fast-eu"].ttft_slo_ms == 500
+
+
+# --- bad files: each names the field and its line -----------------------------------------
+
+
+def test_wrong_type_names_field_and_line() -> None:
+    text = GOOD.replace("priority: 0", 'priority: "high"')
+    issue = the_issue(text, "tiers.fast.priority")
+    assert issue.line == line_of(text, 'priority: "high"')
+    assert "integer" in issue.message and "'high'" in issue.message
+
+
+def test_unknown_key_is_named_with_a_suggestion() -> None:
+    text = GOOD.replace(
+        "    ttft_slo_ms: 500\n", "    ttft_slo_ms: 500\n    max_queue_wiat_ms: 100\n"
+    )
+    issue = the_issue(text, "tiers.fast.max_queue_wiat_ms")
+    assert issue.line == line_of(text, "max_queue_wiat_ms")
+    assert "unknown key" in issue.message
+    assert "max_queue_wait_ms" in issue.message  # the suggestion and the allowed keys
+
+
+def test_unknown_tier_of_tenant() -> None:
+    text = GOOD.replace("    tier: slow", "    tier: gold")
+    issue = the_issue(text, "tenants.1.tier")
+    assert issue.line == line_of(text, "tier: gold")
+    assert "unknown tier 'gold'" in issue.message and "fast, slow" in issue.message
+    assert str(issue.line) in str(ConfigError("bad.yaml", [issue]))
+
+
+def test_negative_batch_window() -> None:
+    text = GOOD.replace("max_wait_ms: 0", "max_wait_ms: -5")
+    issue = the_issue(text, "tiers.fast.batch.max_wait_ms")
+    assert issue.line == line_of(text, "max_wait_ms: -5")
+    assert "greater than or equal to 0" in issue.message
+
+
+def test_duplicate_tenant_id() -> None:
+    text = GOOD.replace("  - id: bob\n    tier: slow", "  - tier: slow\n    id: alice")
+    issue = the_issue(text, "tenants.1.id")
+    assert issue.line == line_of(text, "id: alice", occurrence=2)
+    assert "duplicate tenant 'alice'" in issue.message
+
+
+def test_several_cross_field_errors_each_get_their_line() -> None:
+    text = GOOD.replace("    tier: fast", "    tier: nope").replace(
+        "    tier: slow", "    tier: gold"
+    )
+    text += "default_tier: missing\n"
+    issues = issues_of(text)
+    assert [(issue.path, issue.line) for issue in issues] == [
+        ("tenants.0.tier", line_of(text, "tier: nope")),
+        ("tenants.1.tier", line_of(text, "tier: gold")),
+        ("default_tier", line_of(text, "default_tier")),
+    ]
+
+
+def test_duplicate_yaml_key() -> None:
+    text = GOOD.replace("    ttft_slo_ms: 500\n", "    ttft_slo_ms: 500\n    priority: 3\n")
+    issue = the_issue(text, "tiers.fast.priority")
+    assert issue.line == line_of(text, "priority: 3")
+    assert "duplicate key 'priority'" in issue.message
+    assert f"line {line_of(text, 'priority: 0')}" in issue.message
+
+
+def test_yaml_syntax_error_has_its_line() -> None:
+    text = GOOD.replace("  slow:\n", "  slow:\n - broken\n")
+    [issue] = issues_of(text)
+    assert issue.line == line_of(text, "- broken")
+    assert "invalid YAML" in issue.message
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n", "---\n"])
+def test_empty_file(text: str) -> None:
+    [issue] = issues_of(text)
+    assert issue.line is None and issue.path == ""
+    assert "empty" in issue.message
+
+
+def test_top_level_list() -> None:
+    [issue] = issues_of("# policy\n- tiers\n- tenants\n")
+    assert issue.line == 2
+    assert "mapping" in issue.message and "list" in issue.message
+
+
+def test_missing_required_field_points_at_its_parent() -> None:
+    text = GOOD.replace("  - id: bob\n    tier: slow", "  - id: bob")
+    issue = the_issue(text, "tenants.1.tier")
+    assert issue.line == line_of(text, "- id: bob")
+    assert "missing" in issue.message
+
+
+def test_discriminated_backend_reports_the_real_field_path() -> None:
+    text = (
+        GOOD + "backend:\n  kind: openai\n  upstreams:\n    - url: http://x/v1\n      wieght: 2\n"
+    )
+    issue = the_issue(text, "backend.upstreams.0.wieght")
+    assert issue.line == line_of(text, "wieght")
+    assert "did you mean 'weight'" in issue.message
+
+
+def test_unreadable_scalar_is_an_issue_not_a_crash() -> None:
+    text = GOOD.replace("ttft_slo_ms: 500", "ttft_slo_ms: 2001-02-30")
+    issue = the_issue(text, "tiers.fast.ttft_slo_ms")
+    assert issue.line == line_of(text, "2001-02-30")
+
+
+@pytest.mark.parametrize(
+    "text", ["[" * 5000, "a: &a [*a]\n", "tiers: {a: {priority: 0}}\n---\nx: 1\n"]
+)
+def test_pathological_yaml_is_a_config_error(text: str) -> None:
+    issues_of(text)
+
+
+def test_error_renders_one_line_per_issue_with_source_and_line() -> None:
+    text = GOOD.replace("priority: 0", "priority: high").replace(
+        "max_wait_ms: 0", "max_wait_ms: -5"
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_policy_text(text, source="policies/x.yaml")
+    assert isinstance(caught.value, ValueError)
+    rendered = str(caught.value).splitlines()
+    assert rendered[0].startswith(
+        f"policies/x.yaml:{line_of(text, 'priority: high')}: tiers.fast.priority: "
+    )
+    assert rendered[1].startswith(
+        f"policies/x.yaml:{line_of(text, 'max_wait_ms')}: tiers.fast.batch.max_wait_ms: "
+    )
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_policy(tmp_path / "nope.yaml")
+    assert "not found" in str(caught.value)
+
+
+# --- the generic loader -------------------------------------------------------------------
+
+
+class _Scenario(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str
+    duration_s: float
+
+
+def test_load_model_reads_text_or_path(tmp_path: Path) -> None:
+    text = "name: burst\nduration_s: 30\n"
+    assert load_model(_Scenario, text).duration_s == 30
+    path = tmp_path / "s.yaml"
+    path.write_text(text)
+    assert load_model(_Scenario, path).name == "burst"
+    assert load_model(_Scenario, str(path)).name == "burst"
+    with pytest.raises(ConfigError) as caught:
+        load_model(_Scenario, "name: burst\nduration_s: soon\n")
+    [issue] = caught.value.issues
+    assert (issue.path, issue.line) == ("duration_s", 2)
+
+
+class _ScenarioWithPolicy(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str
+    policy: PolicyConfig
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _load_policy_file(cls, value: object) -> object:
+        return load_policy(value) if isinstance(value, str) else value
+
+
+def test_issues_of_a_referenced_file_are_kept_whole(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(GOOD.replace("priority: 0", "priority: high"))
+    with pytest.raises(ConfigError) as caught:
+        load_model(_ScenarioWithPolicy, f"name: burst\npolicy: {policy}\n")
+    [issue] = caught.value.issues
+    assert (issue.path, issue.line) == ("policy", 2)
+    assert issue.message.startswith(
+        f"{policy}:{line_of(policy.read_text(), 'priority: high')}: tiers.fast.priority:"
+    )
+
+
+# --- the CLI -------------------------------------------------------------------------------
+
+
+def test_validate_bad_file_exits_2_without_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(GOOD.replace("    tier: slow", "    tier: gold"))
+    assert main(["validate", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
+    assert (
+        f"{path}:{line_of(path.read_text(), 'tier: gold')}: tenants.1.tier: unknown tier 'gold'"
+        in captured.err
+    )
+
+
+@pytest.mark.parametrize("text", ["", "- a\n", "tiers: [\n", "tiers: {a: {priority: x}}\n"])
+def test_validate_never_tracebacks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str
+) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    assert main(["validate", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
+    assert str(path) in captured.err
+
+
+def test_validate_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(tmp_path / "absent.yaml")]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_validate_good_file_prints_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(POLICIES / "example.yaml")]) == 0
+    out = capsys.readouterr().out
+    for expected in (
+        "valid policy",
+        "h100-llama3-8b",
+        "qos",
+        "vtc",
+        "interactive",
+        "standard",
+        "batch",
+        "500 ms",
+        "reject",
+        "delay",
+        "tokens_per_minute",
+    ):
+        assert expected in out, expected
+    assert "warning" not in out
+
+
+def test_validate_warns_about_unbounded_waits_and_missing_slos(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = GOOD.replace("    priority: 1\n", "    priority: 5\n").replace(
+        "    e2e_slo_ms: 60000\n", ""
+    )
+    path = tmp_path / "warn.yaml"
+    path.write_text(text)
+    assert main(["validate", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "max_boost" in out and "'slow'" in out
+    assert "neither ttft_slo_ms nor e2e_slo_ms" in out
+
+
+def test_schema_is_json_with_field_descriptions(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    tier = schema["$defs"]["TierConfig"]["properties"]
+    assert (
+        tier["priority"]["description"]
+        == "0 is the most important; larger numbers are served later."
+    )
+    assert "tiers" in schema["required"]
+
+
+# --- fuzzing: any input gives a PolicyConfig or a ConfigError, nothing else ---------------
+
+
+def _loads_or_config_error(text: str) -> None:
+    try:
+        result = load_policy_text(text)
+    except ConfigError as exc:
+        assert exc.issues
+        last_line = len(text.splitlines()) + 1  # YAML may point just past the end
+        for issue in exc.issues:
+            assert issue.line is None or 1 <= issue.line <= last_line, issue
+            assert issue.message
+        str(exc)
+    else:
+        assert isinstance(result, PolicyConfig)
+
+
+_FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_YAMLISH = st.text(alphabet=list("abtier:-_ {}[],#&*!|>'\"\n\t0123456789.<~@%?"), max_size=200)
+_FIELD_NAMES = st.sampled_from(
+    [
+        "tiers",
+        "tenants",
+        "priority",
+        "id",
+        "tier",
+        "batch",
+        "max_wait_ms",
+        "quotas",
+        "tokens_per_minute",
+        "backend",
+        "kind",
+        "sim",
+        "openai",
+        "upstreams",
+        "scheduler",
+        "aging",
+        "default_tier",
+        "a",
+        "b",
+        "<<",
+    ]
+)
+_SCALARS = (
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10) | _FIELD_NAMES
+)
+_NESTED = st.recursive(
+    _SCALARS,
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(_FIELD_NAMES | st.text(max_size=5), children, max_size=4)
+    ),
+    max_leaves=30,
+)
+_EXAMPLE_LINES = (POLICIES / "example.yaml").read_text().splitlines()
+
+
+@_FUZZ
+@given(st.text(max_size=300))
+def test_fuzz_arbitrary_text(text: str) -> None:
+    _loads_or_config_error(text)
+
+
+@_FUZZ
+@given(_YAMLISH)
+def test_fuzz_yamlish_text(text: str) -> None:
+    _loads_or_config_error(text)
+
+
+@_FUZZ
+@given(st.dictionaries(_FIELD_NAMES, _NESTED, max_size=6))
+def test_fuzz_nested_dicts(data: dict[object, object]) -> None:
+    _loads_or_config_error(yaml.safe_dump(data))
+
+
+@_FUZZ
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, len(_EXAMPLE_LINES) - 1),
+            st.sampled_from(["delete", "duplicate", "replace"]),
+            st.text(alphabet=list(" :-{}[]#x0\"'"), max_size=4),
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_fuzz_mutated_example(edits: list[tuple[int, str, str]]) -> None:
+    lines = list(_EXAMPLE_LINES)
+    for index, action, junk in edits:
+        index %= len(lines)
+        if action == "delete":
+            del lines[index]
+        elif action == "duplicate":
+            lines.insert(index, lines[index])
+        else:
+            lines[index] = lines[index][: len(lines[index]) // 2] + junk
+        if not lines:
+            lines.append("")
+    _loads_or_config_error("\n".join(lines))
