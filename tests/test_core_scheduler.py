@@ -109,7 +109,7 @@ def test_queued_request_expires_at_its_deadline_and_wakeup_says_when():
     sched.submit(r, 1.0)
     plan = sched.schedule(1.0, FULL)
     assert plan.wakeup_at == pytest.approx(1.5)
-    assert sched.schedule(1.49, FULL).expired == []
+    assert not sched.schedule(1.49, FULL).expired
     plan = sched.schedule(1.5, FULL)
     assert plan.expired == [r]
     assert r.outcome is Outcome.EXPIRED and r.finished_at == 1.5
@@ -121,7 +121,7 @@ def test_delay_tier_never_expires():
     r = req("batch")
     sched.submit(r, 0.0)
     plan = sched.schedule(1000.0, FULL)
-    assert plan.expired == [] and r.state is RequestState.QUEUED
+    assert not plan.expired and r.state is RequestState.QUEUED
 
 
 # -- order across tiers ----------------------------------------------------
@@ -170,7 +170,7 @@ def test_fcfs_is_one_fifo_without_admission():
     for r in order:
         assert sched.submit(r, r.arrival).admitted
     plan = sched.schedule(100.0, BackendCapacity(3, 10**9, 10**9))
-    assert plan.dispatch == order and plan.expired == []
+    assert plan.dispatch == order and not plan.expired
     assert all(sched.engine_priority(r) == 0 for r in order)
 
 
@@ -387,7 +387,7 @@ def test_no_preemption_for_equal_or_lower_tiers_or_when_disabled():
     sched.submit(b, 0.0)
     sched.schedule(0.0, BackendCapacity(1, 10**9, 10**9))
     sched.submit(req("interactive"), 0.1)
-    assert sched.schedule(0.1, FULL).preempt == []
+    assert not sched.schedule(0.1, FULL).preempt
 
 
 # -- drain rate ------------------------------------------------------------------

@@ -56,6 +56,9 @@ class DrainRateEstimator:
         """Account the time since the last call; `saturated` says what the next
         interval will be (work waiting or the backend full)."""
         last = self._last
+        if now == last:
+            self._saturated = saturated
+            return
         if last is not None and self._saturated and now > last:
             dt = now - last
             decay = math.exp(-dt / self.tau)

@@ -30,7 +30,8 @@ class FairnessOrder(Protocol):
     def pop(self) -> Request: ...
 
     def on_dispatch(self, req: Request, charge: float) -> None:
-        """`req` was released; `charge` is its virtual service estimate."""
+        """`req` was released; `charge` is its virtual service estimate. Called
+        after every `pop`, with 0 for a request that left without service."""
 
     def on_settle(self, req: Request, correction: float) -> None:
         """`req` finished; `correction` is actual minus estimated service."""
@@ -127,7 +128,6 @@ class VtcOrder:
         # (counter, version, tenant); an entry is current iff its version matches.
         self._heap: list[tuple[float, int, str]] = []
         self._version: dict[str, int] = {}
-        self._backlogged = 0
         self._last_served = 0.0
 
     def set_weights(self, weights: dict[str, float]) -> None:
@@ -162,17 +162,13 @@ class VtcOrder:
                 floor = self._last_served
             if self._counter[tenant] < floor:
                 self._counter[tenant] = floor
-            self._backlogged += 1
             lane.push(req)
             self._schedule_tenant(tenant)
         else:
             lane.push(req)
 
     def discard(self, req: Request) -> None:
-        lane = self._lanes[req.tenant]
-        lane.discard()
-        if lane.live == 0:
-            self._backlogged -= 1
+        self._lanes[req.tenant].discard()
 
     def _next_tenant(self) -> str | None:
         if self._min_backlogged() is None:
@@ -193,10 +189,9 @@ class VtcOrder:
         lane = self._lanes[tenant]
         req = lane.pop()
         if lane.live == 0:
-            self._backlogged -= 1
             self._version[tenant] += 1
-        else:
-            self._schedule_tenant(tenant)
+        # Still backlogged: on_dispatch, which always follows, re-enters the
+        # tenant with its grown counter.
         return req
 
     def on_dispatch(self, req: Request, charge: float) -> None:

@@ -11,8 +11,8 @@ Every request that enters ends in exactly one `Outcome`, set here.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Iterable, Sequence
 
 from qosgate.config.models import PolicyConfig, TierConfig
 from qosgate.core.admission import ADMITTED, AdmissionDecision, DrainRateEstimator
@@ -46,22 +46,28 @@ class BackendCapacity:
     """Total KV-cache tokens (None: unknown); a prompt larger can never run."""
 
 
-@dataclass(slots=True)
 class SchedulePlan:
-    """What the caller must do after one `schedule` call."""
+    """What the caller must do after one `schedule` call.
 
-    dispatch: list[Request] = field(default_factory=list)
-    """Hand these to the backend now (already marked running)."""
-    expired: list[Request] = field(default_factory=list)
-    """Answer these with 504: their queue deadline passed (already finished)."""
-    preempt: list[Request] = field(default_factory=list)
-    """Abort these in the backend: they are back in their queue, at its head."""
-    failed: list[Request] = field(default_factory=list)
-    """Answer these with 400: they can never fit the backend (already finished)."""
-    batches: list[tuple[str, int, float]] = field(default_factory=list)
-    """(tier, requests released, how long the batch's oldest request waited)."""
-    wakeup_at: float | None = None
-    """Call `schedule` again by this time even if nothing else happens."""
+    Built on every scheduling decision, so it is a plain slotted class whose
+    rarely-used lists start as a shared empty tuple.
+    """
+
+    __slots__ = ("dispatch", "expired", "preempt", "failed", "batches", "wakeup_at")
+
+    def __init__(self) -> None:
+        self.dispatch: list[Request] = []
+        """Hand these to the backend now (already marked running)."""
+        self.expired: Sequence[Request] = ()
+        """Answer these with 504: their queue deadline passed (already finished)."""
+        self.preempt: Sequence[Request] = ()
+        """Abort these in the backend: they are back in their queue, at its head."""
+        self.failed: Sequence[Request] = ()
+        """Answer these with 400: they can never fit the backend (already finished)."""
+        self.batches: list[tuple[str, int, float]] = []
+        """(tier, requests released, how long the batch's oldest request waited)."""
+        self.wakeup_at: float | None = None
+        """Call `schedule` again by this time even if nothing else happens."""
 
 
 class Scheduler:
@@ -151,27 +157,26 @@ class Scheduler:
             raise ValueError(f"duplicate request id {req.id!r}")
         queue = self.queue(req.tier)
         self._advance(now)
-        rate = self.drain.rate
         estimate = self._output_estimate
         req.work = req.prompt_tokens + (req.max_tokens if req.max_tokens < estimate else int(estimate))
 
         if len(queue) >= queue.max_len:
             return self._reject(req, now, AdmissionDecision(
                 admitted=False, outcome=Outcome.REJECTED_QUEUE_FULL,
-                retry_after_s=queue.work / rate,
+                retry_after_s=queue.work / self.drain.rate,
                 reason=f"tier {req.tier!r} queue is full ({queue.max_len} requests)",
             ))
 
         predicted = 0.0
         budget = queue.budget_s
-        if self._admission and budget is not None:
+        if self._admission and budget is not None and not queue.delays:
             ahead = 0
             for other in self._queue_list:
                 if other.priority > queue.priority:
                     break
                 ahead += other.work
-            predicted = ahead / rate
-            if predicted > budget and not queue.delays:
+            predicted = ahead / self.drain.rate
+            if predicted > budget:
                 return self._reject(req, now, AdmissionDecision(
                     admitted=False, outcome=Outcome.REJECTED_OVERLOAD,
                     retry_after_s=predicted - budget, predicted_wait_s=predicted,
@@ -224,7 +229,8 @@ class Scheduler:
         """Release what the backend has room for, best first; expire what is overdue."""
         self._advance(now)
         plan = SchedulePlan()
-        self._expire(now, plan.expired)
+        if self._deadlines and self._deadlines[0][0] <= now:
+            plan.expired = self._expire(now)
 
         free_slots = capacity.free_slots
         free_kv = capacity.free_kv_tokens
@@ -242,19 +248,22 @@ class Scheduler:
                 oldest = queue.oldest()
                 if oldest is None:
                     continue
-                batch = open_batches.get(queue.name)
-                if batch is None or batch[0] <= 0 or batch[1] <= 0:
-                    opens = self._window_opens(queue, oldest, now)
-                    if opens > now:
-                        if wakeup is None or opens < wakeup:
-                            wakeup = opens
-                        continue
-                level = queue.priority - self._boost(queue, oldest, now)
+                if queue.max_wait_s > 0.0:
+                    batch = open_batches.get(queue.name)
+                    if batch is None or batch[0] <= 0 or batch[1] <= 0:
+                        opens = self._window_opens(queue, oldest, now)
+                        if opens > now:
+                            if wakeup is None or opens < wakeup:
+                                wakeup = opens
+                            continue
+                level = queue.priority
+                if queue.delays and self._max_boost:
+                    level -= self._boost(queue, oldest, now)
                 # Equal levels go oldest first: that is what lets an aged request
                 # overtake fresher work of the tier it has climbed to.
                 key = (level if level > 0 else 0, oldest.arrival, queue.priority)
                 if best_key is None or key < best_key:
-                    best, best_key = queue, key
+                    best, best_key, best_oldest = queue, key, oldest
             if best is None:
                 break
             if best_key[0] > self._top_level and (
@@ -267,7 +276,9 @@ class Scheduler:
             assert req is not None
             if kv_total is not None and req.prompt_tokens >= kv_total:
                 best.pop()
-                self._fail(req, now, plan.failed)
+                if not plan.failed:
+                    plan.failed = []
+                self._fail(best, req, now, plan.failed)
                 continue
             need = self._kv_need(req, kv_total)
             held = self._reserve_kv if best_key[0] > self._top_level else 0
@@ -280,8 +291,7 @@ class Scheduler:
             if batch is None or batch[0] <= 0 or batch[1] <= 0:
                 if batch is not None:
                     plan.batches.append((best.name, batch[2], batch[3]))
-                oldest = best.oldest()
-                batch = [best.max_batch_size, best.max_batch_tokens, 0, now - oldest.arrival]
+                batch = [best.max_batch_size, best.max_batch_tokens, 0, now - best_oldest.arrival]
                 open_batches[best.name] = batch
             best.pop()
             self._dispatch(best, req, now)
@@ -299,9 +309,10 @@ class Scheduler:
             self._preempt(now, blocked, plan)
 
         self._saturated = free_slots <= 0 or blocked is not None
-        deadline = self._next_deadline()
-        if deadline is not None and (wakeup is None or deadline < wakeup):
-            wakeup = deadline
+        if self._deadlines:
+            deadline = self._next_deadline()
+            if deadline is not None and (wakeup is None or deadline < wakeup):
+                wakeup = deadline
         plan.wakeup_at = wakeup
         return plan
 
@@ -323,14 +334,16 @@ class Scheduler:
         self._running[req.id] = req
         queue.running[req.id] = req
 
-    def _fail(self, req: Request, now: float, into: list[Request]) -> None:
+    def _fail(self, queue: TierQueue, req: Request, now: float, into: list[Request]) -> None:
+        queue.order.on_dispatch(req, 0.0)
         del self._queued[req.id]
         req.state = _FINISHED
         req.outcome = Outcome.BAD_REQUEST
         req.finished_at = now
         into.append(req)
 
-    def _expire(self, now: float, into: list[Request]) -> None:
+    def _expire(self, now: float) -> list[Request]:
+        into: list[Request] = []
         heap = self._deadlines
         while heap and heap[0][0] <= now:
             _, _, req = heapq.heappop(heap)
@@ -340,6 +353,7 @@ class Scheduler:
                 req.outcome = Outcome.EXPIRED
                 req.finished_at = now
                 into.append(req)
+        return into
 
     def _next_deadline(self) -> float | None:
         heap = self._deadlines
@@ -369,7 +383,7 @@ class Scheduler:
             for victim in reversed(queue.running.values()):
                 if victim.preemptions < _MAX_PREEMPTIONS:
                     self._requeue(victim, now)
-                    plan.preempt.append(victim)
+                    plan.preempt = [victim]
                     return
 
     def _requeue(self, req: Request, now: float) -> None:
