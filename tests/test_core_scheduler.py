@@ -72,6 +72,19 @@ def test_admission_counts_only_tiers_that_outrank():
     assert sched.submit(req("interactive"), 0.0).admitted
 
 
+def test_aged_delay_work_counts_ahead_of_the_level_it_reached():
+    sched = Scheduler(policy(), drain_rate_hint=1000.0)
+    # Batch (priority 2, budget 10 s, 1 level/s) queued at t=0..9: by t=21.5
+    # the oldest has climbed to level 0 and outranks interactive newcomers,
+    # and more keeps climbing past them; interactive work alone would fit.
+    for k in range(10):
+        sched.submit(req("batch", at=float(k)), float(k))
+    assert sched.submit(req("interactive", at=5.0), 5.0).admitted
+    refused = sched.submit(req("interactive", at=21.5), 21.5)
+    assert not refused.admitted and refused.outcome is Outcome.REJECTED_OVERLOAD
+    assert 1 <= refused.retry_after_s <= 300
+
+
 def test_delay_tier_is_not_refused_by_prediction_but_by_queue_cap():
     p = policy(tiers={
         "interactive": {"priority": 0, "max_queue_wait_ms": 100},

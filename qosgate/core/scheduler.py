@@ -32,6 +32,9 @@ _DEFAULT_OUTPUT_ESTIMATE = 256.0
 # preemptible tier cannot be livelocked by a steady stream of higher work.
 _MAX_PREEMPTIONS = 2
 FCFS_QUEUE = "*"
+# A prediction can be unbounded (nothing left over for this tier); clients
+# still get a finite hint and try again.
+_MAX_RETRY_AFTER_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,23 +166,31 @@ class Scheduler:
         if len(queue) >= queue.max_len:
             return self._reject(req, now, AdmissionDecision(
                 admitted=False, outcome=Outcome.REJECTED_QUEUE_FULL,
-                retry_after_s=queue.work / self.drain.rate,
+                retry_after_s=min(queue.work / self.drain.rate, _MAX_RETRY_AFTER_S),
                 reason=f"tier {req.tier!r} queue is full ({queue.max_len} requests)",
             ))
 
         predicted = 0.0
         budget = queue.budget_s
         if self._admission and budget is not None and not queue.delays:
-            ahead = 0
+            ahead = 0.0
+            inflow = 0.0
             for other in self._queue_list:
-                if other.priority > queue.priority:
-                    break
-                ahead += other.work
-            predicted = ahead / self.drain.rate
+                if other.priority <= queue.priority:
+                    ahead += other.work
+                elif other.delays and self._max_boost:
+                    aged, rate = self._aged_work(other, queue.priority, now)
+                    ahead += aged
+                    inflow += rate
+            # Delay-tier work keeps climbing past the newcomer while it waits,
+            # so only what the backend drains beyond that inflow serves it.
+            drain = self.drain.rate - inflow
+            predicted = ahead / drain if drain > 0 else float("inf")
             if predicted > budget:
                 return self._reject(req, now, AdmissionDecision(
                     admitted=False, outcome=Outcome.REJECTED_OVERLOAD,
-                    retry_after_s=predicted - budget, predicted_wait_s=predicted,
+                    retry_after_s=min(predicted - budget, _MAX_RETRY_AFTER_S),
+                    predicted_wait_s=predicted,
                     reason=(f"predicted queue wait {predicted:.2f}s exceeds tier "
                             f"{req.tier!r} budget {budget:.2f}s"),
                 ))
@@ -208,6 +219,24 @@ class Scheduler:
             return 0
         levels = int(over / self._interval)
         return levels if levels < self._max_boost else self._max_boost
+
+    def _aged_work(self, queue: TierQueue, level: int, now: float) -> tuple[float, float]:
+        """Work of a delay tier that has aged to `level` or better by now (it
+        goes ahead of a newcomer at that level), and the rate, in tokens/s, at
+        which more of it gets there.
+
+        Only the queue's oldest arrival is known in O(1), so arrivals are
+        taken as spread evenly between it and now."""
+        climb = queue.priority - level
+        oldest = queue.oldest()
+        if oldest is None or climb > self._max_boost or queue.budget_s is None:
+            return 0.0, 0.0
+        threshold = now - queue.budget_s - climb * self._interval
+        span = now - oldest.arrival
+        if oldest.arrival > threshold or span <= 0:
+            return 0.0, 0.0
+        rate = queue.work / span
+        return rate * min(span, threshold - oldest.arrival), rate
 
     def level(self, queue: TierQueue, now: float) -> int | None:
         """The effective priority level a non-empty queue competes at now."""
