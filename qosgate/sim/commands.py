@@ -15,7 +15,7 @@ from qosgate.config.loader import ConfigError, load_model
 from qosgate.sim.report import build_policy_report, format_table, plot_run
 from qosgate.sim.runner import measure_capacity, run_policy, stderr_progress, with_policy
 from qosgate.sim.scenario import Scenario, evaluate_targets, load_scenario
-from qosgate.sim.workload import capacity_workload, generate_arrivals
+from qosgate.sim.workload import TraceError, capacity_workload, generate_arrivals
 
 _POLICIES = ("fcfs", "strict", "qos")
 _CAPACITY_SAMPLE = 2000
@@ -48,15 +48,18 @@ def simulate_command(args: argparse.Namespace) -> int:
             return 2
     loads = args.load or [scenario.arrivals.load]
     seed = scenario.seed if args.seed is None else args.seed
-    simulation = Simulation(scenario, seed=seed, quiet=args.quiet)
-
     results = []
     all_passed = True
-    for load in loads:
-        result, series = simulation.run(load, policies)
-        print(format_table(result))
-        all_passed &= all(t["passed"] for t in result.get("targets", []))
-        results.append((result, series))
+    try:
+        simulation = Simulation(scenario, seed=seed, quiet=args.quiet)
+        for load in loads:
+            result, series = simulation.run(load, policies)
+            print(format_table(result))
+            all_passed &= all(t["passed"] for t in result.get("targets", []))
+            results.append((result, series))
+    except TraceError as exc:
+        print(f"qosgate simulate: {exc}", file=sys.stderr)
+        return 2
 
     if args.json_path:
         payload = results[0][0] if len(results) == 1 else {
