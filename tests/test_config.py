@@ -487,3 +487,8 @@ def test_fuzz_mutated_example(edits: list[tuple[int, str, str]]) -> None:
         if not lines:
             lines.append("")
     _loads_or_config_error("\n".join(lines))
+
+
+def test_backend_without_kind_is_the_simulated_gpu():
+    policy = load_policy_text("tiers: {a: {priority: 0}}\nbackend: {profile: a100-llama3-8b}\n")
+    assert policy.backend.kind == "sim" and policy.backend.profile == "a100-llama3-8b"

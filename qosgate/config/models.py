@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
@@ -250,9 +250,18 @@ class VllmBackendConfig(StrictModel):
     """Further vLLM engine arguments (max_num_seqs, max_num_batched_tokens, ...)."""
 
 
+def _default_backend_kind(value: object) -> object:
+    # Every backend model defaults its own `kind`, but a tagged union needs the
+    # tag to pick the model; a mapping without one means the simulated GPU.
+    if isinstance(value, dict) and "kind" not in value:
+        return {"kind": "sim", **value}
+    return value
+
+
 BackendConfig = Annotated[
     Union[SimBackendConfig, OpenAIBackendConfig, VllmBackendConfig],
     Field(discriminator="kind"),
+    BeforeValidator(_default_backend_kind),
 ]
 
 
