@@ -149,6 +149,9 @@ def run_policy(
         if next_arrival >= n and scheduler.queued_count == 0 and scheduler.running_count == 0:
             break
 
+    if step_end != _INF:
+        # The step in flight runs past the horizon; only its share before counts.
+        run.engine_busy_s -= step_end - now
     # The horizon ended the run: whatever is left is cancelled, never lost.
     for req in list(scheduler.running()):
         scheduler.cancel(req.id, now, engine.generated(req.id))
