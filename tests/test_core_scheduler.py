@@ -394,6 +394,16 @@ def test_preemption_sends_back_the_newest_preemptible_request():
     assert plan.dispatch == [i, b_new]
 
 
+def test_a_request_that_has_streamed_output_is_never_preempted():
+    sched = Scheduler(policy(scheduler={"preemption": True}), drain_rate_hint=10**6)
+    b = req("batch")
+    sched.submit(b, 0.0)
+    sched.schedule(0.0, BackendCapacity(1, 10**9, 10**9))
+    sched.on_first_token(b.id, 0.2)
+    sched.submit(req("interactive"), 0.5)
+    assert not sched.schedule(0.5, FULL).preempt and b.state is RequestState.RUNNING
+
+
 def test_no_preemption_for_equal_or_lower_tiers_or_when_disabled():
     sched = Scheduler(policy(), drain_rate_hint=10**6)
     b = req("batch")

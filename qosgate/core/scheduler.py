@@ -410,7 +410,8 @@ class Scheduler:
             if not queue.preemptible:
                 continue
             for victim in reversed(queue.running.values()):
-                if victim.preemptions < _MAX_PREEMPTIONS:
+                # Output already streamed to a client cannot be taken back.
+                if victim.preemptions < _MAX_PREEMPTIONS and victim.first_token_at is None:
                     self._requeue(victim, now)
                     plan.preempt = [victim]
                     return

@@ -1,0 +1,97 @@
+"""The backend port: where admitted work runs.
+
+A backend takes one request at a time from the dispatcher (only as many as
+its reported capacity allows), streams its output back as chunks, aborts on
+request, and tells the runtime when capacity frees so the dispatcher can wake
+without polling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Literal, Protocol
+
+from qosgate.core.scheduler import BackendCapacity
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationJob:
+    """What the backend is asked to run for one admitted request."""
+
+    request_id: str
+    endpoint: Literal["chat", "completions"]
+    body: dict[str, Any]
+    """The client's OpenAI request body after validation (model, messages or
+    prompt, sampling fields, unknown fields passed through); `max_tokens` is
+    already clamped to the tier's cap."""
+    prompt_tokens: int
+    max_tokens: int
+    priority: int
+    """Engine priority (lower runs first): the tier's, possibly lowered by the client."""
+    tenant: str = ""
+    session: str | None = None
+    """Session key for affinity (X-Session-Id), if the client sent one."""
+
+
+@dataclass(slots=True)
+class Chunk:
+    """A piece of output. The last chunk of a stream has `finish_reason` set."""
+
+    text: str = ""
+    tokens: int = 0
+    """Output tokens in this chunk."""
+    finish_reason: str | None = None
+    """"stop" | "length" | None while streaming."""
+    usage: dict[str, int] | None = None
+    """Backend-reported usage on the last chunk, when it has one."""
+    raw: dict[str, Any] = field(default_factory=dict)
+    """Extra fields an upstream returned (passed through to the client)."""
+
+
+class BackendError(Exception):
+    """The backend failed this request (maps to 502, outcome backend_error)."""
+
+    def __init__(self, message: str, *, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class BackendUnavailable(BackendError):
+    """The backend cannot take work now (maps to 503 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message, retryable=True)
+        self.retry_after_s = retry_after_s
+
+
+class Backend(Protocol):
+    """Port implemented by the sim, openai and vllm backends."""
+
+    models: tuple[str, ...]
+    """Model names it serves (for /v1/models and request validation)."""
+
+    async def start(self) -> None:
+        """Bring the backend up (engine start, first health check)."""
+
+    async def close(self) -> None:
+        """Abort what runs and release resources."""
+
+    def ready(self) -> bool:
+        """True when it can take work (readyz)."""
+
+    def capacity(self) -> BackendCapacity:
+        """Free sequence slots and KV tokens right now."""
+
+    def set_capacity_listener(self, listener: Callable[[], None]) -> None:
+        """`listener` is called (from the event loop) whenever capacity may have
+        grown: a request finished or aborted, the backend became ready."""
+
+    def count_prompt_tokens(self, endpoint: str, body: dict[str, Any]) -> int:
+        """Prompt tokens of a request, with the backend's tokenizer where it has one."""
+
+    def generate(self, job: GenerationJob) -> AsyncIterator[Chunk]:
+        """Start `job` now and stream its output. Closing the iterator before its
+        end aborts the work. Raises BackendError / BackendUnavailable."""
+
+    def abort(self, request_id: str) -> None:
+        """Stop a running request (preemption, client gone). Idempotent."""
