@@ -173,7 +173,11 @@ class Scheduler:
         predicted = 0.0
         budget = queue.budget_s
         if self._admission and budget is not None and not queue.delays:
-            ahead = 0.0
+            # On a saturated backend the newcomer also waits for a slot of its
+            # own to free after everything ahead of it has started, unless
+            # capacity is held in reserve for its level.
+            reserved = queue.priority == self._top_level and self._reserve_slots > 0
+            ahead = float(req.work) if self._saturated and not reserved else 0.0
             inflow = 0.0
             for other in self._queue_list:
                 if other.priority <= queue.priority:
