@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from qosgate.config.models import PolicyConfig
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,8 +31,17 @@ def _parser() -> argparse.ArgumentParser:
     simulate.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
     simulate.add_argument("--quiet", action="store_true", help="no progress output")
 
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API with a policy")
+    serve.add_argument("--config", required=True, help="policy YAML")
+    serve.add_argument("--host", default=None,
+                       help="listen address (default: the policy's server.host)")
+    serve.add_argument("--port", type=int, default=None,
+                       help="TCP port (default: the policy's server.port)")
+
     demo = sub.add_parser("demo", help="serve the example policy on the simulated GPU")
     demo.add_argument("--config", default="policies/example.yaml")
+    demo.add_argument("--host", default=None, help="listen address (default: the policy's)")
+    demo.add_argument("--port", type=int, default=None, help="TCP port (default: the policy's)")
     return parser
 
 
@@ -57,15 +70,70 @@ def _run(args: argparse.Namespace) -> int:
         from qosgate.sim.commands import simulate_command
 
         return simulate_command(args)
-    if args.command == "demo":
-        from qosgate.config.commands import validate_command
-
-        print("qosgate: the HTTP gateway is not built yet; this is the policy it will serve:\n")
-        code = validate_command(args.config)
-        print("\nTry the scheduler offline meanwhile:\n"
-              "  .venv/bin/qosgate simulate benchmarks/b3_overload.yaml --load 2.0")
-        return code
+    if args.command in ("serve", "demo"):
+        return _serve_command(args, demo=args.command == "demo")
     raise AssertionError(args.command)
+
+
+DEMO_KEY = "demo-interactive-key"
+"""Plain demo key of policies/example.yaml (its comments list them); only the
+digest is in the file."""
+
+
+def _serve_command(args: argparse.Namespace, *, demo: bool) -> int:
+    import asyncio
+
+    from qosgate.backends import BackendNotImplemented
+    from qosgate.config.loader import ConfigError, load_policy
+    from qosgate.http.identity import KeyRingError
+    from qosgate.http.server import serve
+
+    try:
+        policy = load_policy(args.config)
+    except ConfigError as exc:
+        print(f"qosgate: invalid policy\n{exc}", file=sys.stderr)
+        return 2
+    on_ready = None
+    if demo:
+        def on_ready(url: str) -> None:
+            print(demo_banner(url, _served_model(policy)), flush=True)
+
+    try:
+        asyncio.run(serve(policy, args.host, args.port, on_ready=on_ready))
+    except (BackendNotImplemented, KeyRingError) as exc:
+        print(f"qosgate: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        # Port in use, address not available: say so, not a traceback.
+        print(f"qosgate: cannot listen: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _served_model(policy: PolicyConfig) -> str:
+    backend = policy.backend
+    if backend.kind == "openai":
+        return backend.models[0] if backend.models else "<model>"
+    return backend.model
+
+
+def demo_banner(url: str, model: str) -> str:
+    return f"""qosgate demo: the example policy on a simulated GPU, at {url}
+(keys: {DEMO_KEY}, demo-standard-key, demo-batch-key; Ctrl-C stops)
+
+curl:
+  curl -N {url}/chat/completions \\
+    -H 'Authorization: Bearer {DEMO_KEY}' -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "max_tokens": 64, "stream": true,
+         "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+
+Python (pip install openai):
+  from openai import OpenAI
+  client = OpenAI(base_url="{url}", api_key="{DEMO_KEY}")
+  reply = client.chat.completions.create(
+      model="{model}", messages=[{{"role": "user", "content": "Hello!"}}], max_tokens=64)
+  print(reply.choices[0].message.content, reply.usage)
+"""
 
 
 if __name__ == "__main__":

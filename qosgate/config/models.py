@@ -215,6 +215,10 @@ class SimBackendConfig(StrictModel):
     """Order of the engine's own waiting queue."""
     model: str = "sim-llama3-8b"
     """Model name served."""
+    output_median_tokens: PositiveInt | None = None
+    """Output length of the live sim backend. None: every request produces its
+    max_tokens. Otherwise a log-normal length with this median (sigma 0.9),
+    seeded by the request id so it is deterministic, capped at max_tokens."""
 
 
 class UpstreamConfig(StrictModel):

@@ -1,0 +1,669 @@
+"""The `openai` backend: one or more OpenAI-compatible servers over HTTP.
+
+Every request is streamed from the upstream (whatever the client asked) so
+that output reaches the client as it is produced, a disconnect can abort the
+upstream work, and the token count is known per chunk. Requests are routed to
+the healthy upstream with the fewest in flight, or, with affinity, to the one
+rendezvous hashing picks for the tenant or session, so that an upstream's
+prefix cache keeps serving the same conversation.
+
+Capacity is what the gateway itself has in flight against each upstream's
+`max_concurrency`: the upstreams' KV caches are invisible from here, so KV is
+reported as unbounded and the concurrency limits are the only gate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import email.utils
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+
+from qosgate.backends.base import BackendError, BackendUnavailable, Chunk, GenerationJob
+from qosgate.config.models import OpenAIBackendConfig, UpstreamConfig
+from qosgate.core.scheduler import BackendCapacity
+
+log = logging.getLogger("qosgate.backends.openai")
+
+# The upstreams' KV caches cannot be seen over the OpenAI API; a number this
+# large never limits the dispatcher, which then goes by free slots alone.
+UNKNOWN_KV_TOKENS = 1 << 40
+
+# The prompt-token estimate before a tokenizer is at hand: about four
+# characters per token for English text, plus the chat template's framing.
+CHARS_PER_TOKEN = 4
+TOKENS_PER_MESSAGE = 4
+
+# A health probe must not take a whole request timeout to notice a hung server.
+_HEALTH_TIMEOUT_S = 5.0
+# Upstream error bodies are quoted in errors and logs; bound what is read.
+_ERROR_BODY_BYTES = 64 * 1024
+# One SSE line holds one chunk; long tool-call arguments or logprobs can pass
+# aiohttp's default 64 KiB line limit.
+_READ_BUFSIZE = 1 << 20
+# The gateway's own extension (a level below the tier); an upstream would read
+# it as its own priority, or refuse it when its scheduler has none.
+_GATEWAY_FIELDS = ("priority",)
+
+
+class _Upstream:
+    __slots__ = ("cfg", "headers", "healthy", "in_flight", "index", "limit", "url", "weight")
+
+    def __init__(self, cfg: UpstreamConfig, index: int) -> None:
+        self.cfg = cfg
+        self.index = index
+        self.url = cfg.url.rstrip("/")
+        self.weight = cfg.weight
+        self.limit = cfg.max_concurrency
+        self.headers: dict[str, str] = {}
+        # Unknown until the first probe; start() probes before anything routes.
+        self.healthy = False
+        self.in_flight = 0
+
+    def has_room(self) -> bool:
+        return self.healthy and self.in_flight < self.limit
+
+
+def _rendezvous_score(key: str, upstream: _Upstream) -> float:
+    # Weighted rendezvous hashing: each key ranks every upstream
+    # independently, so losing or regaining one upstream moves only the keys
+    # that ranked it first.
+    digest = hashlib.blake2b(
+        f"{key}\x00{upstream.index}\x00{upstream.url}".encode(), digest_size=8
+    ).digest()
+    unit = (int.from_bytes(digest, "big") + 0.5) / 2.0**64
+    return -upstream.weight / math.log(unit)
+
+
+def _retry_after_s(value: str | None) -> float:
+    if not value:
+        return 1.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return 1.0
+        seconds = when.timestamp() - time.time()
+    return max(0.0, seconds) if math.isfinite(seconds) else 1.0
+
+
+def _error_message(body: bytes) -> str:
+    text = body.decode("utf-8", "replace").strip()
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        return text[:500] or "(no body)"
+    if isinstance(payload, dict):
+        error = payload.get("error", payload)
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return error["message"]
+        if isinstance(error, str):
+            return error
+        if isinstance(payload.get("message"), str):
+            return payload["message"]
+    return text[:500]
+
+
+def _int_fields(usage: dict[str, Any]) -> dict[str, int]:
+    # Usage may carry nested details (prompt_tokens_details) or nulls; the port
+    # promises a flat dict of counts.
+    return {k: v for k, v in usage.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _text_chars(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        total = 0
+        for part in content:
+            if isinstance(part, str):
+                total += len(part)
+            elif isinstance(part, dict) and isinstance(part.get("text"), str):
+                total += len(part["text"])
+        return total
+    return 0
+
+
+class OpenAIBackend:
+    """Backend port over OpenAI-compatible HTTP servers (see module docstring)."""
+
+    def __init__(self, cfg: OpenAIBackendConfig) -> None:
+        self._cfg = cfg
+        self._upstreams = [_Upstream(u, i) for i, u in enumerate(cfg.upstreams)]
+        self.models: tuple[str, ...] = tuple(cfg.models)
+        self._learn_models = not cfg.models
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self._listener: Callable[[], None] | None = None
+        # Weak, so that a stream its caller dropped unread can be collected
+        # and give its slot back (_Call.__del__).
+        self._calls: weakref.WeakValueDictionary[str, _Call] = weakref.WeakValueDictionary()
+        self._recheck = asyncio.Event()
+        self._rr = 0
+        self._started = False
+        self._closed = False
+        self._request_timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
+        self._health_timeout = aiohttp.ClientTimeout(total=min(cfg.timeout_s, _HEALTH_TIMEOUT_S))
+
+    # -- lifecycle ---------------------------------------------------------
+
+    async def start(self) -> None:
+        for index, upstream in enumerate(self._upstreams):
+            env = upstream.cfg.api_key_env
+            if env is None:
+                continue
+            key = os.environ.get(env)
+            if not key:
+                # Every request would come back 401; say so once, at start.
+                raise BackendError(
+                    f"backend.upstreams.{index}.api_key_env: environment variable {env} is not set"
+                )
+            upstream.headers["Authorization"] = f"Bearer {key}"
+        self._session = aiohttp.ClientSession(
+            # Concurrency is capped per upstream here; aiohttp's own pool cap
+            # (100 by default) would otherwise queue requests out of sight.
+            connector=aiohttp.TCPConnector(limit=0),
+            read_bufsize=_READ_BUFSIZE,
+        )
+        self._loop = asyncio.get_running_loop()
+        self._started = True
+        await self._check_all()
+        if not any(u.healthy for u in self._upstreams):
+            log.warning("no upstream answered its health check; will keep checking")
+        # Polling is not how work moves here (the listener is); this loop only
+        # notices upstreams dying or coming back, which nothing else reports.
+        self._health_task = self._loop.create_task(
+            self._health_loop(), name="qosgate-openai-health"
+        )
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._health_task is not None:
+            self._health_task.cancel()
+            try:
+                await self._health_task
+            except asyncio.CancelledError:
+                pass
+            self._health_task = None
+        for request_id in list(self._calls):
+            self.abort(request_id)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def ready(self) -> bool:
+        return self._started and not self._closed and any(u.healthy for u in self._upstreams)
+
+    # -- capacity ----------------------------------------------------------
+
+    def capacity(self) -> BackendCapacity:
+        free = 0
+        for upstream in self._upstreams:
+            if upstream.healthy:
+                free += max(0, upstream.limit - upstream.in_flight)
+        return BackendCapacity(
+            free_slots=free, free_kv_tokens=UNKNOWN_KV_TOKENS, kv_capacity_tokens=None
+        )
+
+    def set_capacity_listener(self, listener: Callable[[], None]) -> None:
+        self._listener = listener
+
+    def _notify(self) -> None:
+        if self._listener is None:
+            return
+        try:
+            self._listener()
+        except Exception:
+            # A failing listener must not turn a finished request into a failed one.
+            log.exception("capacity listener failed")
+
+    # -- tokens ------------------------------------------------------------
+
+    def count_prompt_tokens(self, endpoint: str, body: dict[str, Any]) -> int:
+        """An estimate: ceil(characters / 4) over the message contents (plus
+        4 per message for the chat template) or the prompt. The upstream's
+        tokenizer is not reachable over the OpenAI API; the vLLM backend
+        counts exactly."""
+        chars = 0
+        framing = 0
+        if endpoint == "chat":
+            messages = body.get("messages")
+            if isinstance(messages, list):
+                for message in messages:
+                    if isinstance(message, dict):
+                        framing += TOKENS_PER_MESSAGE
+                        chars += _text_chars(message.get("content"))
+            tools = body.get("tools")
+            if tools:
+                # Tool schemas are rendered into the prompt by the template.
+                chars += len(json.dumps(tools, separators=(",", ":")))
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                return len(prompt)
+            chars += _text_chars(prompt)
+        return max(1, -(-chars // CHARS_PER_TOKEN) + framing)
+
+    # -- routing -----------------------------------------------------------
+
+    def _affinity_key(self, job: GenerationJob) -> str | None:
+        mode = self._cfg.affinity
+        if mode == "tenant" and job.tenant:
+            return "tenant:" + job.tenant
+        if mode == "session" and job.session:
+            return "session:" + job.session
+        return None
+
+    def _pick(self, job: GenerationJob) -> _Upstream | None:
+        key = self._affinity_key(job)
+        if key is not None:
+            # Ranked over every healthy upstream, full or not, so a key's home
+            # does not move just because it was busy for a moment.
+            healthy = [u for u in self._upstreams if u.healthy]
+            if healthy:
+                home = max(healthy, key=lambda u: _rendezvous_score(key, u))
+                if home.in_flight < home.limit:
+                    return home
+        candidates = [u for u in self._upstreams if u.has_room()]
+        if not candidates:
+            return None
+        count = len(self._upstreams)
+        rr = self._rr
+        best = min(candidates, key=lambda u: (u.in_flight, -u.weight, (u.index - rr) % count))
+        self._rr = best.index + 1
+        return best
+
+    # -- generation --------------------------------------------------------
+
+    def generate(self, job: GenerationJob) -> AsyncIterator[Chunk]:
+        """The upstream slot is taken here, not at the first `__anext__`, so the
+        capacity the dispatcher reads next already counts this request. Errors
+        (no upstream free) surface from the first `__anext__`."""
+        if self._closed or self._session is None:
+            return _Call(self, job, None, BackendUnavailable("openai backend is not running"))
+        upstream = self._pick(job)
+        if upstream is None:
+            return _Call(self, job, None, BackendUnavailable("no healthy upstream has a free slot"))
+        upstream.in_flight += 1
+        call = _Call(self, job, upstream, None)
+        self._calls[job.request_id] = call
+        return call
+
+    def abort(self, request_id: str) -> None:
+        call = self._calls.get(request_id)
+        if call is not None:
+            call.abort()
+
+    def _release(self, call: _Call, *, notify: bool = True) -> None:
+        upstream = call.upstream
+        if upstream is None:
+            return
+        call.upstream = None
+        upstream.in_flight -= 1
+        if self._calls.get(call.job.request_id) is call:
+            del self._calls[call.job.request_id]
+        if notify:
+            self._notify()
+
+    def _mark_unhealthy(self, upstream: _Upstream, reason: str, *, recheck: bool = True) -> None:
+        if upstream.healthy:
+            upstream.healthy = False
+            log.warning("upstream %s marked unhealthy: %s", upstream.url, reason)
+            if recheck:
+                # A request's connection error can be a one-off (a pooled
+                # connection the upstream had just closed); probe now rather
+                # than leave a live upstream out for a whole interval.
+                self._recheck.set()
+
+    def _request_body(self, job: GenerationJob) -> dict[str, Any]:
+        body = {k: v for k, v in job.body.items() if k not in _GATEWAY_FIELDS}
+        body["max_tokens"] = job.max_tokens
+        if "max_completion_tokens" in body:
+            # The client's own limit must not bypass the tier's clamp.
+            body["max_completion_tokens"] = job.max_tokens
+        body["stream"] = True
+        options = body.get("stream_options")
+        body["stream_options"] = {
+            **(options if isinstance(options, dict) else {}),
+            "include_usage": True,
+        }
+        return body
+
+    async def _run(self, call: _Call, upstream: _Upstream) -> AsyncIterator[Chunk]:
+        job = call.job
+        assert self._session is not None
+        path = "/chat/completions" if job.endpoint == "chat" else "/completions"
+        url = upstream.url + path
+        headers = {"Accept": "text/event-stream", **upstream.headers}
+        response: aiohttp.ClientResponse | None = None
+        finished = False
+        try:
+            try:
+                response = await self._session.post(
+                    url,
+                    json=self._request_body(job),
+                    headers=headers,
+                    timeout=self._request_timeout,
+                )
+            except aiohttp.ClientConnectionError as exc:
+                # ServerTimeoutError is a connection error too, but a slow
+                # upstream is not a dead one.
+                if isinstance(exc, TimeoutError):
+                    raise
+                self._mark_unhealthy(upstream, repr(exc))
+                # No answer came, so no output was produced: running it again
+                # (elsewhere) cannot duplicate anything the client saw.
+                raise BackendError(
+                    f"upstream {upstream.url} unreachable: {exc}", retryable=True
+                ) from exc
+            call.response = response
+            if call.aborted:
+                raise call.abort_error()
+            if response.status != 200:
+                body = await _read_at_most(response, _ERROR_BODY_BYTES)
+                message = (
+                    f"upstream {upstream.url} answered {response.status}: {_error_message(body)}"
+                )
+                if response.status in (429, 503):
+                    raise BackendUnavailable(
+                        message, _retry_after_s(response.headers.get("Retry-After"))
+                    )
+                raise BackendError(message)
+            chunks = _parse_stream(response, job.endpoint, upstream.url)
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    yield chunk
+            finished = True
+        except Exception as exc:
+            # Whatever an aborted request's closed connection produced (a
+            # connection error, a short stream) is the abort, not a failure.
+            if call.aborted:
+                raise call.abort_error() from exc
+            if isinstance(exc, BackendError):
+                raise
+            # Before OSError, which TimeoutError is.
+            if isinstance(exc, TimeoutError):
+                raise BackendError(
+                    f"upstream {upstream.url} timed out after {self._cfg.timeout_s:g}s"
+                ) from exc
+            if isinstance(exc, (aiohttp.ClientError, OSError)):
+                raise BackendError(f"upstream {upstream.url} failed mid-stream: {exc!r}") from exc
+            raise
+        finally:
+            if response is not None:
+                if finished:
+                    response.release()
+                else:
+                    # Dropping the connection is what tells the upstream to stop.
+                    response.close()
+            self._release(call)
+
+    # -- health ------------------------------------------------------------
+
+    async def _health_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            timer = loop.call_later(self._cfg.health_interval_s, self._recheck.set)
+            try:
+                await self._recheck.wait()
+            finally:
+                timer.cancel()
+            self._recheck.clear()
+            try:
+                await self._check_all()
+            except Exception:
+                log.exception("health check round failed")
+
+    async def _check_all(self) -> None:
+        results = await asyncio.gather(*(self._probe(u) for u in self._upstreams))
+        recovered = False
+        for upstream, (ok, models, reason) in zip(self._upstreams, results):
+            if ok:
+                if not upstream.healthy:
+                    upstream.healthy = True
+                    recovered = True
+                    log.info("upstream %s is healthy", upstream.url)
+                if self._learn_models and models:
+                    known = set(self.models)
+                    new = tuple(m for m in models if m not in known)
+                    if new:
+                        self.models = self.models + new
+            else:
+                self._mark_unhealthy(upstream, reason, recheck=False)
+        if recovered:
+            self._notify()
+
+    async def _probe(self, upstream: _Upstream) -> tuple[bool, list[str], str]:
+        assert self._session is not None
+        try:
+            async with self._session.get(
+                upstream.url + "/models", headers=upstream.headers, timeout=self._health_timeout
+            ) as response:
+                if response.status != 200:
+                    return False, [], f"GET /models answered {response.status}"
+                payload = await response.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+            return False, [], f"GET /models failed: {exc!r}"
+        models: list[str] = []
+        if isinstance(payload, dict) and isinstance(payload.get("data"), list):
+            for entry in payload["data"]:
+                if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+                    models.append(entry["id"])
+        return True, models, ""
+
+
+class _Call:
+    """One request's stream. Holds its upstream slot from `generate()` until it
+    ends, fails, is closed or aborted, whichever comes first."""
+
+    def __init__(
+        self,
+        backend: OpenAIBackend,
+        job: GenerationJob,
+        upstream: _Upstream | None,
+        error: BackendError | None,
+    ) -> None:
+        self.backend = backend
+        self.job = job
+        self.upstream = upstream
+        self.response: aiohttp.ClientResponse | None = None
+        self.aborted = False
+        self._error = error
+        self._gen: AsyncIterator[Chunk] | None = None
+        self._done = False
+
+    def abort_error(self) -> BackendError:
+        # Retryable: an aborted request (preempted) may be run again from the start.
+        return BackendError(f"request {self.job.request_id} aborted", retryable=True)
+
+    def abort(self) -> None:
+        if self.aborted or self._done:
+            return
+        self.aborted = True
+        if self.response is not None:
+            # Wakes a pending read with a connection error, and the upstream
+            # sees its client gone.
+            self.response.close()
+        self.backend._release(self)
+
+    def __aiter__(self) -> _Call:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self._done:
+            raise StopAsyncIteration
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._done = True
+            raise error
+        if self.aborted:
+            # Lines already buffered before the abort must not reach the client.
+            self._done = True
+            if self._gen is not None:
+                await self._gen.aclose()  # type: ignore[attr-defined]
+            raise self.abort_error()
+        if self._gen is None:
+            assert self.upstream is not None
+            self._gen = self.backend._run(self, self.upstream)
+        try:
+            return await self._gen.__anext__()
+        except BaseException:
+            self._done = True
+            self.backend._release(self)
+            raise
+
+    async def aclose(self) -> None:
+        self._done = True
+        if self._gen is not None:
+            await self._gen.aclose()  # type: ignore[attr-defined]
+        elif self.response is not None:
+            self.response.close()
+        self.backend._release(self)
+
+    def __del__(self) -> None:
+        # Dropped without being run or closed: give the slot back anyway. The
+        # listener runs later from the loop, not from inside whatever code the
+        # garbage collector interrupted.
+        if self.upstream is not None:
+            self.backend._release(self, notify=False)
+            loop = self.backend._loop
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(self.backend._notify)
+
+
+async def _read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    while size < limit:
+        part = await response.content.read(limit - size)
+        if not part:
+            break
+        parts.append(part)
+        size += len(part)
+    return b"".join(parts)
+
+
+async def _parse_stream(
+    response: aiohttp.ClientResponse, endpoint: str, where: str
+) -> AsyncIterator[Chunk]:
+    """Server-sent events -> chunks. The chunk carrying `finish_reason` is held
+    back until the usage chunk that follows it, so that the last chunk has both."""
+    counted = 0  # tokens in the chunks yielded so far
+    usage: dict[str, int] | None = None
+    final: Chunk | None = None
+    data_lines: list[str] = []
+    done = False
+
+    def malformed(why: str) -> BackendError:
+        return BackendError(f"upstream {where} sent a malformed stream: {why}")
+
+    async def events() -> AsyncIterator[str]:
+        while True:
+            try:
+                line = await response.content.readline()
+            except ValueError as exc:  # a line beyond the read buffer
+                raise malformed(str(exc)) from exc
+            if not line:
+                if data_lines:
+                    yield "\n".join(data_lines)
+                return
+            text = line.decode("utf-8", "replace").rstrip("\r\n")
+            if not text:
+                if data_lines:
+                    yield "\n".join(data_lines)
+                    data_lines.clear()
+            elif text.startswith("data:"):
+                value = text[5:]
+                data_lines.append(value.removeprefix(" "))
+            # Comments (":"), event:, id: and retry: lines carry nothing for us.
+
+    async with contextlib.aclosing(events()) as stream:
+        async for data in stream:
+            if data.strip() == "[DONE]":
+                done = True
+                break
+            try:
+                payload = json.loads(data)
+            except ValueError as exc:
+                raise malformed(f"not JSON: {data[:200]!r}") from exc
+            if not isinstance(payload, dict):
+                raise malformed(f"not an object: {data[:200]!r}")
+            if payload.get("error") is not None:
+                raise BackendError(
+                    f"upstream {where} failed mid-stream: "
+                    f"{_error_message(json.dumps(payload).encode())}"
+                )
+            chunk_usage = payload.get("usage")
+            reported: int | None = None
+            if isinstance(chunk_usage, dict):
+                usage = _int_fields(chunk_usage)
+                reported = usage.get("completion_tokens")
+            choices = payload.get("choices")
+            if not isinstance(choices, list):
+                if choices is not None:
+                    raise malformed("choices is not an array")
+                continue
+            choice = next(
+                (c for c in choices if isinstance(c, dict) and c.get("index", 0) == 0), None
+            )
+            if choice is None:
+                continue
+            raw: dict[str, Any] = {
+                k: v
+                for k, v in choice.items()
+                if k not in ("index", "finish_reason", "text", "delta") and v is not None
+            }
+            if endpoint == "chat":
+                delta = choice.get("delta") or {}
+                if not isinstance(delta, dict):
+                    raise malformed("delta is not an object")
+                text = delta.get("content") or ""
+                extra = {
+                    k: v for k, v in delta.items() if k not in ("content", "role") and v is not None
+                }
+                if extra:
+                    raw["delta"] = extra
+                produced = bool(text) or bool(extra)
+            else:
+                text = choice.get("text") or ""
+                produced = bool(text)
+            if not isinstance(text, str):
+                raise malformed("content is not a string")
+            if reported is not None:
+                # Continuous usage stats: the upstream's running count is exact.
+                tokens = max(0, reported - counted)
+            else:
+                tokens = 1 if produced else 0
+            finish = choice.get("finish_reason")
+            if finish is not None:
+                final = Chunk(text=text, tokens=tokens, finish_reason=str(finish), raw=raw)
+                continue
+            if text or tokens or raw:
+                counted += tokens
+                yield Chunk(text=text, tokens=tokens, raw=raw)
+
+    if final is None:
+        if not done:
+            raise BackendError(f"upstream {where} ended the stream before finishing")
+        # [DONE] without a finish_reason: the upstream considers it complete.
+        final = Chunk(finish_reason="stop")
+    if usage is not None:
+        final.usage = usage
+        if "completion_tokens" in usage:
+            final.tokens = max(0, usage["completion_tokens"] - counted)
+    yield final

@@ -1,0 +1,269 @@
+"""The simulated GPU as a live backend: `SimEngine` run in real time.
+
+One background task steps the engine and, after each step, sleeps for the
+step's modelled duration divided by `speed` -- that sleep stands for the GPU
+working, it is not a poll -- then hands every sequence's new tokens to its
+stream. With no work it waits on an event that `generate` sets, so an idle
+backend costs nothing.
+
+Requests go into the engine with the output length they will really produce
+(the engine needs it up front): `max_tokens`, or a log-normal draw seeded by
+the request id when `output_median_tokens` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import random
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from qosgate.backends.base import (
+    BackendError,
+    BackendUnavailable,
+    Chunk,
+    GenerationJob,
+)
+from qosgate.backends.sim import SimEngine, StepResult
+from qosgate.config.models import SimBackendConfig
+from qosgate.core.scheduler import BackendCapacity
+
+OUTPUT_SIGMA = 0.9
+"""Spread (sigma of the log) of output lengths around `output_median_tokens`."""
+
+CHARS_PER_TOKEN = 4
+"""Prompt-size estimate without a tokenizer: ~4 characters per token is the usual
+rule of thumb for English text with BPE tokenizers. The vLLM backend counts
+with the model's own tokenizer."""
+
+_WORDS = (
+    "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
+    "simulated", "tokens", "stream", "from", "an", "imaginary", "GPU", "in", "real", "time",
+)  # fmt: skip
+
+
+def filler_text(start: int, count: int) -> str:
+    """Output tokens `start` .. `start + count - 1` of any simulated stream, one
+    word per token; streams are deterministic so tests can check order."""
+    n = len(_WORDS)
+    return "".join(
+        (" " if i else "") + _WORDS[i % n] for i in range(start, start + count)
+    )
+
+
+def estimate_prompt_tokens(endpoint: str, body: dict[str, Any]) -> int:
+    """About `CHARS_PER_TOKEN` characters per token over the message contents
+    (chat) or the prompt (completions); at least 1."""
+    chars = 0
+    tokens = 0
+    if endpoint == "chat":
+        for message in body.get("messages") or ():
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                for part in content:
+                    if isinstance(part, dict) and isinstance(part.get("text"), str):
+                        chars += len(part["text"])
+    else:
+        prompt = body.get("prompt")
+        prompts = prompt if isinstance(prompt, list) else [prompt]
+        for item in prompts:
+            if isinstance(item, str):
+                chars += len(item)
+            elif isinstance(item, int):
+                # A prompt given as token ids is already counted.
+                tokens += 1
+            elif isinstance(item, list):
+                tokens += len(item)
+    return max(1, tokens + math.ceil(chars / CHARS_PER_TOKEN))
+
+
+_END = object()
+"""Queued to a stream that ends without a last chunk (aborted)."""
+
+
+@dataclass(eq=False)
+class _Live:
+    """One request inside the engine, as its stream sees it."""
+
+    id: str
+    prompt_tokens: int
+    output_tokens: int
+    finish_reason: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    sent: int = 0
+    """Output tokens delivered. After an engine preemption the sequence is
+    recomputed from scratch; tokens the client already has are not sent again."""
+
+
+class SimBackend:
+    """The `Backend` port over a real-time `SimEngine`."""
+
+    def __init__(self, cfg: SimBackendConfig) -> None:
+        self.cfg = cfg
+        self.models: tuple[str, ...] = (cfg.model,)
+        self.engine = SimEngine.from_config(cfg)
+        self._speed = cfg.speed
+        self._live: dict[str, _Live] = {}
+        self._listener: Callable[[], None] | None = None
+        self._work = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._ready = False
+        self.steps = 0
+        """Engine steps run (for tests and stats)."""
+        self.engine_preemptions = 0
+        """Sequences the engine preempted for lack of KV (recomputed)."""
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-backend")
+        self._task.add_done_callback(self._on_task_done)
+        self._ready = True
+        self._notify()
+
+    async def close(self) -> None:
+        self._ready = False
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._fail_all(BackendUnavailable("the simulated backend was closed"))
+
+    def ready(self) -> bool:
+        return self._ready
+
+    def capacity(self) -> BackendCapacity:
+        cap = self.engine.capacity()
+        return BackendCapacity(cap.free_slots, cap.free_kv_tokens, cap.kv_capacity_tokens)
+
+    def set_capacity_listener(self, listener: Callable[[], None]) -> None:
+        self._listener = listener
+
+    def count_prompt_tokens(self, endpoint: str, body: dict[str, Any]) -> int:
+        return estimate_prompt_tokens(endpoint, body)
+
+    def output_length(self, request_id: str, max_tokens: int) -> int:
+        """Tokens this request will produce (deterministic per request id)."""
+        median = self.cfg.output_median_tokens
+        if median is None:
+            return max_tokens
+        # A str seed goes through SHA-512, so the draw is the same in every process.
+        draw = random.Random(request_id).lognormvariate(math.log(median), OUTPUT_SIGMA)
+        return max(1, min(max_tokens, round(draw)))
+
+    # -- requests ------------------------------------------------------------
+
+    def generate(self, job: GenerationJob) -> AsyncIterator[Chunk]:
+        # Not an async generator itself: the job enters the engine (and its
+        # capacity) now, not when the caller first iterates.
+        if not self._ready:
+            raise BackendUnavailable("the simulated backend is not running")
+        if job.request_id in self._live:
+            raise BackendError(f"request {job.request_id!r} is already running")
+        kv = self.engine.kv_capacity_tokens
+        prompt = max(1, job.prompt_tokens)
+        if prompt + 1 > kv:
+            raise BackendError(f"prompt of {prompt} tokens exceeds the KV cache ({kv} tokens)")
+        output = self.output_length(job.request_id, max(1, job.max_tokens))
+        finish = "length" if output >= job.max_tokens else "stop"
+        if prompt + output > kv:
+            # The engine could never finish it; like a context-length limit, it
+            # stops where the cache is full.
+            output = kv - prompt
+            finish = "length"
+        self.engine.add(job.request_id, prompt, output, job.priority)
+        live = _Live(job.request_id, prompt, output, finish)
+        self._live[job.request_id] = live
+        self._work.set()
+        return self._stream(live)
+
+    async def _stream(self, live: _Live) -> AsyncIterator[Chunk]:
+        try:
+            while True:
+                item = await live.queue.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            # Closed before its end (client gone, consumer cancelled): the
+            # engine must not keep generating for nobody.
+            if self._live.get(live.id) is live:
+                self.abort(live.id)
+
+    def abort(self, request_id: str) -> None:
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return
+        self.engine.abort(request_id)
+        live.queue.put_nowait(_END)
+        self._notify()
+
+    # -- the engine loop -----------------------------------------------------
+
+    async def _run(self) -> None:
+        engine = self.engine
+        while True:
+            if not engine.has_work():
+                self._work.clear()
+                await self._work.wait()
+                continue
+            step = engine.step()
+            self.steps += 1
+            self.engine_preemptions += len(step.preempted)
+            # The modelled GPU time of the step; its tokens exist at its end.
+            await asyncio.sleep(step.duration / self._speed)
+            self._deliver(step)
+
+    def _deliver(self, step: StepResult) -> None:
+        engine = self.engine
+        finished = set(step.finished)
+        for live in list(self._live.values()):
+            done = live.id in finished
+            produced = live.output_tokens if done else engine.generated(live.id)
+            new = produced - live.sent
+            if new <= 0 and not done:
+                continue
+            chunk = Chunk(text=filler_text(live.sent, max(new, 0)), tokens=max(new, 0))
+            live.sent = max(produced, live.sent)
+            if done:
+                chunk.finish_reason = live.finish_reason
+                chunk.usage = {
+                    "prompt_tokens": live.prompt_tokens,
+                    "completion_tokens": live.output_tokens,
+                    "total_tokens": live.prompt_tokens + live.output_tokens,
+                }
+                del self._live[live.id]
+            live.queue.put_nowait(chunk)
+        if finished:
+            self._notify()
+
+    def _notify(self) -> None:
+        if self._listener is not None:
+            self._listener()
+
+    def _on_task_done(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            # A crashed engine loop would leave every stream waiting forever.
+            self._ready = False
+            self._fail_all(BackendError(f"the simulated engine failed: {exc!r}"))
+
+    def _fail_all(self, error: BackendError) -> None:
+        for live in self._live.values():
+            self.engine.abort(live.id)
+            live.queue.put_nowait(error)
+        self._live.clear()

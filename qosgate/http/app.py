@@ -1,0 +1,488 @@
+"""The OpenAI-compatible HTTP surface (DESIGN.md section 6).
+
+A request goes identity -> body -> validation -> prompt tokens -> max_tokens
+(capped by the tier) -> `Gateway.submit`, then streams back as SSE or one JSON
+body. Every error, whether the gateway's own, aiohttp's (404, 405, 413) or a
+bug, leaves as OpenAI's `{"error": {...}}` with the status DESIGN.md gives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import traceback
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from qosgate.backends.base import Chunk
+from qosgate.config.models import PolicyConfig
+from qosgate.runtime.errors import BadRequest, GatewayError, PayloadTooLarge
+from qosgate.runtime.gate import Gateway, RequestStream
+
+from .errors import (
+    MethodNotAllowed,
+    RouteNotFound,
+    UnsupportedMediaType,
+    error_payload,
+    error_response,
+)
+from .identity import Identity, KeyRing
+from .validation import MAX_PRIORITY_OFFSET, Endpoint, parse_json, validate_body
+
+log = logging.getLogger("qosgate.http")
+
+# Typed request keys are recent in aiohttp; a plain string works everywhere.
+REQUEST_ID: Any = (
+    web.RequestKey("qosgate.request_id", str)
+    if hasattr(web, "RequestKey")
+    else "qosgate.request_id"
+)
+REQUEST_ID_HEADER = "x-request-id"
+SESSION_HEADER = "X-Session-Id"
+_MAX_SESSION_LEN = 256
+
+
+@dataclass
+class AppState:
+    gateway: Gateway
+    policy: PolicyConfig
+    keyring: KeyRing
+    started: int
+    """Unix time the app was built (the `created` of /v1/models)."""
+
+
+STATE = web.AppKey("qosgate.state", AppState)
+
+
+def build_app(
+    gateway: Gateway,
+    policy: PolicyConfig | None = None,
+    *,
+    environ: Mapping[str, str] = os.environ,
+) -> web.Application:
+    policy = policy if policy is not None else gateway.policy
+    app = web.Application(
+        client_max_size=policy.server.max_body_bytes,
+        middlewares=[_error_middleware],
+    )
+    app[STATE] = AppState(
+        gateway=gateway,
+        policy=policy,
+        keyring=KeyRing.from_policy(policy, environ),
+        started=int(time.time()),
+    )
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    return app
+
+
+# --------------------------------------------------------------------------
+# Errors
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    request_id = uuid.uuid4().hex
+    request[REQUEST_ID] = request_id
+    try:
+        response = await handler(request)
+    except GatewayError as exc:
+        response = error_response(exc)
+    except web.HTTPException as exc:
+        response = _from_http_exception(request, exc)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any bug must still answer in OpenAI's shape
+        # The traceback without the exception's message: a message can quote
+        # the request (a prompt), and prompts are never logged.
+        log.error(
+            "unhandled %s in %s %s (request %s)\n%s",
+            type(exc).__name__,
+            request.method,
+            request.path,
+            request_id,
+            "".join(traceback.format_tb(exc.__traceback__)),
+        )
+        response = web.json_response(
+            error_payload(
+                "The server had an error processing your request.",
+                "server_error",
+                "internal_error",
+                None,
+            ),
+            status=500,
+        )
+    if not response.prepared:
+        response.headers[REQUEST_ID_HEADER] = request_id
+    return response
+
+
+def _from_http_exception(request: web.Request, exc: web.HTTPException) -> web.StreamResponse:
+    if exc.status < 400:
+        raise exc
+    if isinstance(exc, web.HTTPNotFound):
+        return error_response(RouteNotFound(f"Unknown path: {request.path[:200]}"))
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        # 405 must say what is allowed (RFC 9110).
+        return error_response(
+            MethodNotAllowed(
+                f"Method {request.method[:20]} is not allowed on {request.path[:200]}."
+            ),
+            headers={"Allow": exc.headers.get("Allow", "")},
+        )
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        limit = request.app[STATE].policy.server.max_body_bytes
+        return error_response(PayloadTooLarge(f"Request body too large: at most {limit} bytes."))
+    # Anything else aiohttp raises (a malformed body stream, ...): its status, our shape.
+    return web.json_response(
+        error_payload(
+            exc.reason,
+            "invalid_request_error" if exc.status < 500 else "server_error",
+            exc.reason.lower().replace(" ", "_"),
+            None,
+        ),
+        status=exc.status,
+    )
+
+
+# --------------------------------------------------------------------------
+# Probes and models
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    if request.app[STATE].gateway.ready():
+        return web.json_response({"status": "ready"})
+    return web.json_response(
+        error_payload("The backend is not ready.", "server_error", "not_ready", None),
+        status=503,
+        headers={"Retry-After": "1"},
+    )
+
+
+async def _models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.keyring.identify(request.headers)
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "created": state.started, "owned_by": "qosgate"}
+                for name in state.gateway.backend.models
+            ],
+        }
+    )
+
+
+# --------------------------------------------------------------------------
+# Completions
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completions")
+
+
+async def _read_json(request: web.Request) -> Any:
+    content_type = request.headers.get("Content-Type")
+    if content_type is not None:
+        mime = content_type.split(";", 1)[0].strip().lower()
+        # A missing Content-Type is let through (hand-written curl often omits
+        # it); a declared non-JSON one is a client bug worth naming.
+        if mime != "application/json" and not mime.endswith("+json"):
+            raise UnsupportedMediaType(mime[:100])
+    try:
+        raw = await request.read()
+    except HttpProcessingError as exc:
+        # A broken chunked encoding or a body shorter than its Content-Length:
+        # the client's fault, not a bug of ours.
+        raise BadRequest(f"Malformed request body: {exc.message[:100]}") from None
+    return parse_json(raw)
+
+
+@dataclass
+class _Call:
+    """What the response needs to know about one admitted request."""
+
+    endpoint: Endpoint
+    response_id: str
+    created: int
+    model: str
+    prompt_tokens: int
+    include_usage: bool
+
+
+async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    state = request.app[STATE]
+    # Identity first: an unauthenticated client does not get its body parsed.
+    identity: Identity = state.keyring.identify(request.headers)
+    raw = await _read_json(request)
+    gateway = state.gateway
+    parsed = validate_body(endpoint, raw, gateway.backend.models)
+
+    tier = state.policy.tiers[identity.tier]
+    asked = parsed.asked_max_tokens
+    default = tier.default_max_tokens or tier.max_tokens
+    # Larger asks are clamped rather than refused: clients routinely send the
+    # model's context length, and the tier cap is the gateway's business.
+    max_tokens = min(asked if asked is not None else default, tier.max_tokens)
+
+    body = dict(raw)
+    body["max_tokens"] = max_tokens
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = max_tokens
+    # The gateway turns the client's priority into the job's engine priority;
+    # the backend must not see the raw value and apply it twice.
+    body.pop("priority", None)
+
+    prompt_tokens = max(1, int(gateway.backend.count_prompt_tokens(endpoint, body)))
+    request_id = request[REQUEST_ID]
+    call = _Call(
+        endpoint=endpoint,
+        response_id=("chatcmpl-" if endpoint == "chat" else "cmpl-") + request_id,
+        created=int(time.time()),
+        model=parsed.model,
+        prompt_tokens=prompt_tokens,
+        include_usage=parsed.include_usage,
+    )
+    session = request.headers.get(SESSION_HEADER)
+    # From here on the request is admitted: every path must end it (the
+    # response functions close the stream on any way out but completion).
+    stream = gateway.submit(
+        request_id=request_id,
+        tenant=identity.tenant,
+        tier=identity.tier,
+        endpoint=endpoint,
+        body=body,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        priority_offset=min(parsed.priority or 0, MAX_PRIORITY_OFFSET),
+        session=session[:_MAX_SESSION_LEN] if session else None,
+    )
+    if parsed.stream:
+        return await _stream_response(request, stream, call)
+    return await _json_response(stream, call)
+
+
+def _usage(call: _Call, completion_tokens: int, reported: dict[str, int] | None) -> dict[str, int]:
+    # The backend's own count wins where it has one (a real tokenizer).
+    prompt = call.prompt_tokens
+    completion = completion_tokens
+    if reported:
+        prompt = int(reported.get("prompt_tokens", prompt))
+        completion = int(reported.get("completion_tokens", completion))
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.finish_reason: str | None = None
+        self.usage: dict[str, int] | None = None
+
+    def add(self, chunk: Chunk) -> None:
+        self.tokens += chunk.tokens
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
+        if chunk.usage:
+            self.usage = chunk.usage
+
+
+async def _json_response(stream: RequestStream, call: _Call) -> web.Response:
+    parts: list[str] = []
+    tally = _Tally()
+    try:
+        async for chunk in stream:
+            parts.append(chunk.text)
+            tally.add(chunk)
+    except BaseException:
+        # Cancelled (client gone) or failed: the stream must end its request
+        # now, so a queued request leaves the queue and a running one aborts.
+        await stream.aclose()
+        raise
+    text = "".join(parts)
+    finish = tally.finish_reason or "stop"
+    if call.endpoint == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        kind = "text_completion"
+    return web.json_response(
+        {
+            "id": call.response_id,
+            "object": kind,
+            "created": call.created,
+            "model": call.model,
+            "choices": [choice],
+            "usage": _usage(call, tally.tokens, tally.usage),
+        }
+    )
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _chunk_event(
+    call: _Call,
+    delta_text: str | None,
+    finish: str | None,
+    *,
+    role: bool = False,
+    usage: dict[str, int] | None = None,
+) -> bytes:
+    if call.endpoint == "chat":
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if delta_text is not None:
+            delta["content"] = delta_text
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
+        kind = "text_completion"
+    payload: dict[str, Any] = {
+        "id": call.response_id,
+        "object": kind,
+        "created": call.created,
+        "model": call.model,
+        "choices": [choice],
+    }
+    if usage is not None:
+        payload["usage"] = usage
+    return _event(payload)
+
+
+def _usage_event(call: _Call, usage: dict[str, int]) -> bytes:
+    return _event(
+        {
+            "id": call.response_id,
+            "object": "chat.completion.chunk" if call.endpoint == "chat" else "text_completion",
+            "created": call.created,
+            "model": call.model,
+            "choices": [],
+            "usage": usage,
+        }
+    )
+
+
+async def _stream_response(
+    request: web.Request, stream: RequestStream, call: _Call
+) -> web.StreamResponse:
+    chunks = stream.__aiter__()
+    try:
+        # Wait for the first chunk before sending headers: an error while the
+        # request is queued (expired, backend down) can still be a proper status.
+        try:
+            first: Chunk | None = await chunks.__anext__()
+        except StopAsyncIteration:
+            first = None
+    except BaseException:
+        await stream.aclose()
+        raise
+
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            # Proxies such as nginx would otherwise buffer the stream.
+            "X-Accel-Buffering": "no",
+            REQUEST_ID_HEADER: request[REQUEST_ID],
+        }
+    )
+    tally = _Tally()
+    try:
+        await response.prepare(request)
+        if call.endpoint == "chat":
+            await response.write(_chunk_event(call, "", None, role=True))
+        chunk = first
+        while chunk is not None:
+            tally.add(chunk)
+            if chunk.text:
+                await response.write(_chunk_event(call, chunk.text, None))
+            try:
+                chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                chunk = None
+        usage = _usage(call, tally.tokens, tally.usage)
+        finish = tally.finish_reason or "stop"
+        if call.include_usage:
+            # OpenAI's shape when asked: the usage alone in a last, choice-less chunk.
+            await response.write(_chunk_event(call, None, finish))
+            await response.write(_usage_event(call, usage))
+        else:
+            # DESIGN.md wants usage in the final chunk even when not asked for;
+            # clients ignore a field they do not expect.
+            await response.write(_chunk_event(call, None, finish, usage=usage))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionError:
+        # The client went away mid-stream (aiohttp's write errors are
+        # ConnectionResetError): end the request as cancelled.
+        await stream.aclose()
+    except GatewayError as exc:
+        await stream.aclose()
+        # Headers are gone; the status can only travel inside the stream.
+        await _send_error_event(response, exc.body())
+    except asyncio.CancelledError:
+        await stream.aclose()
+        raise
+    except Exception as exc:  # noqa: BLE001 - the stream must still end with an error event
+        await stream.aclose()
+        log.error(
+            "unhandled %s while streaming request %s\n%s",
+            type(exc).__name__,
+            request[REQUEST_ID],
+            "".join(traceback.format_tb(exc.__traceback__)),
+        )
+        await _send_error_event(
+            response,
+            error_payload(
+                "The server had an error processing your request.",
+                "server_error",
+                "internal_error",
+                None,
+            ),
+        )
+    return response
+
+
+async def _send_error_event(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+    try:
+        await response.write(_event(payload))
+        await response.write_eof()
+    except ConnectionError:
+        pass

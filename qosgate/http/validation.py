@@ -1,0 +1,291 @@
+"""Request bodies of /v1/chat/completions and /v1/completions.
+
+Only what the gateway relies on is checked (the model, the prompt, the size
+and sampling fields); everything else passes through to the backend, as
+DESIGN.md section 6 asks. Each field has one validator that raises one error,
+so a bad request is answered with one message that names one field, the way
+OpenAI does, instead of pydantic's list of union alternatives.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from qosgate.runtime.errors import BadRequest
+
+from .errors import ModelNotFound
+
+MAX_PRIORITY_OFFSET = 1000
+"""Deepest level a client may push its request below its tier (TierConfig.priority's range)."""
+
+
+def _fail(kind: str, message: str) -> PydanticCustomError:
+    return PydanticCustomError(kind, message)
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _integer(minimum: int) -> Callable[[Any], int]:
+    def check(value: Any) -> int:
+        # JSON true is an int to Python; 1.0 is not an integer to OpenAI either.
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _fail("int_type", f"expected an integer, but got {_type_name(value)}")
+        if value < minimum:
+            raise _fail("too_small", f"must be at least {minimum}, got {value}")
+        return value
+
+    return check
+
+
+def _number(low: float, high: float) -> Callable[[Any], float]:
+    def check(value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _fail("number_type", f"expected a number, but got {_type_name(value)}")
+        if not (math.isfinite(value) and low <= value <= high):
+            raise _fail("out_of_range", f"must be between {low:g} and {high:g}, got {value!r}")
+        return value
+
+    return check
+
+
+def _boolean(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail("bool_type", f"expected a boolean, but got {_type_name(value)}")
+    return value
+
+
+def _string(value: Any) -> str:
+    if not isinstance(value, str):
+        raise _fail("string_type", f"expected a string, but got {_type_name(value)}")
+    return value
+
+
+def _model_name(value: Any) -> str:
+    name = _string(value)
+    if not name.strip():
+        raise _fail("string_empty", "must not be empty")
+    return name
+
+
+def _exactly_one(value: Any) -> int:
+    n = _integer(1)(value)
+    if n != 1:
+        raise _fail("unsupported", "only n=1 is supported")
+    return n
+
+
+def _content(value: Any) -> str | list[dict[str, Any]] | None:
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise _fail(
+            "content_type", f"expected a string or an array of parts, but got {_type_name(value)}"
+        )
+    for index, part in enumerate(value):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise _fail("part_type", f"part {index} must be an object with a string 'type'")
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
+            raise _fail("part_text", f"part {index} of type 'text' needs a string 'text'")
+    return value
+
+
+def _prompt(value: Any) -> str | list[str]:
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise _fail(
+            "prompt_type", f"expected a string or an array of strings, but got {_type_name(value)}"
+        )
+    if not value:
+        raise _fail("prompt_empty", "must not be an empty array")
+    if not all(isinstance(item, str) for item in value):
+        # Token-id prompts would bypass the gateway's prompt-token estimate.
+        raise _fail("prompt_type", "expected a string or an array of strings")
+    if len(value) > 1:
+        # Several prompts are several generations; the gateway schedules and
+        # meters one per request, as with n=1.
+        raise _fail("unsupported", "only one prompt per request is supported")
+    return value
+
+
+Int1 = Annotated[int, PlainValidator(_integer(1))]
+StrictBool = Annotated[bool, PlainValidator(_boolean)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: Annotated[bool, PlainValidator(_boolean)] = False
+
+
+class _Body(BaseModel):
+    # Unknown fields are the backend's business (DESIGN.md section 6).
+    model_config = ConfigDict(extra="allow")
+
+    model: Annotated[str, PlainValidator(_model_name)]
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: Int1 | None = None
+    n: Annotated[int, PlainValidator(_exactly_one)] | None = None
+    temperature: Annotated[float, PlainValidator(_number(0.0, 2.0))] | None = None
+    top_p: Annotated[float, PlainValidator(_number(0.0, 1.0))] | None = None
+    priority: Annotated[int, PlainValidator(_integer(0))] | None = None
+    """vLLM-style extension: levels below the tenant's tier (0: the tier's own)."""
+
+    @property
+    def asked_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Annotated[Any, PlainValidator(_content)] = None
+
+    @model_validator(mode="after")
+    def _content_present(self) -> Message:
+        # Only an assistant turn that carries tool calls may come without content.
+        if self.content is None and self.role != "assistant":
+            raise _fail("missing", "Field required")
+        return self
+
+
+class ChatBody(_Body):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Int1 | None = None
+
+    @property
+    def asked_max_tokens(self) -> int | None:
+        # OpenAI's newer name wins when both are given.
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+
+
+class CompletionBody(_Body):
+    prompt: Annotated[Any, PlainValidator(_prompt)]
+
+
+Endpoint = Literal["chat", "completions"]
+_BODIES: dict[str, type[_Body]] = {"chat": ChatBody, "completions": CompletionBody}
+
+
+def _param(loc: Iterable[int | str]) -> str | None:
+    parts = [str(part) for part in loc]
+    return ".".join(parts) or None
+
+
+def _message(error: dict[str, Any], param: str | None) -> str:
+    if error["type"] == "missing":
+        return f"Missing required parameter: '{param}'."
+    if error["type"] == "literal_error" and param and param.endswith(".role"):
+        return (
+            f"Invalid value for '{param}': must be one of system, user, assistant, tool, developer."
+        )
+    if error["type"] == "too_short" and param == "messages":
+        return "Invalid value for 'messages': must not be empty."
+    if error["type"] == "list_type":
+        return f"Invalid type for '{param}': expected an array."
+    if error["type"] == "model_type":
+        return f"Invalid type for '{param}': expected an object."
+    if param is None:
+        return f"Invalid request: {error['msg']}."
+    return f"Invalid value for '{param}': {error['msg']}."
+
+
+def validate_body(endpoint: Endpoint, body: Any, served_models: Iterable[str]) -> _Body:
+    """Raises BadRequest naming the field, or ModelNotFound."""
+    if not isinstance(body, dict):
+        raise BadRequest(
+            f"The request body must be a JSON object, not {_type_name(body)}.", param=None
+        )
+    try:
+        parsed = _BODIES[endpoint].model_validate(body)
+    except ValidationError as exc:
+        # The message validator reports a missing content at the message level;
+        # point at the field instead.
+        error = exc.errors(include_url=False)[0]
+        loc = list(error["loc"])
+        if error["type"] == "missing" and len(loc) == 2 and loc[0] == "messages":
+            loc.append("content")
+        param = _param(loc)
+        raise BadRequest(_message(error, param), param=param) from None
+    models = tuple(served_models)
+    # An empty list means the backend cannot enumerate its models (an upstream
+    # that does not say): let the backend judge the name.
+    if models and parsed.model not in models:
+        raise ModelNotFound(parsed.model)
+    return parsed
+
+
+def _no_constants(name: str) -> Any:
+    # Python's json takes NaN and Infinity; JSON (and every backend) does not.
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite(text: str) -> float:
+    # 1e999 parses to inf, which would reach a backend as the invalid `Infinity`.
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:20]} is out of range")
+    return value
+
+
+def parse_json(raw: bytes) -> Any:
+    """The body as JSON, or BadRequest. Hostile input (invalid UTF-8, NaN,
+    numbers with thousands of digits, nesting deep enough to exhaust the
+    parser's recursion) all land here as a 400, never as a crash."""
+    try:
+        text = raw.decode("utf-8")
+        return json.loads(text, parse_constant=_no_constants, parse_float=_finite)
+    except RecursionError:
+        raise BadRequest("The JSON body of your request is nested too deeply.") from None
+    except ValueError as exc:
+        if isinstance(exc, json.JSONDecodeError):
+            detail = exc.msg
+        elif isinstance(exc, UnicodeDecodeError):
+            detail = "not UTF-8"
+        elif "integer string conversion" in str(exc):
+            detail = "a number has too many digits"
+        else:
+            # Our hooks' messages; they quote at most a few characters of the body.
+            detail = str(exc)[:100]
+        raise BadRequest(
+            f"We could not parse the JSON body of your request ({detail}).", param=None
+        ) from None

@@ -1,0 +1,127 @@
+"""The gateway's typed errors.
+
+Each class stands for one way a request can end without completing, so it
+carries the one `Outcome` (metrics label, log field) and the one HTTP status
+that way of ending maps to; the HTTP layer renders any of them generically in
+OpenAI's error shape. (QuotaExceeded, 429 rejected_quota, joins them with the
+quota store.)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+from qosgate.core.request import Outcome
+
+
+class GatewayError(Exception):
+    """A request the gateway answers with an error instead of output."""
+
+    status: ClassVar[int] = 500
+    outcome: ClassVar[Outcome] = Outcome.BACKEND_ERROR
+    code: ClassVar[str] = "internal_error"
+    """OpenAI-style `error.code`."""
+    type: ClassVar[str] = "server_error"
+    """OpenAI-style `error.type`."""
+
+    def __init__(
+        self, message: str, *, retry_after_s: float | None = None, param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+        """Seconds after which a retry may succeed (sent as Retry-After), if known."""
+        self.param = param
+        """The request field at fault, for 400s."""
+
+    @property
+    def retry_after_header(self) -> str | None:
+        """Retry-After value: whole seconds, at least 1 (a 0 would invite a hot retry loop)."""
+        if self.retry_after_s is None:
+            return None
+        return str(max(1, math.ceil(self.retry_after_s)))
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI error body."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "code": self.code,
+                "param": self.param,
+            }
+        }
+
+
+class QueueFull(GatewayError):
+    """The tier's queue holds `max_queue_len` requests already."""
+
+    status = 429
+    outcome = Outcome.REJECTED_QUEUE_FULL
+    code = "queue_full"
+    type = "rate_limit_error"
+
+
+class Overloaded(GatewayError):
+    """Admission predicted a queue wait beyond the tier's budget."""
+
+    status = 503
+    outcome = Outcome.REJECTED_OVERLOAD
+    code = "overloaded"
+
+
+class Expired(GatewayError):
+    """The request was still queued when its tier's queue budget ran out."""
+
+    status = 504
+    outcome = Outcome.EXPIRED
+    code = "queue_timeout"
+
+
+class BackendFailed(GatewayError):
+    """The backend failed the request."""
+
+    status = 502
+    outcome = Outcome.BACKEND_ERROR
+    code = "backend_error"
+
+
+class BackendUnavailableError(GatewayError):
+    """The backend is down or not ready; worth retrying later."""
+
+    status = 503
+    outcome = Outcome.BACKEND_ERROR
+    code = "backend_unavailable"
+
+
+class GatewayClosing(BackendUnavailableError):
+    """The gateway shut down under the request. The client is told 503 like for
+    a backend that is down (another replica can serve it), but nothing failed:
+    the gateway cancelled the request, and the outcome says so."""
+
+    outcome = Outcome.CANCELLED
+    code = "shutting_down"
+
+
+class BadRequest(GatewayError):
+    """The request can never be served as given; `param` names the field."""
+
+    status = 400
+    outcome = Outcome.BAD_REQUEST
+    code = "invalid_request"
+    type = "invalid_request_error"
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    outcome = Outcome.UNAUTHORIZED
+    code = "invalid_api_key"
+    type = "authentication_error"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    outcome = Outcome.BAD_REQUEST
+    code = "request_too_large"
+    type = "invalid_request_error"

@@ -1,0 +1,465 @@
+"""The gateway: the async shell around the synchronous scheduling core.
+
+`Gateway.submit` runs admission at once and returns a `RequestStream`; the
+consumer (an HTTP handler) iterates the stream, which waits to be dispatched
+and then pulls the backend's output in the consumer's own task. The
+dispatcher is not a task of its own: it is a callback run when something may
+have changed (a submit, a request ending, the backend reporting capacity, or
+the one timer the last plan asked for), so an idle gateway does nothing.
+
+Every request the gateway admits ends in exactly one `Outcome`, always set by
+the scheduler (the request record is finished there), and the error a
+consumer sees is the one class that maps to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from enum import Enum
+from typing import Any, AsyncIterator, Literal
+
+from qosgate.backends.base import (
+    Backend,
+    BackendError,
+    BackendUnavailable,
+    Chunk,
+    GenerationJob,
+)
+from qosgate.config.models import PolicyConfig
+from qosgate.core.request import Outcome, Request
+from qosgate.core.scheduler import BackendCapacity, SchedulePlan, Scheduler
+from qosgate.runtime.errors import (
+    BackendFailed,
+    BackendUnavailableError,
+    BadRequest,
+    Expired,
+    GatewayClosing,
+    GatewayError,
+    Overloaded,
+    QueueFull,
+)
+
+log = logging.getLogger(__name__)
+
+
+class _Go(Enum):
+    """Why a stream's dispatch future resolved."""
+
+    DISPATCHED = "dispatched"
+    ENDED = "ended"
+    """Finished while queued (expired, failed, cancelled, gateway closed)."""
+
+
+class Gateway:
+    """One scheduler in front of one backend."""
+
+    def __init__(
+        self, policy: PolicyConfig, backend: Backend, *, drain_rate_hint: float | None = None
+    ) -> None:
+        self._policy = policy
+        self._backend = backend
+        self._scheduler = Scheduler(policy, drain_rate_hint=drain_rate_hint)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Requests admitted and not yet finished.
+        self._streams: dict[str, RequestStream] = {}
+        # Dispatched, but the consumer has not handed them to the backend yet, so
+        # the backend's capacity does not show them: without holding their room
+        # here, a dispatcher run in between would give it away twice.
+        self._reserved: dict[str, int] = {}
+        self._reserved_kv = 0
+        self._wake_handle: asyncio.Handle | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._closed = False
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._backend.set_capacity_listener(self._wake)
+        await self._backend.start()
+        # Anything submitted before the backend was up can go now.
+        self._wake()
+
+    async def close(self) -> None:
+        """End every request (GatewayClosing, outcome cancelled) and close the backend."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._wake_handle is not None:
+            self._wake_handle.cancel()
+            self._wake_handle = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for stream in list(self._streams.values()):
+            stream._end(GatewayClosing("the gateway is shutting down", retry_after_s=1.0))
+        await self._backend.close()
+
+    # -- views ---------------------------------------------------------------
+
+    @property
+    def policy(self) -> PolicyConfig:
+        return self._policy
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._scheduler
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    def ready(self) -> bool:
+        return self._backend.ready()
+
+    def snapshot(self) -> dict:
+        loop = self._get_loop()
+        snap = self._scheduler.snapshot(loop.time())
+        ready = self._backend.ready()
+        cap = self._backend.capacity()
+        snap["backend"] = {
+            "ready": ready,
+            "free_slots": cap.free_slots,
+            "free_kv_tokens": cap.free_kv_tokens,
+            "kv_capacity_tokens": cap.kv_capacity_tokens,
+            "dispatched_not_started": len(self._reserved),
+        }
+        return snap
+
+    # -- requests ------------------------------------------------------------
+
+    def submit(
+        self,
+        *,
+        request_id: str,
+        tenant: str,
+        tier: str,
+        endpoint: Literal["chat", "completions"],
+        body: dict[str, Any],
+        prompt_tokens: int,
+        max_tokens: int,
+        priority_offset: int = 0,
+        session: str | None = None,
+    ) -> RequestStream:
+        """Admit a request now or refuse it (QueueFull / Overloaded, the request
+        then finished with that outcome). Unknown tier or a reused request id
+        are caller bugs and raise ValueError."""
+        if self._closed:
+            raise GatewayClosing("the gateway is shutting down", retry_after_s=1.0)
+        loop = self._get_loop()
+        now = loop.time()
+        req = Request(
+            request_id, tenant, tier, prompt_tokens, max_tokens, now,
+            priority_offset=priority_offset,
+        )  # fmt: skip
+        decision = self._scheduler.submit(req, now)
+        if not decision.admitted:
+            error = QueueFull if decision.outcome is Outcome.REJECTED_QUEUE_FULL else Overloaded
+            raise error(decision.reason, retry_after_s=decision.retry_after_s)
+        job = GenerationJob(
+            request_id=request_id,
+            endpoint=endpoint,
+            body=body,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            priority=self._scheduler.engine_priority(req),
+            tenant=tenant,
+            session=session,
+        )
+        stream = RequestStream(self, req, job, loop)
+        self._streams[request_id] = stream
+        self._wake()
+        return stream
+
+    # -- the dispatcher ------------------------------------------------------
+
+    def _get_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
+
+    def _wake(self) -> None:
+        """Run the dispatcher soon; any number of wakes before it runs cost one run."""
+        if self._wake_handle is None and not self._closed:
+            self._wake_handle = self._get_loop().call_soon(self._on_wake)
+
+    def _on_wake(self) -> None:
+        self._wake_handle = None
+        self._dispatch(self._get_loop().time())
+
+    def _on_timer(self) -> None:
+        when = self._timer_at
+        self._timer = None
+        # The loop may run a timer a clock tick early; the plan asked for this
+        # instant, so schedule as of it rather than re-arm for the same one.
+        self._dispatch(max(self._get_loop().time(), when))
+
+    def _arm(self, when: float) -> None:
+        if self._timer is not None:
+            if self._timer_at <= when:
+                return
+            self._timer.cancel()
+        self._timer_at = when
+        self._timer = self._get_loop().call_at(when, self._on_timer)
+
+    def _capacity(self) -> BackendCapacity:
+        if not self._backend.ready():
+            # Requests wait in their queues (where they can still expire) for
+            # the backend to come up; its listener wakes the dispatcher then.
+            return BackendCapacity(0, 0, None)
+        cap = self._backend.capacity()
+        if not self._reserved:
+            return cap
+        return BackendCapacity(
+            max(0, cap.free_slots - len(self._reserved)),
+            max(0, cap.free_kv_tokens - self._reserved_kv),
+            cap.kv_capacity_tokens,
+        )
+
+    def _dispatch(self, now: float) -> None:
+        if self._closed:
+            return
+        while True:
+            cap = self._capacity()
+            plan = self._scheduler.schedule(now, cap)
+            self._carry_out(plan, cap)
+            # A preemption frees room this same instant can use; a backend that
+            # is down frees none, and asking again would only preempt more.
+            if not plan.preempt or not self._backend.ready():
+                break
+        if plan.wakeup_at is not None:
+            self._arm(plan.wakeup_at)
+
+    def _carry_out(self, plan: SchedulePlan, cap: BackendCapacity) -> None:
+        streams = self._streams
+        kv_total = cap.kv_capacity_tokens
+        for req in plan.dispatch:
+            # What the scheduler counted against free KV for it.
+            need = req.work if kv_total is None else min(req.work, kv_total)
+            self._reserved[req.id] = need
+            self._reserved_kv += need
+            streams[req.id]._dispatched()
+        for req in plan.expired:
+            stream = streams[req.id]
+            if self._backend.ready():
+                budget_ms = self._policy.tiers[req.tier].max_queue_wait_ms
+                stream._ended_in_queue(Expired(
+                    f"queued longer than tier {req.tier!r}'s budget ({budget_ms:.0f} ms)"
+                ))  # fmt: skip
+            else:
+                # The wait was the backend's doing, not load: say so (503, retry),
+                # with the outcome that goes with it.
+                req.outcome = BackendUnavailableError.outcome
+                stream._ended_in_queue(BackendUnavailableError(
+                    "the backend is not ready", retry_after_s=1.0
+                ))  # fmt: skip
+        for req in plan.failed:
+            stream = streams[req.id]
+            param = "messages" if stream._job.endpoint == "chat" else "prompt"
+            stream._ended_in_queue(BadRequest(
+                f"the prompt ({req.prompt_tokens} tokens) can never fit the backend's "
+                f"KV cache ({kv_total} tokens)",
+                param=param,
+            ))  # fmt: skip
+        for req in plan.preempt:
+            self._unreserve(req.id)
+            streams[req.id]._preempted()
+            self._backend.abort(req.id)
+
+    def _unreserve(self, request_id: str) -> None:
+        need = self._reserved.pop(request_id, None)
+        if need is not None:
+            self._reserved_kv -= need
+
+    def _forget(self, request_id: str) -> None:
+        """The request finished: its room (if it held any) is free again."""
+        self._unreserve(request_id)
+        self._streams.pop(request_id, None)
+        self._wake()
+
+
+class RequestStream:
+    """One admitted request, as an async iterator of its output chunks.
+
+    Iterate it at most once. A consumer that stops early must call `aclose()`
+    (e.g. `async with contextlib.aclosing(stream)`): that is how the gateway
+    learns the client went away. Cancelling the consumer's task while it
+    iterates has the same effect.
+    """
+
+    def __init__(
+        self, gateway: Gateway, request: Request, job: GenerationJob, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.request = request
+        self._gw = gateway
+        self._job = job
+        self._loop = loop
+        self._go: asyncio.Future[_Go] = loop.create_future()
+        # Bumped on every preemption, so a consumer can tell that the backend
+        # run it is reading is no longer the request's current one.
+        self._epoch = 0
+        self._output_tokens = 0
+        self._error: GatewayError | None = None
+        self._agen: AsyncIterator[Chunk] | None = None
+
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        if self._agen is None:
+            self._agen = self._iterate()
+        return self._agen
+
+    async def aclose(self) -> None:
+        """The client went away: a queued request leaves its queue now, a running
+        one is aborted in the backend; outcome cancelled. Idempotent."""
+        self._end(None)
+        agen = self._agen
+        # A consumer inside __anext__ (another task) wakes from _end and closes
+        # its backend stream itself; one parked at a yield needs closing here.
+        if agen is not None and not agen.ag_running:  # type: ignore[attr-defined]
+            await agen.aclose()  # type: ignore[attr-defined]
+
+    # -- called by the gateway's dispatcher ----------------------------------
+
+    def _dispatched(self) -> None:
+        # Done already only if the consumer's task was just cancelled while it
+        # waited (that cancels the future too); its handler ends the request.
+        if not self._go.done():
+            self._go.set_result(_Go.DISPATCHED)
+
+    def _preempted(self) -> None:
+        self._epoch += 1
+        # It was dispatched, so its future is spent; a fresh one waits for the next dispatch.
+        self._go = self._loop.create_future()
+
+    def _ended_in_queue(self, error: GatewayError) -> None:
+        """The scheduler finished it while queued (expired, failed)."""
+        self._error = error
+        self._gw._forget(self.request.id)
+        if not self._go.done():
+            self._go.set_result(_Go.ENDED)
+
+    # -- ending --------------------------------------------------------------
+
+    def _end(self, error: GatewayError | None) -> None:
+        """Cancel the request wherever it is (no-op once it has an outcome). With
+        `error` (gateway shutdown) the consumer raises it; without (client gone)
+        the consumer's iteration just stops."""
+        req = self.request
+        if req.finished:
+            return
+        gw = self._gw
+        now = self._loop.time()
+        _, running = gw._scheduler.cancel(req.id, now, self._output_tokens)
+        self._error = error
+        gw._forget(req.id)
+        if running:
+            gw._backend.abort(req.id)
+        if not self._go.done():
+            self._go.set_result(_Go.ENDED)
+
+    def _fail(self, error: GatewayError) -> GatewayError:
+        """A running request failed in the backend: finish it with the error's outcome."""
+        req = self.request
+        if not req.finished:
+            self._gw._scheduler.finish(req.id, self._loop.time(), error.outcome, self._output_tokens)
+            self._error = error
+            self._gw._forget(req.id)
+        return error
+
+    # -- the consumer's side -------------------------------------------------
+
+    async def _iterate(self) -> AsyncIterator[Chunk]:
+        req = self.request
+        gw = self._gw
+        try:
+            while True:
+                go = self._go
+                await go
+                if req.finished:
+                    break
+                if go is not self._go:
+                    # Preempted after dispatch but before this task ran.
+                    continue
+                epoch = self._epoch
+                gw._unreserve(req.id)
+                try:
+                    # The backend counts the job from here (at the latest before
+                    # the first await of its stream), so the room held for it at
+                    # dispatch is given back in this same step.
+                    gen = gw._backend.generate(self._job)
+                except Exception as exc:
+                    raise self._fail(_map_backend_error(req, exc)) from exc
+                try:
+                    while True:
+                        try:
+                            chunk = await gen.__anext__()
+                        except StopAsyncIteration:
+                            chunk = None
+                        except Exception as exc:
+                            if self._epoch != epoch or req.finished:
+                                break
+                            raise self._fail(_map_backend_error(req, exc)) from exc
+                        if self._epoch != epoch or req.finished:
+                            # Preempted or cancelled: whatever the old run still
+                            # delivered never reaches the client.
+                            break
+                        if chunk is None:
+                            raise self._fail(BackendFailed("the backend ended the stream early"))
+                        now = self._loop.time()
+                        if req.first_token_at is None:
+                            # From here the core will not preempt it: the
+                            # client has output that cannot be taken back.
+                            gw._scheduler.on_first_token(req.id, now)
+                        self._output_tokens += chunk.tokens
+                        if chunk.finish_reason is not None:
+                            usage = chunk.usage or {}
+                            output = usage.get("completion_tokens", self._output_tokens)
+                            self._output_tokens = output
+                            gw._scheduler.finish(req.id, now, Outcome.COMPLETED, output)
+                            gw._forget(req.id)
+                            # Closed before the last chunk goes out: a consumer
+                            # that stops reading at it leaves nothing open.
+                            await _close_quietly(gen)
+                            yield chunk
+                            return
+                        yield chunk
+                finally:
+                    await _close_quietly(gen)
+                if req.finished:
+                    break
+                # Preempted: back to waiting for dispatch.
+                self._output_tokens = 0
+            if self._error is not None:
+                raise self._error
+        except GatewayError:
+            raise
+        except BaseException:
+            # Task cancelled or the iterator closed mid-way (GeneratorExit): the
+            # client is gone, and the request must still end, exactly once.
+            self._end(None)
+            raise
+
+
+def _map_backend_error(req: Request, exc: Exception) -> GatewayError:
+    if isinstance(exc, BackendUnavailable):
+        return BackendUnavailableError(
+            str(exc) or "the backend is unavailable", retry_after_s=exc.retry_after_s
+        )
+    if not isinstance(exc, BackendError):
+        # Not a failure the backend reported but a bug in it; the request still
+        # ends as a backend error, and the traceback must not be lost.
+        log.error("request %s: unexpected error in the backend", req.id, exc_info=exc)
+    return BackendFailed(str(exc) or "the backend failed")
+
+
+async def _close_quietly(gen: AsyncIterator[Chunk]) -> None:
+    aclose = getattr(gen, "aclose", None)
+    if aclose is None:
+        return
+    try:
+        await aclose()
+    except Exception:
+        # The request's outcome is already decided; a backend that cannot
+        # close cleanly must not turn it into a different one.
+        log.exception("error closing a backend stream")

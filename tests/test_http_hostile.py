@@ -1,0 +1,306 @@
+"""A corpus of malformed and hostile requests against one live server.
+
+Each gets its exact 4xx in OpenAI's error shape, none a 5xx, and the server
+keeps serving: the corpus runs in one test against one server, and a valid
+request after it still completes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from http_support import ALICE_KEY, MAX_BODY, MODEL, SECRET, live_app
+
+AUTH = {"Authorization": f"Bearer {ALICE_KEY}"}
+JSON = {"Content-Type": "application/json"}
+MSGS = [{"role": "user", "content": "hi"}]
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": MODEL, "messages": MSGS, "max_tokens": 2}
+    body.update(fields)
+    return {k: v for k, v in body.items() if v is not DROP}
+
+
+def comp(**fields: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    body.update(fields)
+    return {k: v for k, v in body.items() if v is not DROP}
+
+
+DROP = object()
+"""A field value meaning: leave the field out."""
+
+
+@dataclass
+class Case:
+    name: str
+    status: int
+    body: Any = None
+    """dict/list -> JSON; bytes -> sent as is; None -> no body."""
+    path: str = CHAT
+    method: str = "POST"
+    headers: dict[str, str] = field(default_factory=lambda: {**AUTH, **JSON})
+    param: str | None = None
+    code: str | None = None
+
+
+def no_auth(**extra: str) -> dict[str, str]:
+    return {**JSON, **extra}
+
+
+CASES = [
+    # -- identity ---------------------------------------------------------
+    Case("no key", 401, chat(), headers=no_auth(), code="invalid_api_key"),
+    Case("wrong key", 401, chat(), headers=no_auth(Authorization="Bearer sk-not-a-key")),
+    Case("basic auth", 401, chat(), headers=no_auth(Authorization="Basic YWxpY2U6cHc=")),
+    Case("empty bearer", 401, chat(), headers=no_auth(Authorization="Bearer ")),
+    Case(
+        "key hash instead of key",
+        401,
+        chat(),
+        headers=no_auth(Authorization="Bearer sha256:" + "0" * 64),
+    ),
+    Case("non-ascii key", 401, chat(), headers=no_auth(Authorization="Bearer clé-ÿ")),
+    Case("forged tenant header", 401, chat(), headers=no_auth(**{"X-Tenant-Id": "alice"})),
+    Case(
+        "forged tenant header beside a valid key",
+        401,
+        chat(),
+        headers={**AUTH, **JSON, "X-Tenant-Id": "bob"},
+    ),
+    Case(
+        "tenant header, wrong secret",
+        401,
+        chat(),
+        headers=no_auth(**{"X-Tenant-Id": "alice", "X-Gateway-Secret": "guess"}),
+    ),
+    Case(
+        "tenant header, non-ascii secret",
+        401,
+        chat(),
+        headers=no_auth(**{"X-Tenant-Id": "alice", "X-Gateway-Secret": "sécret"}),
+    ),
+    Case(
+        "tenant header, unknown tenant, no default tier",
+        401,
+        chat(),
+        headers=no_auth(**{"X-Tenant-Id": "mallory", "X-Gateway-Secret": SECRET}),
+    ),
+    Case(
+        "tenant header, malformed tenant id",
+        400,
+        chat(),
+        param="X-Tenant-Id",
+        headers=no_auth(**{"X-Tenant-Id": "../admin x", "X-Gateway-Secret": SECRET}),
+    ),
+    Case("models without key", 401, None, path="/v1/models", method="GET", headers={}),
+    # -- the body as bytes --------------------------------------------------
+    Case("empty body", 400, b""),
+    Case("truncated JSON", 400, b'{"model": "x", "messages": ['),
+    Case("not JSON at all", 400, b"model=x&messages=hi"),
+    Case("JSON null", 400, b"null"),
+    Case("JSON array", 400, b"[]"),
+    Case("JSON string", 400, b'"hello"'),
+    Case(
+        "NaN temperature",
+        400,
+        b'{"model": "%s", "messages": [], "temperature": NaN}' % MODEL.encode(),
+    ),
+    Case(
+        "infinite number",
+        400,
+        json.dumps(chat()).replace('"max_tokens": 2', '"max_tokens": 1e999').encode(),
+    ),
+    Case("invalid UTF-8", 400, b'{"model": "\xff\xfe", "messages": []}'),
+    Case("nesting bomb", 400, b"[" * 30_000 + b"]" * 30_000),
+    Case("5000-digit number", 400, b'{"max_tokens": ' + b"9" * 5000 + b"}"),
+    Case("text/plain", 415, chat(), headers={**AUTH, "Content-Type": "text/plain"}),
+    Case(
+        "form-encoded",
+        415,
+        chat(),
+        headers={**AUTH, "Content-Type": "application/x-www-form-urlencoded"},
+    ),
+    Case(
+        "oversized body",
+        413,
+        chat(messages=[{"role": "user", "content": "x" * (MAX_BODY + 1)}]),
+        code="request_too_large",
+    ),
+    # -- fields ----------------------------------------------------------------
+    Case("missing model", 400, chat(model=DROP), param="model"),
+    Case("model is a number", 400, chat(model=42), param="model"),
+    Case("empty model", 400, chat(model=""), param="model"),
+    Case("unknown model", 404, chat(model="gpt-4o"), param="model", code="model_not_found"),
+    Case("model with markup", 404, chat(model='"}<script>'), param="model", code="model_not_found"),
+    Case("missing messages", 400, chat(messages=DROP), param="messages"),
+    Case("empty messages", 400, chat(messages=[]), param="messages"),
+    Case("messages is a string", 400, chat(messages="hi"), param="messages"),
+    Case("message is a string", 400, chat(messages=["hi"]), param="messages.0"),
+    Case(
+        "unknown role",
+        400,
+        chat(messages=[{"role": "root", "content": "hi"}]),
+        param="messages.0.role",
+    ),
+    Case("missing role", 400, chat(messages=[{"content": "hi"}]), param="messages.0.role"),
+    Case(
+        "user without content", 400, chat(messages=[{"role": "user"}]), param="messages.0.content"
+    ),
+    Case(
+        "content is a number",
+        400,
+        chat(messages=[{"role": "user", "content": 42}]),
+        param="messages.0.content",
+    ),
+    Case(
+        "text part without text",
+        400,
+        chat(messages=[MSGS[0], {"role": "user", "content": [{"type": "text", "text": 5}]}]),
+        param="messages.1.content",
+    ),
+    Case("max_tokens 0", 400, chat(max_tokens=0), param="max_tokens"),
+    Case("max_tokens negative", 400, chat(max_tokens=-100), param="max_tokens"),
+    Case("max_tokens string", 400, chat(max_tokens="10"), param="max_tokens"),
+    Case("max_tokens float", 400, chat(max_tokens=1.5), param="max_tokens"),
+    Case("max_tokens bool", 400, chat(max_tokens=True), param="max_tokens"),
+    Case(
+        "max_completion_tokens negative",
+        400,
+        chat(max_completion_tokens=-1),
+        param="max_completion_tokens",
+    ),
+    Case("n=2", 400, chat(n=2), param="n"),
+    Case("n=0", 400, chat(n=0), param="n"),
+    Case("stream as string", 400, chat(stream="yes"), param="stream"),
+    Case(
+        "stream_options not an object",
+        400,
+        chat(stream=True, stream_options="all"),
+        param="stream_options",
+    ),
+    Case("temperature 3", 400, chat(temperature=3), param="temperature"),
+    Case("temperature negative", 400, chat(temperature=-0.5), param="temperature"),
+    Case("top_p 1.5", 400, chat(top_p=1.5), param="top_p"),
+    Case("priority negative", 400, chat(priority=-1), param="priority"),
+    Case("priority string", 400, chat(priority="high"), param="priority"),
+    Case("completion without prompt", 400, comp(prompt=DROP), path=COMP, param="prompt"),
+    Case("empty prompt list", 400, comp(prompt=[]), path=COMP, param="prompt"),
+    Case("prompt is a number", 400, comp(prompt=42), path=COMP, param="prompt"),
+    Case("prompt of token ids", 400, comp(prompt=[1, 2, 3]), path=COMP, param="prompt"),
+    Case("several prompts", 400, comp(prompt=["a", "b"]), path=COMP, param="prompt"),
+    Case(
+        "completion, max_tokens negative", 400, comp(max_tokens=-1), path=COMP, param="max_tokens"
+    ),
+    # -- routes and methods ------------------------------------------------------
+    Case("GET on chat", 405, None, method="GET", code="method_not_allowed"),
+    Case("PUT on completions", 405, comp(), path=COMP, method="PUT", code="method_not_allowed"),
+    Case("DELETE on healthz", 405, None, path="/healthz", method="DELETE"),
+    Case("unknown endpoint", 404, chat(), path="/v1/embeddings", code="not_found"),
+    Case("path traversal", 404, None, path="/v1/../../etc/passwd", method="GET"),
+    Case("admin probe", 404, None, path="/admin/config", method="GET"),
+]
+
+
+def test_corpus_is_large_enough() -> None:
+    assert len(CASES) >= 40
+    assert len({case.name for case in CASES}) == len(CASES)
+
+
+async def _send(http: aiohttp.ClientSession, base: str, case: Case) -> aiohttp.ClientResponse:
+    if case.body is None:
+        data = None
+    elif isinstance(case.body, bytes):
+        data = case.body
+    else:
+        data = json.dumps(case.body).encode()
+    return await http.request(case.method, base + case.path, data=data, headers=case.headers)
+
+
+async def test_hostile_corpus_gets_exact_4xx_and_server_keeps_serving() -> None:
+    failures: list[str] = []
+    async with (
+        live_app() as live,
+        aiohttp.ClientSession(skip_auto_headers={"Content-Type"}) as http,
+    ):
+        for case in CASES:
+            async with await _send(http, live.url, case) as response:
+                raw = await response.read()
+                status = response.status
+                headers = response.headers
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                failures.append(f"{case.name}: {status}, not JSON: {raw[:80]!r}")
+                continue
+            error = body.get("error") if isinstance(body, dict) else None
+            if status != case.status:
+                failures.append(f"{case.name}: status {status}, want {case.status}: {raw[:200]!r}")
+            elif not isinstance(error, dict) or set(error) != {"message", "type", "code", "param"}:
+                failures.append(f"{case.name}: not OpenAI's error shape: {raw[:200]!r}")
+            elif not isinstance(error["message"], str) or not error["message"]:
+                failures.append(f"{case.name}: empty message")
+            elif case.param is not None and error["param"] != case.param:
+                failures.append(f"{case.name}: param {error['param']!r}, want {case.param!r}")
+            elif case.code is not None and error["code"] != case.code:
+                failures.append(f"{case.name}: code {error['code']!r}, want {case.code!r}")
+            elif "x-request-id" not in headers:
+                failures.append(f"{case.name}: no x-request-id")
+            elif "Retry-After" in headers:
+                failures.append(f"{case.name}: a client error must not invite a retry")
+            if case.status == 405 and status == 405 and not headers.get("Allow"):
+                failures.append(f"{case.name}: 405 without Allow")
+
+        # Nothing above reached the scheduler: each was refused at the door.
+        assert live.gateway.streams == []
+
+        async with http.post(
+            live.url + CHAT, data=json.dumps(chat()).encode(), headers={**AUTH, **JSON}
+        ) as response:
+            assert response.status == 200, await response.text()
+            reply = await response.json()
+        assert reply["usage"]["completion_tokens"] == 2
+        async with http.get(live.url + "/healthz") as response:
+            assert response.status == 200
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        chat(max_tokens=10**12),  # absurd asks are clamped to the tier cap, not refused
+        chat(max_tokens=10**300),
+        chat(priority=10**9),  # as low as it goes
+        chat(unknown_field={"nested": [1, 2, {"x": None}]}, user="u-1", seed=7),  # passes through
+        chat(
+            messages=[
+                {"role": "assistant", "content": None, "tool_calls": []},
+                {"role": "tool", "content": "42", "tool_call_id": "t1"},
+                {"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+            ]
+        ),
+        chat(temperature=0, top_p=1, n=1, stream=False),
+    ],
+    ids=[
+        "max_tokens 1e12",
+        "max_tokens 1e300",
+        "priority 1e9",
+        "unknown fields",
+        "roles and parts",
+        "edge values",
+    ],
+)
+async def test_odd_but_valid_requests_succeed(body: dict[str, Any]) -> None:
+    async with live_app() as live, aiohttp.ClientSession() as http:
+        async with http.post(live.url + CHAT, json=body, headers=AUTH) as response:
+            assert response.status == 200, await response.text()
+            reply = await response.json()
+        assert reply["usage"]["completion_tokens"] <= live.policy.tiers["interactive"].max_tokens

@@ -1,0 +1,650 @@
+"""The openai backend against real HTTP servers on loopback ports.
+
+Each fake upstream is an aiohttp app speaking the OpenAI streaming protocol.
+Its text starts with its own name, so a test can tell which upstream served a
+request from the client side alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+from typing import Any, Literal
+
+import pytest
+from aiohttp import web
+
+from qosgate.backends.base import BackendError, BackendUnavailable, Chunk, GenerationJob
+from qosgate.backends.openai import UNKNOWN_KV_TOKENS, OpenAIBackend
+from qosgate.config.models import OpenAIBackendConfig
+
+# A guard against a hang, never a wait: every await below ends on an event.
+LIMIT_S = 5.0
+
+
+class FakeUpstream:
+    def __init__(self, name: str, models: tuple[str, ...] = ("m",)) -> None:
+        self.name = name
+        self.models = list(models)
+        # ok | hold (stop after the first delta until `release`) | kill (drop
+        # the connection after the first delta) | status | malformed
+        self.mode = "ok"
+        self.send_usage = True
+        self.completion_tokens: int | None = None  # None: one per delta
+        self.tokens_per_delta_usage: int | None = None  # vLLM's continuous usage stats
+        self.delta_extra: dict[str, Any] = {}
+        self.status = 500
+        self.status_headers: dict[str, str] = {}
+        self.status_body: Any = {"error": {"message": "boom", "type": "server_error"}}
+        self.release = asyncio.Event()
+        self.disconnected = asyncio.Event()
+        self.requests: list[dict[str, Any]] = []
+        self.model_probes: list[dict[str, str]] = []
+        self.active = 0
+        self.max_active = 0
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def pieces(self) -> list[str]:
+        return [self.name, " says", " hi"]
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_post("/v1/completions", self._generate)
+        # Cancelling the handler on disconnect is how a held stream learns its
+        # client is gone.
+        self._runner = web.AppRunner(app, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self.model_probes.append(dict(request.headers))
+        return web.json_response({"object": "list", "data": [{"id": m} for m in self.models]})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append({"path": request.path, "body": body, "headers": dict(request.headers)})
+        if self.mode == "status":
+            return web.json_response(
+                self.status_body, status=self.status, headers=self.status_headers
+            )
+        chat = request.path.endswith("/chat/completions")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        counted = True
+
+        async def send(payload: Any) -> None:
+            data = payload if isinstance(payload, str) else json.dumps(payload)
+            await response.write(f"data: {data}\n\n".encode())
+
+        def choice(text: str, finish: str | None, extra: dict[str, Any] | None = None) -> dict:
+            if chat:
+                delta: dict[str, Any] = {"content": text} if text else {}
+                delta.update(extra or {})
+                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+
+        try:
+            if chat:
+                await send(
+                    {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+                )
+            if self.mode == "malformed":
+                await send("{not json")
+            for i, piece in enumerate(self.pieces):
+                event: dict[str, Any] = {
+                    "choices": [choice(piece, None, self.delta_extra if i == 0 else None)]
+                }
+                if self.tokens_per_delta_usage:
+                    done = self.tokens_per_delta_usage * (i + 1)
+                    event["usage"] = {"prompt_tokens": 5, "completion_tokens": done}
+                await send(event)
+                if i == 0 and self.mode == "hold":
+                    await self.release.wait()
+                if i == 0 and self.mode == "kill":
+                    assert request.transport is not None
+                    request.transport.close()
+                    return response
+            # Counted out before the last bytes: the client frees its slot only
+            # after reading them, so its count can never trail this one.
+            self.active -= 1
+            counted = False
+            await send({"choices": [choice("", "stop")]})
+            if self.send_usage and body.get("stream_options", {}).get("include_usage"):
+                done = self.completion_tokens or len(self.pieces)
+                usage = {"prompt_tokens": 5, "completion_tokens": done, "total_tokens": 5 + done}
+                await send({"choices": [], "usage": usage})
+            await send("[DONE]")
+            await response.write_eof()
+            return response
+        except (asyncio.CancelledError, ConnectionError):
+            self.disconnected.set()
+            raise
+        finally:
+            if counted:
+                self.active -= 1
+
+
+class Harness:
+    def __init__(self) -> None:
+        self.upstreams: list[FakeUpstream] = []
+        self.backends: list[OpenAIBackend] = []
+
+    async def upstream(self, name: str, models: tuple[str, ...] = ("m",)) -> FakeUpstream:
+        up = FakeUpstream(name, models)
+        await up.start()
+        self.upstreams.append(up)
+        return up
+
+    async def backend(
+        self,
+        ups: list[FakeUpstream],
+        limits: list[int] | None = None,
+        weights: list[float] | None = None,
+        **cfg: Any,
+    ) -> OpenAIBackend:
+        cfg.setdefault("health_interval_s", 3600.0)
+        entries = []
+        for i, up in enumerate(ups):
+            entry: dict[str, Any] = {"url": up.url}
+            if limits:
+                entry["max_concurrency"] = limits[i]
+            if weights:
+                entry["weight"] = weights[i]
+            entries.append(entry)
+        backend = OpenAIBackend(OpenAIBackendConfig(upstreams=entries, **cfg))
+        await backend.start()
+        self.backends.append(backend)
+        return backend
+
+
+@pytest.fixture
+async def h():
+    harness = Harness()
+    yield harness
+    for backend in harness.backends:
+        await backend.close()
+    for up in harness.upstreams:
+        up.release.set()
+        await up.stop()
+
+
+_ids = iter(range(1_000_000))
+
+
+def job(
+    endpoint: Literal["chat", "completions"] = "chat",
+    *,
+    tenant: str = "t",
+    session: str | None = None,
+    max_tokens: int = 16,
+    body: dict[str, Any] | None = None,
+) -> GenerationJob:
+    if body is None:
+        body = (
+            {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+            if endpoint == "chat"
+            else {"model": "m", "prompt": "hello"}
+        )
+    return GenerationJob(
+        request_id=f"r{next(_ids)}",
+        endpoint=endpoint,
+        body=body,
+        prompt_tokens=2,
+        max_tokens=max_tokens,
+        priority=0,
+        tenant=tenant,
+        session=session,
+    )
+
+
+async def collect(stream) -> list[Chunk]:
+    return [chunk async for chunk in stream]
+
+
+async def served_by(backend: OpenAIBackend, j: GenerationJob) -> str:
+    return (await collect(backend.generate(j)))[0].text
+
+
+async def first(stream) -> Chunk:
+    return await asyncio.wait_for(stream.__anext__(), LIMIT_S)
+
+
+async def wait(event: asyncio.Event) -> None:
+    await asyncio.wait_for(event.wait(), LIMIT_S)
+
+
+# -- streaming -------------------------------------------------------------
+
+
+async def test_chat_streams_chunks_with_usage_and_passes_fields_through(h):
+    up = await h.upstream("up0")
+    up.delta_extra = {"reasoning_content": "hmm"}
+    backend = await h.backend([up])
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 999,
+        "stream": False,
+        "priority": 1,
+        "seed": 42,
+        "stream_options": {"continuous_usage_stats": False},
+    }
+    chunks = await collect(backend.generate(job(max_tokens=16, body=body)))
+
+    assert [c.text for c in chunks] == ["up0", " says", " hi", ""]
+    assert [c.finish_reason for c in chunks] == [None, None, None, "stop"]
+    assert chunks[0].raw == {"delta": {"reasoning_content": "hmm"}}
+    assert chunks[-1].usage == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert sum(c.tokens for c in chunks) == 3
+    sent = up.requests[0]
+    assert sent["path"] == "/v1/chat/completions"
+    assert sent["body"]["max_tokens"] == 16  # the tier's clamp, not the client's ask
+    assert sent["body"]["stream"] is True
+    assert sent["body"]["stream_options"] == {
+        "continuous_usage_stats": False,
+        "include_usage": True,
+    }
+    assert sent["body"]["seed"] == 42
+    assert "priority" not in sent["body"]
+    assert "Authorization" not in sent["headers"]
+
+
+async def test_completions_endpoint(h):
+    up = await h.upstream("up0")
+    backend = await h.backend([up])
+    chunks = await collect(backend.generate(job("completions")))
+    assert "".join(c.text for c in chunks) == "up0 says hi"
+    assert chunks[-1].finish_reason == "stop"
+    assert chunks[-1].usage is not None and chunks[-1].usage["completion_tokens"] == 3
+    assert up.requests[0]["path"] == "/v1/completions"
+    assert up.requests[0]["body"]["prompt"] == "hello"
+
+
+async def test_upstream_usage_overrides_delta_count(h):
+    up = await h.upstream("up0")
+    up.completion_tokens = 7  # three deltas carried seven tokens
+    backend = await h.backend([up])
+    chunks = await collect(backend.generate(job()))
+    assert sum(c.tokens for c in chunks) == 7
+    assert chunks[-1].usage["completion_tokens"] == 7
+
+
+async def test_running_usage_counts_tokens_per_chunk(h):
+    up = await h.upstream("up0")
+    up.tokens_per_delta_usage, up.completion_tokens = 2, 6
+    backend = await h.backend([up])
+    chunks = await collect(backend.generate(job("completions")))
+    assert [c.tokens for c in chunks] == [2, 2, 2, 0]
+    assert chunks[-1].usage["completion_tokens"] == 6
+
+
+async def test_without_upstream_usage_tokens_are_counted_as_deltas(h):
+    up = await h.upstream("up0")
+    up.send_usage = False
+    backend = await h.backend([up])
+    chunks = await collect(backend.generate(job()))
+    assert sum(c.tokens for c in chunks) == 3
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].usage is None
+
+
+# -- routing and capacity --------------------------------------------------
+
+
+async def test_least_outstanding_spreads_load(h):
+    ups = [await h.upstream("a"), await h.upstream("b")]
+    for up in ups:
+        up.mode = "hold"
+    backend = await h.backend(ups, limits=[4, 4])
+    streams = [backend.generate(job()) for _ in range(4)]
+    names = [(await first(s)).text for s in streams]
+    assert sorted(names) == ["a", "a", "b", "b"]
+    assert backend.capacity().free_slots == 4
+    for up in ups:
+        up.release.set()
+    for s in streams:
+        await collect(s)
+    assert backend.capacity().free_slots == 8
+
+
+async def test_ties_go_to_the_heavier_upstream_then_round_robin(h):
+    ups = [await h.upstream("light"), await h.upstream("heavy")]
+    backend = await h.backend(ups, weights=[1.0, 3.0])
+    assert await served_by(backend, job()) == "heavy"
+    backend2 = await h.backend(ups)
+    assert [await served_by(backend2, job()) for _ in range(4)] == ["light", "heavy"] * 2
+
+
+async def test_per_upstream_concurrency_is_never_exceeded(h):
+    ups = [await h.upstream("a"), await h.upstream("b")]
+    for up in ups:
+        up.mode = "hold"
+    backend = await h.backend(ups, limits=[2, 3])
+    wake = asyncio.Event()
+    backend.set_capacity_listener(wake.set)
+    pending = [job() for _ in range(40)]
+    # Fill every slot while the upstreams hold their streams open, so the
+    # limits are reached, not just respected by a lightly loaded backend.
+    wave = []
+    while pending and backend.capacity().free_slots > 0:
+        wave.append(backend.generate(pending.pop()))
+    assert sorted([(await first(s)).text for s in wave]) == ["a", "a", "b", "b", "b"]
+    with pytest.raises(BackendUnavailable):
+        await collect(backend.generate(job()))
+    for up in ups:
+        up.release.set()
+    tasks = [asyncio.create_task(collect(s)) for s in wave]
+    # The rest the way the runtime dispatches: only into reported free slots,
+    # and again whenever the listener says capacity grew.
+    while pending:
+        while pending and backend.capacity().free_slots > 0:
+            tasks.append(asyncio.create_task(collect(backend.generate(pending.pop()))))
+        if pending:
+            await wait(wake)
+            wake.clear()
+    results = await asyncio.gather(*tasks)
+    assert all(r[-1].finish_reason == "stop" for r in results)
+    assert (ups[0].max_active, ups[1].max_active) == (2, 3)
+    assert len(ups[0].requests) + len(ups[1].requests) == 40
+    assert backend.capacity().free_slots == 5
+
+
+async def test_full_backend_refuses_with_unavailable(h):
+    up = await h.upstream("a")
+    up.mode = "hold"
+    backend = await h.backend([up], limits=[1])
+    held = backend.generate(job())
+    await first(held)
+    assert backend.capacity().free_slots == 0
+    with pytest.raises(BackendUnavailable):
+        await collect(backend.generate(job()))
+    assert up.max_active == 1
+    up.release.set()
+    await collect(held)
+
+
+async def test_capacity_reports_unknown_kv(h):
+    backend = await h.backend([await h.upstream("a")], limits=[3])
+    cap = backend.capacity()
+    assert (cap.free_slots, cap.free_kv_tokens, cap.kv_capacity_tokens) == (
+        3,
+        UNKNOWN_KV_TOKENS,
+        None,
+    )
+
+
+async def test_tenant_affinity_is_sticky_and_falls_back_when_saturated(h):
+    ups = [await h.upstream(n) for n in ("a", "b", "c")]
+    backend = await h.backend(ups, limits=[1, 1, 1], affinity="tenant")
+    for up in ups:
+        up.release.set()
+    home = await served_by(backend, job(tenant="acme"))
+    assert [await served_by(backend, job(tenant="acme")) for _ in range(5)] == [home] * 5
+    homes = {await served_by(backend, job(tenant=f"t{i}")) for i in range(20)}
+    assert len(homes) > 1  # affinity spreads tenants, it does not pin them all to one
+
+    for up in ups:
+        up.mode = "hold"
+        up.release.clear()
+    held = backend.generate(job(tenant="acme"))
+    assert (await first(held)).text == home
+    other = backend.generate(job(tenant="acme"))
+    assert (await first(other)).text != home
+    for up in ups:
+        up.release.set()
+    await collect(held)
+    await collect(other)
+    assert await served_by(backend, job(tenant="acme")) == home
+
+
+async def test_session_affinity_is_sticky_across_tenants_and_falls_back(h):
+    ups = [await h.upstream(n) for n in ("a", "b", "c")]
+    backend = await h.backend(ups, limits=[1, 1, 1], affinity="session")
+    for up in ups:
+        up.release.set()
+    home = await served_by(backend, job(session="s-1", tenant="x"))
+    assert {await served_by(backend, job(session="s-1", tenant=f"t{i}")) for i in range(5)} == {
+        home
+    }
+    # Without a session the request goes by load alone, round the upstreams.
+    assert len({await served_by(backend, job(tenant="x")) for _ in range(3)}) == 3
+
+    for up in ups:
+        up.mode = "hold"
+        up.release.clear()
+    held = backend.generate(job(session="s-1"))
+    assert (await first(held)).text == home
+    other = backend.generate(job(session="s-1"))
+    assert (await first(other)).text != home
+    for up in ups:
+        up.release.set()
+    await collect(held)
+    await collect(other)
+
+
+# -- failures --------------------------------------------------------------
+
+
+async def test_upstream_500_is_a_backend_error(h):
+    up = await h.upstream("a")
+    up.mode = "status"
+    backend = await h.backend([up])
+    with pytest.raises(BackendError) as info:
+        await collect(backend.generate(job()))
+    assert not isinstance(info.value, BackendUnavailable)
+    assert "500" in str(info.value) and "boom" in str(info.value)
+    assert backend.capacity().free_slots == 64
+    assert backend.ready()  # an answering upstream stays in rotation
+
+
+async def test_upstream_400_carries_its_message_and_is_not_retryable(h):
+    up = await h.upstream("a")
+    up.mode, up.status = "status", 400
+    up.status_body = {"error": {"message": "temperature is out of range", "param": "temperature"}}
+    backend = await h.backend([up])
+    with pytest.raises(BackendError) as info:
+        await collect(backend.generate(job()))
+    assert "temperature is out of range" in str(info.value)
+    assert not info.value.retryable and not isinstance(info.value, BackendUnavailable)
+
+
+async def test_upstream_429_and_503_are_unavailable_with_retry_after(h):
+    up = await h.upstream("a")
+    up.mode, up.status, up.status_headers = "status", 429, {"Retry-After": "7"}
+    backend = await h.backend([up])
+    with pytest.raises(BackendUnavailable) as info:
+        await collect(backend.generate(job()))
+    assert info.value.retry_after_s == 7.0
+    up.status, up.status_headers = 503, {}
+    with pytest.raises(BackendUnavailable) as info:
+        await collect(backend.generate(job()))
+    assert info.value.retry_after_s == 1.0
+
+
+async def test_connection_refused_marks_upstream_unhealthy(h):
+    up = await h.upstream("a")
+    backend = await h.backend([up])
+    assert backend.ready()
+    await up.stop()
+    with pytest.raises(BackendError) as info:
+        await collect(backend.generate(job()))
+    assert type(info.value) is BackendError and info.value.retryable
+    assert not backend.ready()
+    assert backend.capacity().free_slots == 0
+    with pytest.raises(BackendUnavailable):
+        await collect(backend.generate(job()))
+
+
+async def test_unhealthy_upstream_recovers_via_health_check(h):
+    up = await h.upstream("a")
+    backend = await h.backend([up], health_interval_s=0.02)
+    recovered = asyncio.Event()
+    await up.stop()
+    with pytest.raises(BackendError):
+        await collect(backend.generate(job()))
+    assert not backend.ready()
+    backend.set_capacity_listener(recovered.set)
+    await up.start()  # same port
+    await wait(recovered)
+    assert backend.ready()
+    assert await served_by(backend, job()) == "a"
+
+
+async def test_requests_avoid_an_unhealthy_upstream(h):
+    a, b = await h.upstream("a"), await h.upstream("b")
+    backend = await h.backend([a, b], affinity="tenant")
+    tenants = [f"t{i}" for i in range(20)]
+    homes = {t: await served_by(backend, job(tenant=t)) for t in tenants}
+    on_a = next(t for t in tenants if homes[t] == "a")
+    await a.stop()
+    with pytest.raises(BackendError):
+        await collect(backend.generate(job(tenant=on_a)))
+    # Its tenants move to the survivor; the others stay where they were.
+    assert {await served_by(backend, job(tenant=t)) for t in tenants} == {"b"}
+
+
+async def test_upstream_killed_mid_stream_is_a_backend_error(h):
+    up = await h.upstream("a")
+    up.mode = "kill"
+    backend = await h.backend([up])
+    seen: list[Chunk] = []
+    with pytest.raises(BackendError):
+        async for chunk in backend.generate(job()):
+            seen.append(chunk)
+    assert [c.text for c in seen] == ["a"]
+    assert backend.capacity().free_slots == 64
+
+
+async def test_malformed_stream_is_a_backend_error(h):
+    up = await h.upstream("a")
+    up.mode = "malformed"
+    backend = await h.backend([up])
+    with pytest.raises(BackendError, match="malformed"):
+        await collect(backend.generate(job()))
+
+
+# -- ending early ----------------------------------------------------------
+
+
+async def test_closing_the_stream_early_disconnects_the_upstream(h):
+    up = await h.upstream("a")
+    up.mode = "hold"
+    backend = await h.backend([up], limits=[2])
+    calls = []
+    backend.set_capacity_listener(lambda: calls.append(1))
+    stream = backend.generate(job())
+    await first(stream)
+    assert backend.capacity().free_slots == 1
+    await stream.aclose()
+    await wait(up.disconnected)
+    assert backend.capacity().free_slots == 2
+    assert calls
+
+
+async def test_abort_stops_the_upstream_and_is_idempotent(h):
+    up = await h.upstream("a")
+    up.mode = "hold"
+    backend = await h.backend([up], limits=[2])
+    j = job()
+    stream = backend.generate(j)
+    await first(stream)
+    reader = asyncio.create_task(collect(stream))
+    backend.abort(j.request_id)
+    backend.abort(j.request_id)
+    backend.abort("no-such-request")
+    with pytest.raises(BackendError) as info:
+        await asyncio.wait_for(reader, LIMIT_S)
+    assert info.value.retryable
+    await wait(up.disconnected)
+    assert backend.capacity().free_slots == 2
+
+
+async def test_abort_before_the_first_read(h):
+    up = await h.upstream("a")
+    backend = await h.backend([up], limits=[1])
+    j = job()
+    stream = backend.generate(j)
+    assert backend.capacity().free_slots == 0
+    backend.abort(j.request_id)
+    assert backend.capacity().free_slots == 1
+    with pytest.raises(BackendError):
+        await collect(stream)
+    assert up.requests == []
+
+
+async def test_a_dropped_stream_gives_its_slot_back(h):
+    backend = await h.backend([await h.upstream("a")], limits=[1])
+    notified = asyncio.Event()
+    backend.set_capacity_listener(notified.set)
+    stream = backend.generate(job())
+    assert backend.capacity().free_slots == 0
+    del stream
+    gc.collect()
+    assert backend.capacity().free_slots == 1
+    await wait(notified)
+
+
+async def test_capacity_listener_called_when_a_request_ends(h):
+    backend = await h.backend([await h.upstream("a")])
+    calls = []
+    backend.set_capacity_listener(lambda: calls.append(backend.capacity().free_slots))
+    await collect(backend.generate(job()))
+    assert calls == [64]  # called after the slot was freed
+
+
+# -- models, keys, token estimate ------------------------------------------
+
+
+async def test_models_are_the_union_reported_by_upstreams(h):
+    a = await h.upstream("a", models=("m1", "m2"))
+    b = await h.upstream("b", models=("m2", "m3"))
+    assert (await h.backend([a, b])).models == ("m1", "m2", "m3")
+    assert (await h.backend([a, b], models=("only",))).models == ("only",)
+
+
+async def test_api_key_from_environment(h, monkeypatch):
+    up = await h.upstream("a")
+    entries = [{"url": up.url, "api_key_env": "FAKE_UPSTREAM_KEY"}]
+    monkeypatch.setenv("FAKE_UPSTREAM_KEY", "sk-123")
+    backend = OpenAIBackend(OpenAIBackendConfig(upstreams=entries))
+    await backend.start()
+    h.backends.append(backend)
+    await collect(backend.generate(job()))
+    assert up.model_probes[0]["Authorization"] == "Bearer sk-123"
+    assert up.requests[0]["headers"]["Authorization"] == "Bearer sk-123"
+
+    monkeypatch.delenv("FAKE_UPSTREAM_KEY")
+    missing = OpenAIBackend(OpenAIBackendConfig(upstreams=entries))
+    with pytest.raises(BackendError, match="FAKE_UPSTREAM_KEY"):
+        await missing.start()
+    await missing.close()
+
+
+def test_prompt_token_estimate():
+    backend = OpenAIBackend(OpenAIBackendConfig(upstreams=[{"url": "http://127.0.0.1:9/v1"}]))
+    chat = {
+        "messages": [
+            {"role": "system", "content": "x" * 40},
+            {"role": "user", "content": [{"type": "text", "text": "y" * 8}, {"type": "image_url"}]},
+        ]
+    }
+    assert backend.count_prompt_tokens("chat", chat) == 12 + 2 * 4
+    assert backend.count_prompt_tokens("completions", {"prompt": "z" * 9}) == 3
+    assert backend.count_prompt_tokens("completions", {"prompt": ""}) == 1
