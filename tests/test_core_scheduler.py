@@ -85,6 +85,30 @@ def test_aged_delay_work_counts_ahead_of_the_level_it_reached():
     assert 1 <= refused.retry_after_s <= 300
 
 
+def test_work_flowing_into_higher_tiers_lengthens_a_lower_tiers_predicted_wait():
+    sched = Scheduler(policy(tiers={
+        "interactive": {"priority": 0, "max_queue_wait_ms": 500},
+        "standard": {"priority": 1, "max_queue_wait_ms": 1500},
+    }, tenants=[{"id": "i1", "tier": "interactive"}, {"id": "s1", "tier": "standard"}]),
+        drain_rate_hint=1000.0)
+    # Interactive work (200 tokens a request) arrives at 800 tokens/s and is
+    # served at once, so its queue stays empty; a standard newcomer still
+    # waits behind it.
+    t = 0.0
+    while t < 60.0:  # six time constants: the inflow estimate has settled
+        sched.submit(req("interactive", at=t), t)
+        for done in sched.schedule(t, ROOMY).dispatch:
+            sched.finish(done.id, t, Outcome.COMPLETED, 100)
+        t += 0.25
+    for _ in range(2):  # 200 tokens each; the second predicts ~1.0 s
+        assert sched.submit(req("standard", at=t), t).admitted
+    # 400 tokens ahead: 0.4 s at the full drain rate, but ~2 s at what is left
+    # after the interactive inflow (1000 - 800 tokens/s): over the 1.5 s budget.
+    refused = sched.submit(req("standard", at=t), t)
+    assert not refused.admitted and refused.outcome is Outcome.REJECTED_OVERLOAD
+    assert refused.predicted_wait_s == pytest.approx(400 / 200, rel=0.1)
+
+
 def test_delay_tier_is_not_refused_by_prediction_but_by_queue_cap():
     p = policy(tiers={
         "interactive": {"priority": 0, "max_queue_wait_ms": 100},
@@ -426,6 +450,17 @@ def test_drain_rate_tracks_saturated_throughput_and_ignores_idle_time():
     est.advance(60.0, saturated=False)
     est.advance(600.0, saturated=False)  # idle: the estimate must not decay
     assert est.rate == pytest.approx(1000.0, rel=0.05)
+
+
+def test_light_load_does_not_drag_the_drain_rate_down_to_the_offered_load():
+    sched = Scheduler(policy(), drain_rate_hint=1000.0)
+    t = 0.0
+    while t < 60.0:  # 200 tokens every second, served at once: never saturated
+        sched.submit(req("standard", at=t), t)
+        for done in sched.schedule(t, ROOMY).dispatch:
+            sched.finish(done.id, t + 0.1, Outcome.COMPLETED, 100)
+        t += 1.0
+    assert sched.drain.rate == pytest.approx(1000.0)
 
 
 # -- harness end to end ------------------------------------------------------------

@@ -83,3 +83,36 @@ class DrainRateEstimator:
         measured = self._tokens / span
         trust = min(1.0, span / self.tau)
         return trust * measured + (1.0 - trust) * self.prior
+
+
+class ArrivalRate:
+    """Tokens/s of work arriving, as an exponentially weighted average.
+
+    Work admitted to a more important tier keeps going ahead of a request that
+    is already queued, so a wait predicted from the queue alone is too short
+    by exactly this inflow.
+    """
+
+    __slots__ = ("tau", "_sum", "_last")
+
+    def __init__(self, tau_s: float) -> None:
+        self.tau = tau_s
+        self._sum = 0.0
+        self._last: float | None = None
+
+    def add(self, tokens: float, now: float) -> None:
+        last = self._last
+        if last is not None and now > last:
+            self._sum *= math.exp((last - now) / self.tau)
+        self._last = now
+        self._sum += tokens
+
+    def rate(self, now: float) -> float:
+        last = self._last
+        if last is None:
+            return 0.0
+        decayed = self._sum * math.exp((last - now) / self.tau) if now > last else self._sum
+        # Normalised by a full time constant even early on: a burst at start
+        # is already counted as queued work ahead, and dividing it by the short
+        # time it took would count it again as an enormous rate.
+        return decayed / self.tau

@@ -123,7 +123,10 @@ class Scheduler:
             self._queue_list = [single]
             self._top_level = 0
             return
-        self._queues = {name: _tier_queue(name, tier, order()) for name, tier in policy.tiers.items()}
+        tau = policy.scheduler.drain_rate_tau_s
+        self._queues = {
+            name: _tier_queue(name, tier, order(), tau) for name, tier in policy.tiers.items()
+        }
         self._queue_list = sorted(self._queues.values(), key=lambda q: (q.priority, q.name))
         self._top_level = self._queue_list[0].priority
 
@@ -182,12 +185,15 @@ class Scheduler:
             for other in self._queue_list:
                 if other.priority <= queue.priority:
                     ahead += other.work
+                    if other.priority < queue.priority:
+                        inflow += other.inflow.rate(now)
                 elif other.delays and self._max_boost:
                     aged, rate = self._aged_work(other, queue.priority, now)
                     ahead += aged
                     inflow += rate
-            # Delay-tier work keeps climbing past the newcomer while it waits,
-            # so only what the backend drains beyond that inflow serves it.
+            # Work admitted to more important tiers, and delay-tier work that
+            # climbs past the newcomer, keep going ahead of it while it waits:
+            # only what the backend drains beyond that inflow serves it.
             drain = self.drain.rate - inflow
             predicted = ahead / drain if drain > 0 else float("inf")
             if predicted > budget:
@@ -206,6 +212,7 @@ class Scheduler:
             if not queue.delays:
                 heapq.heappush(self._deadlines, (req.deadline, req.seq, req))
         queue.push(req)
+        queue.inflow.add(req.work, now)
         self._queued[req.id] = req
         if predicted:
             return AdmissionDecision(admitted=True, predicted_wait_s=predicted)
@@ -342,6 +349,9 @@ class Scheduler:
             self._preempt(now, blocked, plan)
 
         self._saturated = free_slots <= 0 or blocked is not None
+        # What the coming interval is: saturated only if work is still waiting
+        # or the backend is full after this round, not before it.
+        self.drain.advance(now, self._saturated or bool(self._queued))
         if self._deadlines:
             deadline = self._next_deadline()
             if deadline is not None and (wakeup is None or deadline < wakeup):
@@ -530,7 +540,7 @@ class Scheduler:
         }
 
 
-def _tier_queue(name: str, tier: TierConfig, order: FairnessOrder) -> TierQueue:
+def _tier_queue(name: str, tier: TierConfig, order: FairnessOrder, tau_s: float) -> TierQueue:
     return TierQueue(
         name,
         priority=tier.priority,
@@ -542,4 +552,5 @@ def _tier_queue(name: str, tier: TierConfig, order: FairnessOrder) -> TierQueue:
         max_batch_tokens=tier.batch.max_batch_tokens,
         preemptible=tier.preemptible,
         order=order,
+        inflow_tau_s=tau_s,
     )

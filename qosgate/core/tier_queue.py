@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from qosgate.core.admission import ArrivalRate
 from qosgate.core.fairness import FairnessOrder
 from qosgate.core.request import Request, RequestState
 
@@ -19,7 +20,7 @@ class TierQueue:
     __slots__ = (
         "name", "priority", "budget_s", "delays", "max_len", "max_wait_s",
         "max_batch_size", "max_batch_tokens", "preemptible", "order",
-        "_by_age", "work", "prompt_tokens", "running",
+        "_by_age", "work", "prompt_tokens", "running", "inflow",
     )
 
     def __init__(
@@ -35,6 +36,7 @@ class TierQueue:
         max_batch_tokens: int,
         preemptible: bool,
         order: FairnessOrder,
+        inflow_tau_s: float = 10.0,
     ) -> None:
         self.name = name
         self.priority = priority
@@ -54,6 +56,8 @@ class TierQueue:
         self.prompt_tokens = 0
         self.running: OrderedDict[str, Request] = OrderedDict()
         """Requests of this tier on the backend, in dispatch order (newest last)."""
+        self.inflow = ArrivalRate(inflow_tau_s)
+        """Work admitted to this tier per second."""
 
     def __len__(self) -> int:
         return len(self._by_age)
