@@ -31,6 +31,21 @@ def _parser() -> argparse.ArgumentParser:
     simulate.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
     simulate.add_argument("--quiet", action="store_true", help="no progress output")
 
+    bench = sub.add_parser(
+        "bench", help="load-test an OpenAI-compatible endpoint with a bench scenario (real clock)"
+    )
+    bench.add_argument("url", help="API base URL, e.g. http://127.0.0.1:8080/v1")
+    bench.add_argument("scenario", help="bench scenario YAML (kind: bench)")
+    bench.add_argument("--json", dest="json_path", default=None, help="write results JSON here")
+    bench.add_argument("--plot", dest="plot_path", default=None,
+                       help="write a PNG here (sweep: throughput against latency)")
+    bench.add_argument("--workers", type=int, default=None,
+                       help="load-generator processes (default: min(4, CPUs))")
+    bench.add_argument("--label", default="run",
+                       help="name of this run under `policies` in the JSON (default: run)")
+    bench.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
+    bench.add_argument("--quiet", action="store_true", help="no progress output")
+
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API with a policy")
     serve.add_argument("--config", required=True, help="policy YAML")
     serve.add_argument("--host", default=None,
@@ -70,6 +85,10 @@ def _run(args: argparse.Namespace) -> int:
         from qosgate.sim.commands import simulate_command
 
         return simulate_command(args)
+    if args.command == "bench":
+        from qosgate.bench.commands import bench_command
+
+        return bench_command(args)
     if args.command in ("serve", "demo"):
         return _serve_command(args, demo=args.command == "demo")
     raise AssertionError(args.command)

@@ -1,0 +1,282 @@
+"""Scenario files of `qosgate bench`: the traffic to send to a live endpoint.
+
+A bench scenario (`kind: bench`) describes requests the way a `qosgate
+simulate` scenario does (classes with shares or rates, Poisson or gamma
+arrivals, log-normal prompt/output lengths, on/off classes) and adds what a
+real client needs: the model name, the endpoint, streaming, and per class the
+API key (hence tenant and tier) it sends with. The tiers' SLOs are repeated
+here because the client cannot read them from the server; goodput is judged
+against them.
+
+Two modes:
+
+- `open`: open-loop arrivals over `duration_s`, sent whether or not earlier
+  requests have been answered (the way independent users behave).
+- `sweep`: closed loop, `sweep.concurrency` users at a time, each sending its
+  next request when the previous one ends; one row of throughput and latency
+  per concurrency level.
+
+Every model is frozen and forbids unknown keys, so a typo is an error that
+names the field (`qosgate bench` exits 2 with it).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from qosgate.config.loader import load_model
+from qosgate.config.models import StrictModel
+from qosgate.sim.scenario import LengthDist, LengthsConfig, LengthsOverride, MetricsConfig
+
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegativeFloat = Annotated[float, Field(ge=0)]
+PositiveInt = Annotated[int, Field(gt=0)]
+
+# Tier and tenant names become the keys of the result JSON and go through the
+# policy models for the report, so they follow the policy's naming rule.
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+DEFAULT_SWEEP = (1, 4, 8, 16, 32, 64)
+
+
+def _check_name(value: str) -> str:
+    if not _NAME.match(value):
+        raise ValueError("must be 1-64 letters, digits, '_', '.', '-'")
+    return value
+
+
+class BenchTier(StrictModel):
+    """A tier's objectives, as the client judges them (the gateway's policy may
+    say the same; the client cannot read it)."""
+
+    ttft_slo_ms: PositiveFloat | None = None
+    """Time-to-first-token objective. A request meets its tier's SLO when it
+    completes within it."""
+    e2e_slo_ms: PositiveFloat | None = None
+    """End-to-end objective, used when the tier has no TTFT objective (as in
+    the policy file). With neither, completing is enough."""
+
+
+class BenchArrivals(StrictModel):
+    """How open-loop requests arrive in time."""
+
+    process: Literal["poisson", "gamma"] = "poisson"
+    """Inter-arrival distribution: exponential (Poisson process) or gamma."""
+    burstiness: PositiveFloat = 1.0
+    """Coefficient of variation of the gaps (gamma only): 1 is Poisson, above 1
+    burstier, below 1 more regular."""
+    rate_rps: PositiveFloat | None = None
+    """Total requests/s of the classes given by share."""
+
+
+class BenchClass(StrictModel):
+    """One stream of requests, sent with one API key (hence one tenant and tier)."""
+
+    name: str
+    """Label of the class in progress output."""
+    tier: str
+    """The tier the key's tenant belongs to on the server; one of `tiers`."""
+    tenant: str | None = None
+    """Tenant label in the result (default: the class name). Classes may share
+    a tenant, which then has one tier."""
+    api_key: str | None = None
+    """Bearer key sent as `Authorization` (plain text: bench keys are test keys)."""
+    api_key_env: str | None = None
+    """Environment variable holding the key instead (read when the run starts).
+    With neither key field, no Authorization header is sent."""
+    share: PositiveFloat | None = None
+    """Relative weight in arrivals.rate_rps (open) or in the request mix
+    (sweep); default 1 when neither share nor rate_rps is given."""
+    rate_rps: PositiveFloat | None = None
+    """Absolute requests/s of this class (open); in a sweep, its weight in the mix."""
+    lengths: LengthsOverride | None = None
+    """This class's prompt/output lengths (default: the scenario's)."""
+    on_s: PositiveFloat | None = None
+    """On/off classes (open): seconds of each period during which it sends."""
+    off_s: NonNegativeFloat | None = None
+    """On/off classes (open): seconds of each period during which it is silent."""
+    phase_s: NonNegativeFloat = 0.0
+    """On/off classes (open): when the first on period starts."""
+    priority: Annotated[int, Field(ge=0, le=1000)] | None = None
+    """Sent as the body's `priority` (qosgate: levels below the tier); None: not sent."""
+
+    @field_validator("name", "tier", "tenant")
+    @classmethod
+    def _names(cls, value: str | None) -> str | None:
+        return None if value is None else _check_name(value)
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, value: str | None) -> str | None:
+        if value is not None and not _ENV_NAME.match(value):
+            raise ValueError("must be an environment variable name")
+        return value
+
+    @model_validator(mode="after")
+    def _shape(self) -> BenchClass:
+        if self.share is not None and self.rate_rps is not None:
+            raise ValueError("give share or rate_rps, not both")
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError("give api_key or api_key_env, not both")
+        if (self.on_s is None) != (self.off_s is None):
+            raise ValueError("on_s and off_s go together")
+        return self
+
+    @property
+    def tenant_id(self) -> str:
+        return self.tenant or self.name
+
+    @property
+    def effective_share(self) -> float:
+        """Share of the total rate (1 when unspecified)."""
+        return 1.0 if self.share is None else self.share
+
+    @property
+    def on_fraction(self) -> float:
+        if self.on_s is None or self.off_s is None:
+            return 1.0
+        return self.on_s / (self.on_s + self.off_s)
+
+
+class SweepConfig(StrictModel):
+    """The closed-loop concurrency sweep: one level after the other."""
+
+    concurrency: Annotated[tuple[PositiveInt, ...], Field(min_length=1)] = DEFAULT_SWEEP
+    """Users sending at once, one level per entry, in this order."""
+    requests: PositiveInt | None = None
+    """Requests per level, split evenly across its users."""
+    duration_s: PositiveFloat | None = None
+    """Seconds per level instead: users keep sending until then (requests in
+    flight at the end are waited for and counted)."""
+
+    @model_validator(mode="after")
+    def _one_stop(self) -> SweepConfig:
+        if (self.requests is None) == (self.duration_s is None):
+            raise ValueError("give exactly one of requests or duration_s (per level)")
+        return self
+
+
+class BenchScenario(StrictModel):
+    """A scenario file of `qosgate bench`."""
+
+    kind: Literal["bench"]
+    """Scenario type; `bench` (a `qosgate simulate` scenario is `traffic`)."""
+    name: str
+    """Short name, used in reports and as `scenario` in the result JSON."""
+    description: str = ""
+    """What the scenario measures."""
+    mode: Literal["open", "sweep"] = "open"
+    """open: open-loop arrivals over duration_s; sweep: closed loop per concurrency level."""
+    model: str
+    """The `model` of every request."""
+    endpoint: Literal["chat", "completions"] = "chat"
+    """POST /chat/completions (one user message) or /completions (a prompt)."""
+    stream: bool = True
+    """Ask for SSE streaming (TTFT is then the first content chunk; without
+    streaming TTFT is the whole response time)."""
+    seed: int = 0
+    """Seed of arrivals, lengths and prompt text (same seed, same requests)."""
+    duration_s: PositiveFloat | None = None
+    """Open loop: arrivals are generated over [0, duration_s); requests still
+    running then are waited for."""
+    warmup_s: NonNegativeFloat = 0.0
+    """Open loop: requests sent before this are left out of the metrics (but
+    never out of `lost`)."""
+    timeout_s: PositiveFloat = 600.0
+    """Per-request client timeout; a request past it is an error (timeout)."""
+    arrivals: BenchArrivals = BenchArrivals()
+    """Open loop: arrival process and total rate of the share classes."""
+    lengths: LengthsConfig | None = None
+    """Default prompt/output token lengths of the classes. The prompt is
+    synthetic text of about 4 characters per token; the output length is sent
+    as max_tokens."""
+    classes: Annotated[tuple[BenchClass, ...], Field(min_length=1)]
+    """The request streams."""
+    tiers: Annotated[dict[str, BenchTier], Field(min_length=1)]
+    """Tiers by name, with the SLOs goodput is judged against."""
+    sweep: SweepConfig | None = None
+    """mode sweep: the concurrency levels and how long each runs."""
+    metrics: MetricsConfig = MetricsConfig()
+    """The fairness window and service weights of the service-difference
+    figures (BENCHMARKS B4), as in `qosgate simulate`."""
+    extra_body: dict[str, Any] = Field(default_factory=dict)
+    """Fields added to every request body (e.g. `ignore_eos: true` for vLLM);
+    the scenario's own fields (model, messages/prompt, max_tokens, stream) win."""
+
+    @field_validator("tiers")
+    @classmethod
+    def _tier_names(cls, value: dict[str, BenchTier]) -> dict[str, BenchTier]:
+        for name in value:
+            if not _NAME.match(name):
+                raise ValueError(f"tier name {name!r}: must be 1-64 letters, digits, '_', '.', '-'")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> BenchScenario:
+        errors: list[str] = []
+        names: dict[str, int] = {}
+        tenant_tier: dict[str, tuple[str, int]] = {}
+        for index, cls_ in enumerate(self.classes):
+            if cls_.name in names:
+                errors.append(
+                    f"classes.{index}.name: duplicate class {cls_.name!r} "
+                    f"(first at classes.{names[cls_.name]})"
+                )
+            names.setdefault(cls_.name, index)
+            if cls_.tier not in self.tiers:
+                errors.append(
+                    f"classes.{index}.tier: unknown tier {cls_.tier!r} "
+                    f"(tiers: {', '.join(sorted(self.tiers))})"
+                )
+            seen = tenant_tier.get(cls_.tenant_id)
+            if seen is not None and seen[0] != cls_.tier:
+                errors.append(
+                    f"classes.{index}.tier: tenant {cls_.tenant_id!r} is in tier {seen[0]!r} "
+                    f"at classes.{seen[1]}; a tenant has one tier"
+                )
+            tenant_tier.setdefault(cls_.tenant_id, (cls_.tier, index))
+            lengths = cls_.lengths or LengthsOverride()
+            if self.lengths is None and (lengths.prompt is None or lengths.output is None):
+                errors.append(
+                    f"classes.{index}.lengths: needs prompt and output lengths "
+                    "(or give the scenario's lengths)"
+                )
+        if self.mode == "open":
+            if self.duration_s is None:
+                errors.append("duration_s: required in mode open")
+            elif self.warmup_s >= self.duration_s:
+                errors.append(f"warmup_s: must be below duration_s ({self.duration_s})")
+            if self.sweep is not None:
+                errors.append("sweep: only used in mode sweep (set mode: sweep)")
+            if any(c.rate_rps is None for c in self.classes) and self.arrivals.rate_rps is None:
+                errors.append("arrivals.rate_rps: classes given by share need a total rate")
+        else:
+            if self.sweep is None:
+                errors.append("sweep: required in mode sweep (concurrency and requests or duration_s)")
+            if self.duration_s is not None:
+                errors.append("duration_s: only used in mode open (a sweep level's is sweep.duration_s)")
+            if self.warmup_s:
+                errors.append("warmup_s: only used in mode open")
+        if errors:
+            raise ValueError("\n".join(errors))
+        return self
+
+    def class_lengths(self, cls_: BenchClass) -> LengthsConfig:
+        """The lengths a class draws from: its own, else the scenario's."""
+        own = cls_.lengths or LengthsOverride()
+        base = self.lengths
+        prompt: LengthDist | None = own.prompt or (base.prompt if base else None)
+        output: LengthDist | None = own.output or (base.output if base else None)
+        assert prompt is not None and output is not None  # guaranteed by validation
+        return LengthsConfig(prompt=prompt, output=output)
+
+
+def load_bench_scenario(path: str | Path) -> BenchScenario:
+    """Read and validate a bench scenario; raises qosgate.config.ConfigError
+    listing each problem with its line."""
+    return load_model(BenchScenario, Path(path))

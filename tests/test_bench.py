@@ -1,0 +1,326 @@
+"""`qosgate bench` end to end: the CLI entry point, its worker processes and a
+live endpoint (the real gateway on the simulated GPU, or a fake upstream that
+refuses, breaks and answers on purpose).
+
+The CLI blocks, so it runs in a thread while the test's event loop serves the
+endpoint. Open-loop runs last a fraction of a second of real time: that is the
+scenario's length, not a wait for something to happen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from pathlib import Path
+from typing import Any, Self
+
+import pytest
+import yaml
+from aiohttp import web
+from http_support import ALICE_KEY, BOB_KEY, MODEL, live_app
+
+from qosgate.bench.commands import api_base
+from qosgate.bench.plan import plan_open, sweep_pool
+from qosgate.bench.pool import split_open, split_users
+from qosgate.bench.report import Record, build_bench_report
+from qosgate.bench.scenario import BenchScenario, load_bench_scenario
+from qosgate.cli import main
+
+TIER_KEYS = (
+    "requests", "completed", "rejected", "expired", "errors", "ttft_slo_attainment",
+    "ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s", "tpot_p50_s", "itl_p99_s",
+    "queue_wait_p99_s", "queue_wait_max_s", "goodput_rps",
+)  # fmt: skip
+TOTAL_KEYS = (
+    "requests", "completed", "rejected", "errors", "throughput_tokens_per_s",
+    "output_tokens_per_s", "throughput_rps", "goodput_rps", "max_service_difference",
+    "avg_service_difference", "lost",
+)  # fmt: skip
+
+
+def write(tmp_path: Path, data: dict[str, Any], name: str = "bench.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+async def bench(*argv: str) -> int:
+    return await asyncio.to_thread(main, ["bench", *argv, "--quiet"])
+
+
+def open_scenario(**overrides: Any) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "kind": "bench",
+        "name": "mini-open",
+        "model": MODEL,
+        "stream": True,
+        "seed": 3,
+        "duration_s": 0.6,
+        "timeout_s": 20,
+        "arrivals": {"process": "poisson", "rate_rps": 50},
+        "lengths": {"prompt": {"median": 12}, "output": {"median": 4}},
+        "classes": [
+            {"name": "alice", "tier": "interactive", "api_key": ALICE_KEY, "share": 2},
+            {"name": "bob", "tier": "batch", "api_key": BOB_KEY, "share": 1},
+            {"name": "stranger", "tier": "batch", "api_key": "no-such-key", "share": 1},
+        ],
+        "tiers": {"interactive": {"ttft_slo_ms": 5000}, "batch": {"e2e_slo_ms": 60000}},
+    }
+    data.update(overrides)
+    return data
+
+
+# -- against the real gateway -------------------------------------------------------------
+
+
+async def test_open_loop_against_the_gateway_counts_every_request(tmp_path: Path) -> None:
+    path = write(tmp_path, open_scenario())
+    scenario = load_bench_scenario(path)
+    planned = plan_open(scenario)
+    strangers = sum(1 for spec in planned if spec[2] == 2)
+    assert len(planned) >= 15 and strangers >= 1
+    out = tmp_path / "out.json"
+    plot = tmp_path / "out.png"
+
+    async with live_app() as live:
+        rc = await bench(live.url, str(path), "--json", str(out), "--plot", str(plot),
+                         "--workers", "2", "--label", "gw")
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["scenario"] == "mini-open" and result["mode"] == "open"
+    assert result["url"] == live.url + "/v1"
+    run = result["policies"]["gw"]
+    for tier in ("interactive", "batch"):
+        for key in TIER_KEYS:
+            assert key in run["tiers"][tier], (tier, key)
+    for key in TOTAL_KEYS:
+        assert key in run["totals"], key
+    totals = run["totals"]
+    assert totals["lost"] == 0
+    assert totals["sent"] == totals["requests"] == len(planned)
+    # The unknown key is an error (401), counted, never dropped.
+    assert totals["errors"] == strangers
+    assert totals["error_types"] == {"http_401": strangers}
+    assert totals["completed"] == len(planned) - strangers
+    assert run["tenants"]["stranger"]["errors"] == strangers
+    interactive = run["tiers"]["interactive"]
+    assert interactive["completed"] == interactive["requests"] > 0
+    assert interactive["ttft_slo_attainment"] == 1.0
+    assert interactive["queue_wait_p99_s"] is None  # invisible to a client
+    assert 0 < interactive["ttft_p50_s"] <= interactive["e2e_p50_s"]
+    assert plot.stat().st_size > 0
+
+
+# -- against a fake upstream ---------------------------------------------------------------
+
+
+class Upstream:
+    """Answers request n (in arrival order) by `script[n % len(script)]`:
+    ok, 429, 503, cut (a stream that breaks off) or error_event."""
+
+    def __init__(self, script: tuple[str, ...]) -> None:
+        self.script = script
+        self.count = 0
+        self.active = 0
+        self.max_active = 0
+        self.seen: dict[str, int] = {}
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def __aenter__(self) -> Self:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._handle)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}/v1"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        action = self.script[self.count % len(self.script)]
+        self.count += 1
+        self.seen[action] = self.seen.get(action, 0) + 1
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            # Let the other users' requests arrive while this one is in flight.
+            await asyncio.sleep(0)
+            if action in ("429", "503"):
+                return web.json_response(
+                    {"error": {"message": "busy", "type": "server_error",
+                               "code": "queue_full" if action == "429" else "overloaded"}},
+                    status=int(action), headers={"Retry-After": "1"},
+                )
+            if not body.get("stream"):
+                return web.json_response({
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "a b c"},
+                                 "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6},
+                })
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for word in ("a ", "b "):
+                event = {"choices": [{"index": 0, "delta": {"content": word}}]}
+                await response.write(f"data: {json.dumps(event)}\n\n".encode())
+            if action == "cut":
+                assert request.transport is not None
+                request.transport.close()
+                return response
+            if action == "error_event":
+                await response.write(b'data: {"error": {"message": "x", "code": "backend_error"}}\n\n')
+                await response.write_eof()
+                return response
+            final = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                     "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+            await response.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
+            await response.write_eof()
+            return response
+        finally:
+            self.active -= 1
+
+
+def fake_scenario(**overrides: Any) -> dict[str, Any]:
+    data = open_scenario(
+        name="fake", model="m", duration_s=0.4, arrivals={"rate_rps": 60},
+        classes=[{"name": "only", "tier": "standard", "api_key_env": "QG_BENCH_TEST_KEY"}],
+        tiers={"standard": {"ttft_slo_ms": 2000}},
+    )
+    data.update(overrides)
+    return data
+
+
+async def test_refusals_are_rejected_and_failures_are_errors_never_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("QG_BENCH_TEST_KEY", "k")
+    path = write(tmp_path, fake_scenario())
+    planned = len(plan_open(load_bench_scenario(path)))
+    assert planned >= 10
+    out = tmp_path / "out.json"
+    async with Upstream(("429", "ok", "503", "cut", "error_event")) as upstream:
+        rc = await bench(upstream.url, str(path), "--json", str(out), "--workers", "1")
+    assert rc == 0
+    totals = json.loads(out.read_text())["policies"]["run"]["totals"]
+    seen = upstream.seen
+    assert upstream.count == planned == totals["sent"] == totals["requests"]
+    assert totals["lost"] == 0
+    assert totals["rejected"] == seen.get("429", 0) + seen.get("503", 0)
+    assert totals["rejected_by_status"] == {
+        k: v for k, v in (("429", seen.get("429", 0)), ("503", seen.get("503", 0))) if v
+    }
+    assert totals["completed"] == seen.get("ok", 0)
+    assert totals["errors"] == seen.get("cut", 0) + seen.get("error_event", 0)
+    kinds = totals["error_types"]
+    assert kinds.get("stream_error", 0) == seen.get("error_event", 0)
+    assert sum(kinds.values()) == totals["errors"]
+
+
+async def test_sweep_gives_one_row_per_concurrency_level(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("QG_BENCH_TEST_KEY", "k")
+    data = fake_scenario(mode="sweep", stream=False,
+                         sweep={"concurrency": [1, 3, 4], "requests": 12})
+    del data["duration_s"]
+    path = write(tmp_path, data)
+    out, plot = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    async with Upstream(("ok",)) as upstream:
+        rc = await bench(upstream.url, str(path), "--json", str(out), "--plot", str(plot),
+                         "--workers", "2")
+    assert rc == 0
+    run = json.loads(out.read_text())["policies"]["run"]
+    rows = run["sweep"]
+    assert [row["concurrency"] for row in rows] == [1, 3, 4]
+    for row in rows:
+        assert row["requests"] == row["completed"] == 12
+        assert row["lost"] == 0 and row["errors"] == 0
+        assert row["throughput_rps"] > 0 and row["e2e_p50_s"] > 0
+    assert upstream.count == 36
+    # Closed loop: never more in flight than the largest level's users.
+    assert upstream.max_active <= 4
+    assert run["totals"]["lost"] == 0 and run["totals"]["requests"] == 36
+    assert plot.stat().st_size > 0
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (lambda d: d["classes"][0].update(tier="gold"), "classes.0.tier"),
+        (lambda d: d["classes"][1].update(rate=5), "classes.1"),
+        (lambda d: d.update(endpoint="embeddings"), "endpoint"),
+        (lambda d: d.pop("duration_s"), "duration_s"),
+        (lambda d: d["classes"][0].update(api_key_env="X_KEY"), "classes.0"),
+        (lambda d: d.update(mode="sweep", sweep={"concurrency": [1]}), "sweep"),
+    ],
+)
+def test_a_bad_scenario_exits_2_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], change: Any, field: str
+) -> None:
+    data = open_scenario()
+    change(data)
+    path = write(tmp_path, data)
+    assert main(["bench", "http://127.0.0.1:9/v1", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "not a valid bench scenario" in err
+    assert f": {field}" in err
+
+
+def test_unset_key_variable_and_bad_url_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("QG_BENCH_TEST_KEY", raising=False)
+    path = write(tmp_path, fake_scenario())
+    assert main(["bench", "http://127.0.0.1:9/v1", str(path)]) == 2
+    assert "classes.0.api_key_env: environment variable QG_BENCH_TEST_KEY is not set" in (
+        capsys.readouterr().err
+    )
+    monkeypatch.setenv("QG_BENCH_TEST_KEY", "k")
+    assert main(["bench", "ftp://example", str(path)]) == 2
+    assert "URL:" in capsys.readouterr().err
+    assert main(["bench", "http://127.0.0.1:9", str(path), "--workers", "0"]) == 2
+    assert "--workers" in capsys.readouterr().err
+
+
+# -- pieces ----------------------------------------------------------------------------------
+
+
+def test_plan_is_seeded_and_split_evenly() -> None:
+    scenario = BenchScenario.model_validate(open_scenario(duration_s=5.0))
+    first, again = plan_open(scenario), plan_open(scenario)
+    assert first == again
+    assert [spec[0] for spec in first] == list(range(len(first)))
+    assert all(a[1] <= b[1] for a, b in itertools.pairwise(first))
+    parts = split_open(first, 3)
+    assert sorted(spec[0] for part in parts for spec in part) == list(range(len(first)))
+    assert split_users(5, 2) == [[0, 2, 4], [1, 3]]
+    assert split_users(2, 8) == [[0], [1]]
+    assert api_base("http://h:1") == "http://h:1/v1"
+    assert api_base("http://h:1/v1/") == "http://h:1/v1"
+    sweep = BenchScenario.model_validate(
+        {**open_scenario(mode="sweep", sweep={"concurrency": [2], "requests": 7}),
+         "duration_s": None}
+    )
+    assert len(sweep_pool(sweep, 2)) == 7
+
+
+def test_requests_without_a_record_are_lost() -> None:
+    scenario = BenchScenario.model_validate(open_scenario())
+    records = [
+        Record(0, 0, 0.0, 0.01, 0.02, 200, "completed", None, None, 12, 4, (0.001,) * 3, 0.0),
+        Record(1, 1, 0.1, None, 0.11, 503, "rejected_overload", "http_503", "overloaded", 12, 0,
+               None, 0.0),
+    ]
+    report = build_bench_report(records, scenario, window=(0.0, 1.0), planned=5)
+    assert report["totals"]["lost"] == 3
+    assert report["totals"]["rejected"] == 1
+    assert report["tiers"]["interactive"]["tpot_p50_s"] == pytest.approx(0.01 / 3)
