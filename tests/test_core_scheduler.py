@@ -88,7 +88,7 @@ def test_aged_delay_work_counts_ahead_of_the_level_it_reached():
 def test_work_flowing_into_higher_tiers_lengthens_a_lower_tiers_predicted_wait():
     sched = Scheduler(policy(tiers={
         "interactive": {"priority": 0, "max_queue_wait_ms": 500},
-        "standard": {"priority": 1, "max_queue_wait_ms": 1500},
+        "standard": {"priority": 1, "max_queue_wait_ms": 2500},
     }, tenants=[{"id": "i1", "tier": "interactive"}, {"id": "s1", "tier": "standard"}]),
         drain_rate_hint=1000.0)
     # Interactive work (200 tokens a request) arrives at 800 tokens/s and is
@@ -100,13 +100,27 @@ def test_work_flowing_into_higher_tiers_lengthens_a_lower_tiers_predicted_wait()
         for done in sched.schedule(t, ROOMY).dispatch:
             sched.finish(done.id, t, Outcome.COMPLETED, 100)
         t += 0.25
-    for _ in range(2):  # 200 tokens each; the second predicts ~1.0 s
+    sched.schedule(t, FULL)  # the backend has no room left: queued work is backlog
+    # With its own slot counted, the first predicts ~1 s and the second ~2 s.
+    for _ in range(2):
         assert sched.submit(req("standard", at=t), t).admitted
-    # 400 tokens ahead: 0.4 s at the full drain rate, but ~2 s at what is left
-    # after the interactive inflow (1000 - 800 tokens/s): over the 1.5 s budget.
+    # 600 tokens: 0.6 s at the full drain rate, but ~3 s at what is left after
+    # the interactive inflow (1000 - 800 tokens/s): over the 2.5 s budget.
     refused = sched.submit(req("standard", at=t), t)
     assert not refused.admitted and refused.outcome is Outcome.REJECTED_OVERLOAD
-    assert refused.predicted_wait_s == pytest.approx(400 / 200, rel=0.1)
+    assert refused.predicted_wait_s == pytest.approx(600 / 200, rel=0.1)
+
+
+def test_work_the_backend_has_room_for_is_not_backlog():
+    # A batch window holds standard requests back while the backend is idle:
+    # they all start when it opens, so none waits for the others.
+    sched = Scheduler(windowed(max_wait_ms=50, size=1000), drain_rate_hint=1000.0)
+    sched.schedule(0.0, BackendCapacity(100, 10**6, 10**6))
+    decisions = [sched.submit(req("standard", at=0.0), 0.0) for _ in range(30)]
+    assert all(d.admitted for d in decisions)  # 30 x 200 tokens = 6 s at 1000 tokens/s
+    # Without room the same queue is backlog and the budget (5 s) refuses.
+    sched.schedule(0.0, FULL)
+    assert not sched.submit(req("standard", at=0.0), 0.0).admitted
 
 
 def test_delay_tier_is_not_refused_by_prediction_but_by_queue_cap():

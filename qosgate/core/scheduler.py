@@ -102,6 +102,11 @@ class Scheduler:
         self._deadlines: list[tuple[float, int, Request]] = []
         self._seq = 0
         self._saturated = False
+        # Room the backend had left after the last scheduling round: work
+        # queued since (a batch window holding it, arrivals in the same
+        # instant) starts as soon as it is released, so it is not backlog.
+        self._room_slots = 0
+        self._room_kv = 0
 
     # -- configuration -------------------------------------------------------
 
@@ -194,6 +199,8 @@ class Scheduler:
             # Work admitted to more important tiers, and delay-tier work that
             # climbs past the newcomer, keep going ahead of it while it waits:
             # only what the backend drains beyond that inflow serves it.
+            if self._room_slots > 0:
+                ahead = max(0.0, ahead - min(self._room_kv, self._room_slots * req.work))
             drain = self.drain.rate - inflow
             predicted = ahead / drain if drain > 0 else float("inf")
             if predicted > budget:
@@ -349,6 +356,8 @@ class Scheduler:
             self._preempt(now, blocked, plan)
 
         self._saturated = free_slots <= 0 or blocked is not None
+        self._room_slots = 0 if self._saturated else free_slots
+        self._room_kv = 0 if self._saturated else free_kv
         # What the coming interval is: saturated only if work is still waiting
         # or the backend is full after this round, not before it.
         self.drain.advance(now, self._saturated or bool(self._queued))

@@ -170,7 +170,10 @@ class Gateway:
         )
         stream = RequestStream(self, req, job, loop)
         self._streams[request_id] = stream
-        self._wake()
+        # Dispatch now rather than on the next loop turn: requests arriving in
+        # the same turn would otherwise count each other, still undispatched,
+        # as backlog and be refused while the backend has room for all of them.
+        self._dispatch(now)
         return stream
 
     # -- the dispatcher ------------------------------------------------------
