@@ -1,15 +1,17 @@
 """Who goes next inside one tier: FIFO, or weighted virtual token counters (VTC).
 
-Both orders keep lazy-deletion heaps: a request that leaves the queue out of
-turn (cancelled, expired) is only marked, and skipped when it reaches the top.
-That keeps removal by id O(1) here and O(log n) amortised overall, and the
-heaps are rebuilt when dead entries outnumber live ones so memory stays
-proportional to what is queued.
+Both orders keep requests in lanes with lazy deletion: a request that leaves
+the queue out of turn (cancelled, expired) is only marked, and skipped when it
+reaches the front. That keeps removal by id O(1), and lanes are swept when
+dead entries outnumber live ones so memory stays proportional to what is
+queued. VTC picks the next tenant from a heap of counters, O(log tenants).
 """
 
 from __future__ import annotations
 
 import heapq
+from bisect import insort
+from collections import deque
 from typing import Protocol
 
 from qosgate.core.request import Request, RequestState
@@ -39,45 +41,67 @@ class FairnessOrder(Protocol):
     def counters(self) -> dict[str, float]: ...
 
 
-def _key(req: Request) -> tuple[int, int]:
-    # A client-lowered request sorts after its tier's ordinary ones; admission
-    # order breaks ties, so a requeued request keeps its original place.
-    return (req.priority_offset, req.seq)
-
-
 class _Lane:
-    """A lazy-deletion heap of requests ordered by (priority_offset, seq)."""
+    """Queued requests in release order: by priority offset, then admission order.
 
-    __slots__ = ("heap", "live")
+    One deque per offset (nearly always only offset 0), so arrivals append and
+    releases pop from the left in O(1), touching one node: with a deep queue
+    the request released was admitted long ago and its memory is cold, which
+    a heap's sift pays for at every level. A request leaving out of turn is
+    only marked, skipped when it reaches the front, and swept out when the
+    dead outnumber the live.
+    """
+
+    __slots__ = ("groups", "offsets", "live", "dead")
 
     def __init__(self) -> None:
-        self.heap: list[tuple[int, int, Request]] = []
+        self.groups: dict[int, deque[Request]] = {}
+        self.offsets: list[int] = []
+        """Offsets present, ascending."""
         self.live = 0
+        self.dead = 0
 
     def push(self, req: Request) -> None:
-        heapq.heappush(self.heap, (req.priority_offset, req.seq, req))
+        offset = req.priority_offset
+        group = self.groups.get(offset)
+        if group is None:
+            group = self.groups[offset] = deque()
+            insort(self.offsets, offset)
+        if group and group[-1].seq > req.seq:
+            # A preempted request goes back to its place by admission order
+            # (rare, and near the front: a short scan).
+            index = 0
+            while group[index].seq < req.seq:
+                index += 1
+            group.insert(index, req)
+        else:
+            group.append(req)
         self.live += 1
 
     def discard(self) -> None:
         self.live -= 1
-        if len(self.heap) > 64 and len(self.heap) > 2 * self.live:
-            self.heap = [entry for entry in self.heap if entry[2].state is _QUEUED]
-            heapq.heapify(self.heap)
+        self.dead += 1
+        if self.dead > 64 and self.dead > self.live:
+            for offset, group in self.groups.items():
+                self.groups[offset] = deque(r for r in group if r.state is _QUEUED)
+            self.dead = 0
 
     def peek(self) -> Request | None:
-        heap = self.heap
-        while heap:
-            req = heap[0][2]
-            if req.state is _QUEUED:
-                return req
-            heapq.heappop(heap)
+        for offset in self.offsets:
+            group = self.groups[offset]
+            while group:
+                req = group[0]
+                if req.state is _QUEUED:
+                    return req
+                group.popleft()
+                self.dead -= 1
         return None
 
     def pop(self) -> Request:
         req = self.peek()
         if req is None:
             raise IndexError("pop from an empty lane")
-        heapq.heappop(self.heap)
+        self.groups[req.priority_offset].popleft()
         self.live -= 1
         return req
 
@@ -110,6 +134,20 @@ class FifoOrder:
         return {}
 
 
+class _Tenant:
+    """One tenant's VTC state inside a tier."""
+
+    __slots__ = ("name", "counter", "weight", "lane", "stamp")
+
+    def __init__(self, name: str, weight: float) -> None:
+        self.name = name
+        self.counter = 0.0
+        self.weight = weight
+        self.lane = _Lane()
+        self.stamp = 0
+        """Stamp of its current heap entry (older entries are stale)."""
+
+
 class VtcOrder:
     """Virtual token counters (Sheng et al., "Fairness in Serving Large Language
     Models", OSDI 2024): the backlogged tenant with the smallest counter goes next.
@@ -123,95 +161,91 @@ class VtcOrder:
 
     def __init__(self, weights: dict[str, float] | None = None) -> None:
         self._weights = dict(weights or {})
-        self._counter: dict[str, float] = {}
-        self._lanes: dict[str, _Lane] = {}
-        # (counter, version, tenant); an entry is current iff its version matches.
-        self._heap: list[tuple[float, int, str]] = []
-        self._version: dict[str, int] = {}
+        self._tenants: dict[str, _Tenant] = {}
+        # (counter, stamp, tenant): stamps are unique, so tenants never compare.
+        self._heap: list[tuple[float, int, _Tenant]] = []
+        self._stamps = 0
         self._last_served = 0.0
 
     def set_weights(self, weights: dict[str, float]) -> None:
         self._weights = dict(weights)
+        for name, state in self._tenants.items():
+            state.weight = self._weights.get(name, 1.0)
 
     def weight(self, tenant: str) -> float:
         return self._weights.get(tenant, 1.0)
 
-    def _min_backlogged(self) -> float | None:
+    def _top(self) -> _Tenant | None:
+        """The backlogged tenant with the smallest counter, with its entry current.
+
+        Entries may lag behind a counter that has since grown (dispatch and
+        settlement raise counters without touching the heap): such an entry is
+        re-sifted with the current value when it reaches the top, one sift
+        instead of a push per change. Counters that shrink are re-entered at
+        once (on_settle), so no entry is ever too high."""
         heap = self._heap
         while heap:
-            counter, version, tenant = heap[0]
-            if self._version.get(tenant) == version and self._lanes[tenant].live > 0:
-                return counter
-            heapq.heappop(heap)
+            counter, stamp, state = heap[0]
+            if state.stamp != stamp or state.lane.live == 0:
+                heapq.heappop(heap)
+            elif state.counter > counter:
+                heapq.heapreplace(heap, (state.counter, stamp, state))
+            else:
+                return state
         return None
 
-    def _schedule_tenant(self, tenant: str) -> None:
-        version = self._version.get(tenant, 0) + 1
-        self._version[tenant] = version
-        heapq.heappush(self._heap, (self._counter[tenant], version, tenant))
+    def _enter(self, state: _Tenant) -> None:
+        self._stamps += 1
+        state.stamp = self._stamps
+        heapq.heappush(self._heap, (state.counter, self._stamps, state))
 
     def push(self, req: Request) -> None:
-        tenant = req.tenant
-        lane = self._lanes.get(tenant)
-        if lane is None:
-            lane = self._lanes[tenant] = _Lane()
-            self._counter[tenant] = 0.0
-        if lane.live == 0:
-            floor = self._min_backlogged()
-            if floor is None:
-                floor = self._last_served
-            if self._counter[tenant] < floor:
-                self._counter[tenant] = floor
-            lane.push(req)
-            self._schedule_tenant(tenant)
+        state = self._tenants.get(req.tenant)
+        if state is None:
+            state = self._tenants[req.tenant] = _Tenant(req.tenant, self.weight(req.tenant))
+        if state.lane.live == 0:
+            top = self._top()
+            floor = top.counter if top is not None else self._last_served
+            if state.counter < floor:
+                state.counter = floor
+            state.lane.push(req)
+            self._enter(state)
         else:
-            lane.push(req)
+            state.lane.push(req)
 
     def discard(self, req: Request) -> None:
-        self._lanes[req.tenant].discard()
-
-    def _next_tenant(self) -> str | None:
-        if self._min_backlogged() is None:
-            return None
-        return self._heap[0][2]
+        self._tenants[req.tenant].lane.discard()
 
     def peek(self) -> Request | None:
-        tenant = self._next_tenant()
-        if tenant is None:
-            return None
-        return self._lanes[tenant].peek()
+        state = self._top()
+        return state.lane.peek() if state is not None else None
 
     def pop(self) -> Request:
-        tenant = self._next_tenant()
-        if tenant is None:
+        state = self._top()
+        if state is None:
             raise IndexError("pop from an empty tier")
-        heapq.heappop(self._heap)
-        lane = self._lanes[tenant]
-        req = lane.pop()
-        if lane.live == 0:
-            self._version[tenant] += 1
-        # Still backlogged: on_dispatch, which always follows, re-enters the
-        # tenant with its grown counter.
-        return req
+        # Its entry stays at the top: if it is still backlogged, the charge
+        # on_dispatch adds makes the entry lag and _top re-sifts it; if not,
+        # _top drops it.
+        return state.lane.pop()
 
     def on_dispatch(self, req: Request, charge: float) -> None:
-        tenant = req.tenant
-        counter = self._counter[tenant] + charge / self.weight(tenant)
-        self._counter[tenant] = counter
-        self._last_served = counter
-        if self._lanes[tenant].live > 0:
-            self._schedule_tenant(tenant)
+        state = self._tenants[req.tenant]
+        state.counter += charge / state.weight
+        self._last_served = state.counter
 
     def on_settle(self, req: Request, correction: float) -> None:
-        tenant = req.tenant
-        if tenant not in self._counter or correction == 0.0:
+        state = self._tenants.get(req.tenant)
+        if state is None or correction == 0.0:
             return
-        self._counter[tenant] += correction / self.weight(tenant)
-        if self._lanes[tenant].live > 0:
-            self._schedule_tenant(tenant)
+        state.counter += correction / state.weight
+        if correction < 0.0 and state.lane.live > 0:
+            # A refund moves the tenant forward: its lagging entry would be too
+            # late, so enter it again now.
+            self._enter(state)
 
     def counters(self) -> dict[str, float]:
-        return dict(self._counter)
+        return {name: state.counter for name, state in self._tenants.items()}
 
     def backlogged_counters(self) -> dict[str, float]:
-        return {t: c for t, c in self._counter.items() if self._lanes[t].live > 0}
+        return {name: st.counter for name, st in self._tenants.items() if st.lane.live > 0}

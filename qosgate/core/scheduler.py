@@ -282,6 +282,9 @@ class Scheduler:
         free_slots = capacity.free_slots
         free_kv = capacity.free_kv_tokens
         kv_total = capacity.kv_capacity_tokens
+        top_level = self._top_level
+        ageing = self._max_boost > 0
+        interval = self._interval
         # An open batch keeps releasing after its window fires, up to its size,
         # even though the requests behind the oldest have waited less.
         open_batches: dict[str, list] = {}
@@ -304,7 +307,8 @@ class Scheduler:
                                 wakeup = opens
                             continue
                 level = queue.priority
-                if queue.delays and self._max_boost:
+                if (ageing and queue.delays
+                        and now - oldest.arrival - queue.budget_s >= interval):
                     level -= self._boost(queue, oldest, now)
                 # Equal levels go oldest first: that is what lets an aged request
                 # overtake fresher work of the tier it has climbed to.
@@ -313,9 +317,8 @@ class Scheduler:
                     best, best_key, best_oldest = queue, key, oldest
             if best is None:
                 break
-            if best_key[0] > self._top_level and (
-                free_slots <= self._reserve_slots
-            ):
+            below_top = best_key[0] > top_level
+            if below_top and free_slots <= self._reserve_slots:
                 # What is left is held for top-level work.
                 blocked = best
                 break
@@ -327,9 +330,10 @@ class Scheduler:
                     plan.failed = []
                 self._fail(best, req, now, plan.failed)
                 continue
-            need = self._kv_need(req, kv_total)
-            held = self._reserve_kv if best_key[0] > self._top_level else 0
-            if need + held > free_kv:
+            # Room for the prompt and the output it is expected to produce, so
+            # the backend does not have to preempt what it was just given.
+            need = req.work if kv_total is None or req.work <= kv_total else kv_total
+            if need + (self._reserve_kv if below_top else 0) > free_kv:
                 # Keep order: a large request is not overtaken just because
                 # smaller ones behind it would fit.
                 blocked = best
@@ -367,14 +371,6 @@ class Scheduler:
                 wakeup = deadline
         plan.wakeup_at = wakeup
         return plan
-
-    def _kv_need(self, req: Request, kv_total: int | None) -> int:
-        # Room for the prompt and the output it is expected to produce, so the
-        # backend does not have to preempt what it was just given.
-        need = req.work
-        if kv_total is not None and need > kv_total:
-            return kv_total
-        return need
 
     def _dispatch(self, queue: TierQueue, req: Request, now: float) -> None:
         del self._queued[req.id]

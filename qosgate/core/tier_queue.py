@@ -54,7 +54,7 @@ class TierQueue:
         self.work = 0
         """Expected backend tokens of everything queued (prompt + expected output)."""
         self.prompt_tokens = 0
-        self.running: OrderedDict[str, Request] = OrderedDict()
+        self.running: dict[str, Request] = {}
         """Requests of this tier on the backend, in dispatch order (newest last)."""
         self.inflow = ArrivalRate(inflow_tau_s)
         """Work admitted to this tier per second."""
