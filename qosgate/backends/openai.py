@@ -15,7 +15,7 @@ reported as unbounded and the concurrency limits are the only gate.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import collections
 import email.utils
 import hashlib
 import json
@@ -48,9 +48,10 @@ TOKENS_PER_MESSAGE = 4
 _HEALTH_TIMEOUT_S = 5.0
 # Upstream error bodies are quoted in errors and logs; bound what is read.
 _ERROR_BODY_BYTES = 64 * 1024
-# One SSE line holds one chunk; long tool-call arguments or logprobs can pass
-# aiohttp's default 64 KiB line limit.
-_READ_BUFSIZE = 1 << 20
+# One SSE line holds one chunk, and long tool-call arguments or logprobs make
+# long lines; a line longer than this is taken for a broken stream rather than
+# buffered without end.
+_MAX_LINE_BYTES = 2 << 20
 # The gateway's own extension (a level below the tier); an upstream would read
 # it as its own priority, or refuse it when its scheduler has none.
 _GATEWAY_FIELDS = ("priority",)
@@ -176,7 +177,6 @@ class OpenAIBackend:
             # Concurrency is capped per upstream here; aiohttp's own pool cap
             # (100 by default) would otherwise queue requests out of sight.
             connector=aiohttp.TCPConnector(limit=0),
-            read_bufsize=_READ_BUFSIZE,
         )
         self._loop = asyncio.get_running_loop()
         self._started = True
@@ -384,10 +384,22 @@ class OpenAIBackend:
                         message, _retry_after_s(response.headers.get("Retry-After"))
                     )
                 raise BackendError(message)
-            chunks = _parse_stream(response, job.endpoint, upstream.url)
-            async with contextlib.aclosing(chunks):
-                async for chunk in chunks:
-                    yield chunk
+            # Whatever has arrived is parsed in one go rather than awaited line
+            # by line: each await costs more than the parsing it waits for.
+            events = _EventStream(job.endpoint, upstream.url)
+            content = response.content
+            while True:
+                while events.ready:
+                    yield events.ready.popleft()
+                if events.error is not None:
+                    raise events.error
+                if events.ended:
+                    break
+                block = await content.readany()
+                if block:
+                    events.feed(block)
+                else:
+                    events.end()
             finished = True
         except Exception as exc:
             # Whatever an aborted request's closed connection produced (a
@@ -558,112 +570,145 @@ async def _read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes:
     return b"".join(parts)
 
 
-async def _parse_stream(
-    response: aiohttp.ClientResponse, endpoint: str, where: str
-) -> AsyncIterator[Chunk]:
-    """Server-sent events -> chunks. The chunk carrying `finish_reason` is held
-    back until the usage chunk that follows it, so that the last chunk has both."""
-    counted = 0  # tokens in the chunks yielded so far
-    usage: dict[str, int] | None = None
-    final: Chunk | None = None
-    data_lines: list[str] = []
-    done = False
+class _EventStream:
+    """Server-sent events -> chunks, fed the body as it arrives. The chunk
+    carrying `finish_reason` is held back until the usage chunk that follows
+    it, so that the last chunk has both."""
 
-    def malformed(why: str) -> BackendError:
-        return BackendError(f"upstream {where} sent a malformed stream: {why}")
+    def __init__(self, endpoint: str, where: str) -> None:
+        self.chat = endpoint == "chat"
+        self.where = where
+        self.ready: collections.deque[Chunk] = collections.deque()
+        """Chunks parsed and not yet taken, in stream order."""
+        self.error: BackendError | None = None
+        """Ends the stream once the ready chunks are taken."""
+        self.ended = False
+        """Nothing more is to be read: [DONE] came, or the body ended, or an error."""
+        self._partial = b""  # the unfinished last line of what was fed so far
+        self._data: list[bytes] = []  # the data lines of the event being read
+        self._counted = 0  # tokens in the chunks parsed so far
+        self._usage: dict[str, int] | None = None
+        self._final: Chunk | None = None
 
-    async def events() -> AsyncIterator[str]:
-        while True:
-            try:
-                line = await response.content.readline()
-            except ValueError as exc:  # a line beyond the read buffer
-                raise malformed(str(exc)) from exc
-            if not line:
-                if data_lines:
-                    yield "\n".join(data_lines)
-                return
-            text = line.decode("utf-8", "replace").rstrip("\r\n")
-            if not text:
-                if data_lines:
-                    yield "\n".join(data_lines)
-                    data_lines.clear()
-            elif text.startswith("data:"):
-                value = text[5:]
-                data_lines.append(value.removeprefix(" "))
+    def feed(self, block: bytes) -> None:
+        """Parse the events `block` completes. A malformed one stops the parsing;
+        the chunks before it are still taken first, then the error."""
+        try:
+            self._parse(block)
+        except BackendError as exc:
+            self.error = exc
+            self.ended = True
+
+    def end(self) -> None:
+        """The body ended."""
+        # An unterminated last line and event still count, as if the blank
+        # line that should have ended them had come.
+        self.feed(b"\n\n")
+        if not self.ended:
+            self._finish(done=False)
+
+    def _malformed(self, why: str) -> BackendError:
+        return BackendError(f"upstream {self.where} sent a malformed stream: {why}")
+
+    def _parse(self, block: bytes) -> None:
+        lines = block.split(b"\n")
+        if self._partial:
+            lines[0] = self._partial + lines[0]
+        self._partial = lines.pop()
+        data = self._data
+        for line in lines:
+            line = line.rstrip(b"\r")
+            if line.startswith(b"data:"):
+                data.append(line[5:].removeprefix(b" "))
+            elif not line and data:
+                event = b"\n".join(data)
+                data.clear()
+                self._event(event)
+                if self.ended:
+                    return
             # Comments (":"), event:, id: and retry: lines carry nothing for us.
+        if len(self._partial) > _MAX_LINE_BYTES:
+            raise self._malformed(f"a line longer than {_MAX_LINE_BYTES} bytes")
 
-    async with contextlib.aclosing(events()) as stream:
-        async for data in stream:
-            if data.strip() == "[DONE]":
-                done = True
-                break
-            try:
-                payload = json.loads(data)
-            except ValueError as exc:
-                raise malformed(f"not JSON: {data[:200]!r}") from exc
-            if not isinstance(payload, dict):
-                raise malformed(f"not an object: {data[:200]!r}")
-            if payload.get("error") is not None:
-                raise BackendError(
-                    f"upstream {where} failed mid-stream: "
-                    f"{_error_message(json.dumps(payload).encode())}"
+    def _finish(self, *, done: bool) -> None:
+        """[DONE] (`done`) or the end of the body: the held-back last chunk."""
+        self.ended = True
+        final = self._final
+        if final is None:
+            if not done:
+                self.error = BackendError(
+                    f"upstream {self.where} ended the stream before finishing"
                 )
-            chunk_usage = payload.get("usage")
-            reported: int | None = None
-            if isinstance(chunk_usage, dict):
-                usage = _int_fields(chunk_usage)
-                reported = usage.get("completion_tokens")
-            choices = payload.get("choices")
-            if not isinstance(choices, list):
-                if choices is not None:
-                    raise malformed("choices is not an array")
-                continue
-            choice = next(
-                (c for c in choices if isinstance(c, dict) and c.get("index", 0) == 0), None
-            )
-            if choice is None:
-                continue
-            raw: dict[str, Any] = {
-                k: v
-                for k, v in choice.items()
-                if k not in ("index", "finish_reason", "text", "delta") and v is not None
-            }
-            if endpoint == "chat":
-                delta = choice.get("delta") or {}
-                if not isinstance(delta, dict):
-                    raise malformed("delta is not an object")
-                text = delta.get("content") or ""
-                extra = {
-                    k: v for k, v in delta.items() if k not in ("content", "role") and v is not None
-                }
-                if extra:
-                    raw["delta"] = extra
-                produced = bool(text) or bool(extra)
-            else:
-                text = choice.get("text") or ""
-                produced = bool(text)
-            if not isinstance(text, str):
-                raise malformed("content is not a string")
-            if reported is not None:
-                # Continuous usage stats: the upstream's running count is exact.
-                tokens = max(0, reported - counted)
-            else:
-                tokens = 1 if produced else 0
-            finish = choice.get("finish_reason")
-            if finish is not None:
-                final = Chunk(text=text, tokens=tokens, finish_reason=str(finish), raw=raw)
-                continue
-            if text or tokens or raw:
-                counted += tokens
-                yield Chunk(text=text, tokens=tokens, raw=raw)
+                return
+            # [DONE] without a finish_reason: the upstream considers it complete.
+            final = Chunk(finish_reason="stop")
+        usage = self._usage
+        if usage is not None:
+            final.usage = usage
+            if "completion_tokens" in usage:
+                final.tokens = max(0, usage["completion_tokens"] - self._counted)
+        self.ready.append(final)
 
-    if final is None:
-        if not done:
-            raise BackendError(f"upstream {where} ended the stream before finishing")
-        # [DONE] without a finish_reason: the upstream considers it complete.
-        final = Chunk(finish_reason="stop")
-    if usage is not None:
-        final.usage = usage
-        if "completion_tokens" in usage:
-            final.tokens = max(0, usage["completion_tokens"] - counted)
-    yield final
+    def _event(self, raw_data: bytes) -> None:
+        # Decoded as a whole, with the same result as line by line: a newline
+        # is never part of a multi-byte character.
+        data = raw_data.decode("utf-8", "replace")
+        if data.strip() == "[DONE]":
+            self._finish(done=True)
+            return
+        try:
+            payload = json.loads(data)
+        except ValueError as exc:
+            raise self._malformed(f"not JSON: {data[:200]!r}") from exc
+        if not isinstance(payload, dict):
+            raise self._malformed(f"not an object: {data[:200]!r}")
+        if payload.get("error") is not None:
+            raise BackendError(
+                f"upstream {self.where} failed mid-stream: "
+                f"{_error_message(json.dumps(payload).encode())}"
+            )
+        chunk_usage = payload.get("usage")
+        reported: int | None = None
+        if isinstance(chunk_usage, dict):
+            self._usage = _int_fields(chunk_usage)
+            reported = self._usage.get("completion_tokens")
+        choices = payload.get("choices")
+        if not isinstance(choices, list):
+            if choices is not None:
+                raise self._malformed("choices is not an array")
+            return
+        choice = next((c for c in choices if isinstance(c, dict) and c.get("index", 0) == 0), None)
+        if choice is None:
+            return
+        raw: dict[str, Any] = {
+            k: v
+            for k, v in choice.items()
+            if k not in ("index", "finish_reason", "text", "delta") and v is not None
+        }
+        if self.chat:
+            delta = choice.get("delta") or {}
+            if not isinstance(delta, dict):
+                raise self._malformed("delta is not an object")
+            text = delta.get("content") or ""
+            extra = {
+                k: v for k, v in delta.items() if k not in ("content", "role") and v is not None
+            }
+            if extra:
+                raw["delta"] = extra
+            produced = bool(text) or bool(extra)
+        else:
+            text = choice.get("text") or ""
+            produced = bool(text)
+        if not isinstance(text, str):
+            raise self._malformed("content is not a string")
+        if reported is not None:
+            # Continuous usage stats: the upstream's running count is exact.
+            tokens = max(0, reported - self._counted)
+        else:
+            tokens = 1 if produced else 0
+        finish = choice.get("finish_reason")
+        if finish is not None:
+            self._final = Chunk(text=text, tokens=tokens, finish_reason=str(finish), raw=raw)
+        elif text or tokens or raw:
+            self._counted += tokens
+            self.ready.append(Chunk(text=text, tokens=tokens, raw=raw))

@@ -350,6 +350,21 @@ def _event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
+_DONE_EVENT = b"data: [DONE]\n\n"
+# Stands in for the text while the rest of a text event is rendered. Any string
+# would do: the text is the event's last string, so the last match is the text
+# whatever the id or the model name hold.
+_TEXT_MARKER = "\x00"
+_TEXT_MARKER_JSON = json.dumps(_TEXT_MARKER).encode()
+
+
+def _text_event_parts(call: _Call) -> tuple[bytes, bytes]:
+    """A text event's bytes before and after its JSON-quoted text. Text events
+    differ in nothing else, so the rest is rendered once per response."""
+    head, _, tail = _chunk_event(call, _TEXT_MARKER, None).rpartition(_TEXT_MARKER_JSON)
+    return head, tail
+
+
 def _chunk_event(
     call: _Call,
     delta_text: str | None,
@@ -424,15 +439,25 @@ async def _stream_response(
         }
     )
     tally = _Tally()
+    head, tail = _text_event_parts(call)
+    # Events are held until the stream may have to wait for its next chunk, then
+    # go out in one write (one system call) rather than one each.
+    pending: list[bytes] = []
+    if call.endpoint == "chat":
+        pending.append(_chunk_event(call, "", None, role=True))
     try:
         await response.prepare(request)
-        if call.endpoint == "chat":
-            await response.write(_chunk_event(call, "", None, role=True))
         chunk = first
         while chunk is not None:
             tally.add(chunk)
             if chunk.text:
-                await response.write(_chunk_event(call, chunk.text, None))
+                pending.append(head + json.dumps(chunk.text).encode() + tail)
+            # After the finishing chunk the stream ends without a wait, and
+            # its events go out with the last ones.
+            if pending and chunk.finish_reason is None:
+                data = b"".join(pending)
+                pending.clear()
+                await response.write(data)
             try:
                 chunk = await chunks.__anext__()
             except StopAsyncIteration:
@@ -441,14 +466,16 @@ async def _stream_response(
         finish = tally.finish_reason or "stop"
         if call.include_usage:
             # OpenAI's shape when asked: the usage alone in a last, choice-less chunk.
-            await response.write(_chunk_event(call, None, finish))
-            await response.write(_usage_event(call, usage))
+            pending.append(_chunk_event(call, None, finish))
+            pending.append(_usage_event(call, usage))
         else:
             # DESIGN.md wants usage in the final chunk even when not asked for;
             # clients ignore a field they do not expect.
-            await response.write(_chunk_event(call, None, finish, usage=usage))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+            pending.append(_chunk_event(call, None, finish, usage=usage))
+        pending.append(_DONE_EVENT)
+        data = b"".join(pending)
+        pending.clear()
+        await response.write_eof(data)
     except ConnectionError:
         # The client went away mid-stream (aiohttp's write errors are
         # ConnectionResetError): end the request as cancelled.
@@ -456,7 +483,7 @@ async def _stream_response(
     except GatewayError as exc:
         await stream.aclose()
         # Headers are gone; the status can only travel inside the stream.
-        await _send_error_event(response, exc.body())
+        await _send_error_event(response, exc.body(), pending)
     except asyncio.CancelledError:
         await stream.aclose()
         raise
@@ -476,13 +503,16 @@ async def _stream_response(
                 "internal_error",
                 None,
             ),
+            pending,
         )
     return response
 
 
-async def _send_error_event(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+async def _send_error_event(
+    response: web.StreamResponse, payload: dict[str, Any], pending: list[bytes]
+) -> None:
+    """The error as the stream's last event, after the events not yet sent."""
     try:
-        await response.write(_event(payload))
-        await response.write_eof()
+        await response.write_eof(b"".join([*pending, _event(payload)]))
     except ConnectionError:
         pass
