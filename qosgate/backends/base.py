@@ -91,7 +91,10 @@ class Backend(Protocol):
 
     def generate(self, job: GenerationJob) -> AsyncIterator[Chunk]:
         """Start `job` now and stream its output. Closing the iterator before its
-        end aborts the work. Raises BackendError / BackendUnavailable."""
+        end aborts the work. Raises BackendError / BackendUnavailable.
+
+        The iterator may also have `ready() -> bool`: True when its next chunk
+        is at hand, so that `__anext__` will not wait (see `RequestStream.ready`)."""
 
     def abort(self, request_id: str) -> None:
         """Stop a running request (preemption, client gone). Idempotent."""

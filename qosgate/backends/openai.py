@@ -386,7 +386,7 @@ class OpenAIBackend:
                 raise BackendError(message)
             # Whatever has arrived is parsed in one go rather than awaited line
             # by line: each await costs more than the parsing it waits for.
-            events = _EventStream(job.endpoint, upstream.url)
+            events = call._events = _EventStream(job.endpoint, upstream.url)
             content = response.content
             while True:
                 while events.ready:
@@ -497,6 +497,7 @@ class _Call:
         self.aborted = False
         self._error = error
         self._gen: AsyncIterator[Chunk] | None = None
+        self._events: _EventStream | None = None
         self._done = False
 
     def abort_error(self) -> BackendError:
@@ -512,6 +513,11 @@ class _Call:
             # sees its client gone.
             self.response.close()
         self.backend._release(self)
+
+    def ready(self) -> bool:
+        """True when the next chunk is parsed already: `__anext__` will not wait."""
+        events = self._events
+        return events is not None and bool(events.ready) and not self.aborted
 
     def __aiter__(self) -> _Call:
         return self

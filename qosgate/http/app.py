@@ -441,7 +441,8 @@ async def _stream_response(
     tally = _Tally()
     head, tail = _text_event_parts(call)
     # Events are held until the stream may have to wait for its next chunk, then
-    # go out in one write (one system call) rather than one each.
+    # go out in one write (one system call) rather than one each: an upstream's
+    # events mostly arrive several to a read.
     pending: list[bytes] = []
     if call.endpoint == "chat":
         pending.append(_chunk_event(call, "", None, role=True))
@@ -454,7 +455,7 @@ async def _stream_response(
                 pending.append(head + json.dumps(chunk.text).encode() + tail)
             # After the finishing chunk the stream ends without a wait, and
             # its events go out with the last ones.
-            if pending and chunk.finish_reason is None:
+            if pending and chunk.finish_reason is None and not stream.ready():
                 data = b"".join(pending)
                 pending.clear()
                 await response.write(data)

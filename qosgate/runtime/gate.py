@@ -306,11 +306,22 @@ class RequestStream:
         self._output_tokens = 0
         self._error: GatewayError | None = None
         self._agen: AsyncIterator[Chunk] | None = None
+        # The backend's stream while one is being read.
+        self._backend_stream: AsyncIterator[Chunk] | None = None
 
     def __aiter__(self) -> AsyncIterator[Chunk]:
         if self._agen is None:
             self._agen = self._iterate()
         return self._agen
+
+    def ready(self) -> bool:
+        """True when the next chunk is at hand, so that iterating on will not
+        wait: a consumer can hold back what it sends until then and send it all
+        at once. False when the backend's stream cannot tell."""
+        # Nothing between two chunks of one backend stream waits: once a chunk
+        # has gone out the request is no longer preempted.
+        ready = getattr(self._backend_stream, "ready", None)
+        return ready is not None and ready()
 
     async def aclose(self) -> None:
         """The client went away: a queued request leaves its queue now, a running
@@ -393,6 +404,7 @@ class RequestStream:
                     gen = gw._backend.generate(self._job)
                 except Exception as exc:
                     raise self._fail(_map_backend_error(req, exc)) from exc
+                self._backend_stream = gen
                 try:
                     while True:
                         try:
@@ -428,6 +440,7 @@ class RequestStream:
                             return
                         yield chunk
                 finally:
+                    self._backend_stream = None
                     await _close_quietly(gen)
                 if req.finished:
                     break
