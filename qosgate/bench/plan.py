@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 
 from qosgate.bench.scenario import BenchScenario
-from qosgate.sim.workload import _arrival_times, _length_sampler, class_rates
+from qosgate.sim.workload import arrival_times, length_sampler, class_rates
 
 Spec = tuple[int, float, int, int, int]
 
@@ -31,13 +31,13 @@ def plan_open(scenario: BenchScenario, seed: int | None = None) -> list[Spec]:
     rates = class_rates(scenario, scenario.arrivals.rate_rps)  # type: ignore[arg-type]
     drawn: list[tuple[float, int, int, int, int]] = []
     for index, (cls_, rate) in enumerate(zip(scenario.classes, rates)):
-        times = _arrival_times(
+        times = arrival_times(
             random.Random(f"{seed}/{index}/times"), scenario, cls_, rate  # type: ignore[arg-type]
         )
         lengths = scenario.class_lengths(cls_)
         rng = random.Random(f"{seed}/{index}/lengths")
-        prompt = _length_sampler(rng, lengths.prompt)
-        output = _length_sampler(rng, lengths.output)
+        prompt = length_sampler(rng, lengths.prompt)
+        output = length_sampler(rng, lengths.output)
         for n, t in enumerate(times):
             drawn.append((t, index, n, prompt(), output()))
     drawn.sort()
@@ -60,7 +60,7 @@ def sweep_pool(scenario: BenchScenario, concurrency: int, seed: int | None = Non
     for index, cls_ in enumerate(scenario.classes):
         lengths = scenario.class_lengths(cls_)
         rng = random.Random(f"{seed}/{index}/sweep-lengths/{concurrency}")
-        samplers.append((_length_sampler(rng, lengths.prompt), _length_sampler(rng, lengths.output)))
+        samplers.append((length_sampler(rng, lengths.prompt), length_sampler(rng, lengths.output)))
     chooser = random.Random(f"{seed}/sweep/{concurrency}")
     chosen = chooser.choices(range(len(samplers)), weights=weights, k=size)
     pool: list[Spec] = []

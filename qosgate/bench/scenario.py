@@ -30,7 +30,13 @@ from pydantic import Field, field_validator, model_validator
 
 from qosgate.config.loader import load_model
 from qosgate.config.models import StrictModel
-from qosgate.sim.scenario import LengthDist, LengthsConfig, LengthsOverride, MetricsConfig
+from qosgate.sim.scenario import (
+    LengthDist,
+    LengthsConfig,
+    LengthsOverride,
+    MetricsConfig,
+    TrafficShape,
+)
 
 PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
@@ -74,8 +80,12 @@ class BenchArrivals(StrictModel):
     """Total requests/s of the classes given by share."""
 
 
-class BenchClass(StrictModel):
-    """One stream of requests, sent with one API key (hence one tenant and tier)."""
+class BenchClass(TrafficShape):
+    """One stream of requests, sent with one API key (hence one tenant and tier).
+
+    `share` weighs it in arrivals.rate_rps (open) or in the request mix (sweep);
+    in a sweep `rate_rps` is only its weight in the mix, and on/off applies to
+    open mode only."""
 
     name: str
     """Label of the class in progress output."""
@@ -89,19 +99,6 @@ class BenchClass(StrictModel):
     api_key_env: str | None = None
     """Environment variable holding the key instead (read when the run starts).
     With neither key field, no Authorization header is sent."""
-    share: PositiveFloat | None = None
-    """Relative weight in arrivals.rate_rps (open) or in the request mix
-    (sweep); default 1 when neither share nor rate_rps is given."""
-    rate_rps: PositiveFloat | None = None
-    """Absolute requests/s of this class (open); in a sweep, its weight in the mix."""
-    lengths: LengthsOverride | None = None
-    """This class's prompt/output lengths (default: the scenario's)."""
-    on_s: PositiveFloat | None = None
-    """On/off classes (open): seconds of each period during which it sends."""
-    off_s: NonNegativeFloat | None = None
-    """On/off classes (open): seconds of each period during which it is silent."""
-    phase_s: NonNegativeFloat = 0.0
-    """On/off classes (open): when the first on period starts."""
     priority: Annotated[int, Field(ge=0, le=1000)] | None = None
     """Sent as the body's `priority` (qosgate: levels below the tier); None: not sent."""
 
@@ -118,29 +115,14 @@ class BenchClass(StrictModel):
         return value
 
     @model_validator(mode="after")
-    def _shape(self) -> BenchClass:
-        if self.share is not None and self.rate_rps is not None:
-            raise ValueError("give share or rate_rps, not both")
+    def _one_key(self) -> BenchClass:
         if self.api_key is not None and self.api_key_env is not None:
             raise ValueError("give api_key or api_key_env, not both")
-        if (self.on_s is None) != (self.off_s is None):
-            raise ValueError("on_s and off_s go together")
         return self
 
     @property
     def tenant_id(self) -> str:
         return self.tenant or self.name
-
-    @property
-    def effective_share(self) -> float:
-        """Share of the total rate (1 when unspecified)."""
-        return 1.0 if self.share is None else self.share
-
-    @property
-    def on_fraction(self) -> float:
-        if self.on_s is None or self.off_s is None:
-            return 1.0
-        return self.on_s / (self.on_s + self.off_s)
 
 
 class SweepConfig(StrictModel):

@@ -153,29 +153,26 @@ class ArrivalsConfig(StrictModel):
         return None if capacity is None else self.load * capacity
 
 
-class TrafficClass(StrictModel):
-    """One tenant's stream of requests. Its tier is the tenant's tier in the policy."""
+class TrafficShape(StrictModel):
+    """How one stream of requests arrives: its rate, lengths and on/off cycle
+    (shared by `qosgate simulate` classes and `qosgate bench` classes)."""
 
-    tenant: str
-    """Tenant id; must be one of the policy's tenants."""
     share: PositiveFloat | None = None
-    """Relative weight in the total rate (arrivals.rate_rps or load); the default
-    when neither share nor rate_rps is given is 1."""
+    """Relative weight in the total rate; the default when neither share nor
+    rate_rps is given is 1."""
     rate_rps: PositiveFloat | None = None
     """Absolute requests per second, independent of the total rate."""
     lengths: LengthsOverride | None = None
-    """This class's own prompt/output lengths (None: the scenario's)."""
+    """This stream's own prompt/output lengths (None: the scenario's)."""
     on_s: PositiveFloat | None = None
-    """On/off tenants: seconds of each period during which it sends (at its full rate)."""
+    """On/off streams: seconds of each period during which it sends (at its full rate)."""
     off_s: NonNegativeFloat | None = None
-    """On/off tenants: seconds of each period during which it is silent."""
+    """On/off streams: seconds of each period during which it is silent."""
     phase_s: NonNegativeFloat = 0.0
-    """On/off tenants: when the first on period starts (the cycle repeats before it too)."""
-    priority_offset: Annotated[int, Field(ge=0, le=1000)] = 0
-    """Levels below its tier's priority that this class's requests ask for."""
+    """On/off streams: when the first on period starts (the cycle repeats before it too)."""
 
     @model_validator(mode="after")
-    def _shape(self) -> "TrafficClass":
+    def _shape(self) -> "TrafficShape":
         if self.share is not None and self.rate_rps is not None:
             raise ValueError("give share or rate_rps, not both")
         if (self.on_s is None) != (self.off_s is None):
@@ -184,15 +181,24 @@ class TrafficClass(StrictModel):
 
     @property
     def effective_share(self) -> float:
-        """The share this class takes of the total rate (1 when unspecified)."""
+        """The share this stream takes of the total rate (1 when unspecified)."""
         return 1.0 if self.share is None else self.share
 
     @property
     def on_fraction(self) -> float:
-        """Fraction of time it sends (1 for always-on classes)."""
+        """Fraction of time it sends (1 for always-on streams)."""
         if self.on_s is None or self.off_s is None:
             return 1.0
         return self.on_s / (self.on_s + self.off_s)
+
+
+class TrafficClass(TrafficShape):
+    """One tenant's stream of requests. Its tier is the tenant's tier in the policy."""
+
+    tenant: str
+    """Tenant id; must be one of the policy's tenants."""
+    priority_offset: Annotated[int, Field(ge=0, le=1000)] = 0
+    """Levels below its tier's priority that this class's requests ask for."""
 
 
 class MetricsConfig(StrictModel):

@@ -68,7 +68,7 @@ def _gap_sampler(rng: random.Random, scenario: Scenario, rate: float):
     return lambda: rng.expovariate(rate)
 
 
-def _arrival_times(
+def arrival_times(
     rng: random.Random, scenario: Scenario, cls_: TrafficClass, rate: float
 ) -> list[float]:
     duration = scenario.duration_s
@@ -98,7 +98,7 @@ def _arrival_times(
         times.append(t)
 
 
-def _length_sampler(rng: random.Random, dist: LengthDist):
+def length_sampler(rng: random.Random, dist: LengthDist):
     low = dist.min
     high = dist.max if dist.max is not None else math.inf
     if dist.sigma == 0:
@@ -143,11 +143,11 @@ def generate_arrivals(
     drawn: list[tuple[float, int, int, Arrival]] = []
     for index, (cls_, rate) in enumerate(zip(scenario.classes, rates)):
         tier_name, tier = _class_tier(policy, cls_.tenant)
-        times = _arrival_times(random.Random(f"{seed}/{index}/times"), scenario, cls_, rate)
+        times = arrival_times(random.Random(f"{seed}/{index}/times"), scenario, cls_, rate)
         lengths = scenario.class_lengths(cls_)
         rng = random.Random(f"{seed}/{index}/lengths")
-        prompt = _length_sampler(rng, lengths.prompt)
-        output = _length_sampler(rng, lengths.output)
+        prompt = length_sampler(rng, lengths.prompt)
+        output = length_sampler(rng, lengths.output)
         for n, t in enumerate(times):
             p, o = prompt(), output()
             ask = _ask(scenario.max_tokens, o, tier.max_tokens)
@@ -195,8 +195,8 @@ def capacity_workload(
         lengths = scenario.class_lengths(cls_)
         class_rng = random.Random(f"{seed}/{index}/capacity-lengths")
         samplers.append(
-            (cls_, tier_name, tier, _length_sampler(class_rng, lengths.prompt),
-             _length_sampler(class_rng, lengths.output))
+            (cls_, tier_name, tier, length_sampler(class_rng, lengths.prompt),
+             length_sampler(class_rng, lengths.output))
         )
     chosen = rng.choices(range(len(samplers)), weights=weights, k=n)
     out: list[Arrival] = []
