@@ -82,7 +82,8 @@ def test_aged_delay_work_counts_ahead_of_the_level_it_reached():
     assert sched.submit(req("interactive", at=5.0), 5.0).admitted
     refused = sched.submit(req("interactive", at=21.5), 21.5)
     assert not refused.admitted and refused.outcome is Outcome.REJECTED_OVERLOAD
-    assert 1 <= refused.retry_after_s <= 300
+    assert refused.predicted_wait_s == pytest.approx(1.19, abs=0.01)
+    assert refused.retry_after_s == pytest.approx(refused.predicted_wait_s - 0.5)
 
 
 def test_work_flowing_into_higher_tiers_lengthens_a_lower_tiers_predicted_wait():
@@ -488,3 +489,44 @@ def test_harness_serves_everything_with_one_outcome_each():
     h.drain()
     assert all(r.outcome is not None for r in h.all_requests)
     assert h.backend.max_seen <= 2
+
+
+# -- a backend that is down or starting -------------------------------------------
+
+
+DOWN = BackendCapacity(free_slots=0, free_kv_tokens=0, kv_capacity_tokens=None)
+
+
+def test_time_with_the_backend_down_does_not_lock_admission_out():
+    # Minutes of a down backend (no room, nothing running) must not teach the
+    # drain rate that the backend completes nothing.
+    sched = Scheduler(policy(), drain_rate_hint=1000.0)
+    for t in range(0, 600, 5):
+        sched.schedule(float(t), DOWN, backend_ready=False)
+    assert sched.drain.rate == pytest.approx(1000.0)
+    assert sched.submit(req("interactive", at=600.0), 600.0).admitted
+
+
+def test_running_work_that_has_not_finished_yet_keeps_the_prior():
+    # A cold start: every slot holds a long generation, none ends within tau.
+    sched = Scheduler(policy(), drain_rate_hint=1000.0)
+    sched.submit(req("standard"), 0.0)
+    sched.schedule(0.0, BackendCapacity(1, 10**9, 10**9))
+    sched.submit(req("standard"), 0.0)
+    for t in range(1, 60):
+        sched.schedule(float(t), FULL)
+    assert sched.drain.rate == pytest.approx(1000.0)
+
+
+def test_no_preemption_and_no_expired_outcome_while_the_backend_is_down():
+    sched = Scheduler(policy(scheduler={"preemption": True}), drain_rate_hint=10**6)
+    b = req("batch")
+    sched.submit(b, 0.0)
+    sched.schedule(0.0, BackendCapacity(1, 10**9, 10**9))
+    i = req("interactive", at=1.0)
+    sched.submit(i, 1.0)
+    assert not sched.schedule(1.0, DOWN, backend_ready=False).preempt
+    assert b.state is RequestState.RUNNING
+    plan = sched.schedule(1.5, DOWN, backend_ready=False)
+    # Its budget ran out because the backend was down, not because of load.
+    assert plan.expired == [i] and i.outcome is Outcome.BACKEND_ERROR

@@ -479,8 +479,8 @@ async def test_every_request_ends_with_exactly_one_outcome(seed: int) -> None:
             endings[req_id] += 1
         return req, running
 
-    def schedule(*args):
-        plan = real_schedule(*args)
+    def schedule(*args, **kwargs):
+        plan = real_schedule(*args, **kwargs)
         for req in (*plan.expired, *plan.failed):
             endings[req.id] += 1
         return plan

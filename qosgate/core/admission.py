@@ -78,7 +78,8 @@ class DrainRateEstimator:
         # Until a few seconds of saturated time are seen the prior dominates,
         # blended in proportion so the estimate does not jump on one sample.
         span = self._time
-        if span <= 0.0:
+        if span <= 0.0 or self._tokens <= 0.0:
+            # Nothing has completed yet: no evidence against the prior.
             return self.prior
         measured = self._tokens / span
         trust = min(1.0, span / self.tau)

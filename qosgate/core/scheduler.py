@@ -151,8 +151,15 @@ class Scheduler:
 
     # -- admission -----------------------------------------------------------
 
+    def _draining(self) -> bool:
+        # Time teaches the drain rate something only while the backend works
+        # on our requests and more are waiting: with nothing running (an idle
+        # or down backend) no completion can be expected, and counting that
+        # time would drive the estimate to zero.
+        return bool(self._running) and (self._saturated or bool(self._queued))
+
     def _advance(self, now: float) -> None:
-        self.drain.advance(now, self._saturated or bool(self._queued))
+        self.drain.advance(now, self._draining())
 
     def _reject(self, req: Request, now: float, decision: AdmissionDecision) -> AdmissionDecision:
         req.state = _FINISHED
@@ -174,7 +181,8 @@ class Scheduler:
         if len(queue) >= queue.max_len:
             return self._reject(req, now, AdmissionDecision(
                 admitted=False, outcome=Outcome.REJECTED_QUEUE_FULL,
-                retry_after_s=min(queue.work / self.drain.rate, _MAX_RETRY_AFTER_S),
+                retry_after_s=min(queue.work / self.drain.rate, _MAX_RETRY_AFTER_S)
+                if self.drain.rate > 0 else _MAX_RETRY_AFTER_S,
                 reason=f"tier {req.tier!r} queue is full ({queue.max_len} requests)",
             ))
 
@@ -202,7 +210,10 @@ class Scheduler:
             if self._room_slots > 0:
                 ahead = max(0.0, ahead - min(self._room_kv, self._room_slots * req.work))
             drain = self.drain.rate - inflow
-            predicted = ahead / drain if drain > 0 else float("inf")
+            if ahead <= 0.0:
+                predicted = 0.0
+            else:
+                predicted = ahead / drain if drain > 0 else float("inf")
             if predicted > budget:
                 return self._reject(req, now, AdmissionDecision(
                     admitted=False, outcome=Outcome.REJECTED_OVERLOAD,
@@ -272,12 +283,21 @@ class Scheduler:
             return now
         return oldest.arrival + queue.max_wait_s
 
-    def schedule(self, now: float, capacity: BackendCapacity) -> SchedulePlan:
-        """Release what the backend has room for, best first; expire what is overdue."""
+    def schedule(
+        self, now: float, capacity: BackendCapacity, *, backend_ready: bool = True
+    ) -> SchedulePlan:
+        """Release what the backend has room for, best first; expire what is overdue.
+
+        With `backend_ready` False (the backend is down or starting) nothing is
+        preempted, since the room it would make cannot be used, and a request
+        that runs out of queue budget ends `backend_error`, not `expired`: the
+        wait was the backend's doing, not load."""
         self._advance(now)
         plan = SchedulePlan()
         if self._deadlines and self._deadlines[0][0] <= now:
-            plan.expired = self._expire(now)
+            plan.expired = self._expire(
+                now, Outcome.EXPIRED if backend_ready else Outcome.BACKEND_ERROR
+            )
 
         free_slots = capacity.free_slots
         free_kv = capacity.free_kv_tokens
@@ -356,7 +376,7 @@ class Scheduler:
         for name, batch in open_batches.items():
             plan.batches.append((name, batch[2], batch[3]))
 
-        if self._preemption and (blocked is not None or free_slots <= 0):
+        if self._preemption and backend_ready and (blocked is not None or free_slots <= 0):
             self._preempt(now, blocked, plan)
 
         self._saturated = free_slots <= 0 or blocked is not None
@@ -364,7 +384,7 @@ class Scheduler:
         self._room_kv = 0 if self._saturated else free_kv
         # What the coming interval is: saturated only if work is still waiting
         # or the backend is full after this round, not before it.
-        self.drain.advance(now, self._saturated or bool(self._queued))
+        self.drain.advance(now, self._draining())
         if self._deadlines:
             deadline = self._next_deadline()
             if deadline is not None and (wakeup is None or deadline < wakeup):
@@ -390,7 +410,7 @@ class Scheduler:
         req.finished_at = now
         into.append(req)
 
-    def _expire(self, now: float) -> list[Request]:
+    def _expire(self, now: float, outcome: Outcome) -> list[Request]:
         into: list[Request] = []
         heap = self._deadlines
         while heap and heap[0][0] <= now:
@@ -398,7 +418,7 @@ class Scheduler:
             if req.state is _QUEUED and req.deadline is not None and req.deadline <= now:
                 self._queues[req.tier].remove(req, _FINISHED)
                 del self._queued[req.id]
-                req.outcome = Outcome.EXPIRED
+                req.outcome = outcome
                 req.finished_at = now
                 into.append(req)
         return into

@@ -226,7 +226,7 @@ class Gateway:
             return
         while True:
             cap = self._capacity()
-            plan = self._scheduler.schedule(now, cap)
+            plan = self._scheduler.schedule(now, cap, backend_ready=self._backend.ready())
             self._carry_out(plan, cap)
             # A preemption frees room this same instant can use; a backend that
             # is down frees none, and asking again would only preempt more.
@@ -246,15 +246,14 @@ class Gateway:
             streams[req.id]._dispatched()
         for req in plan.expired:
             stream = streams[req.id]
-            if self._backend.ready():
+            if req.outcome is Outcome.EXPIRED:
                 budget_ms = self._policy.tiers[req.tier].max_queue_wait_ms
                 stream._ended_in_queue(Expired(
                     f"queued longer than tier {req.tier!r}'s budget ({budget_ms:.0f} ms)"
                 ))  # fmt: skip
             else:
-                # The wait was the backend's doing, not load: say so (503, retry),
-                # with the outcome that goes with it.
-                req.outcome = BackendUnavailableError.outcome
+                # The core ended it backend_error: the wait was the backend's
+                # doing (down or starting), not load, so say so (503, retry).
                 stream._ended_in_queue(BackendUnavailableError(
                     "the backend is not ready", retry_after_s=1.0
                 ))  # fmt: skip
