@@ -103,6 +103,7 @@ def _serve_command(args: argparse.Namespace, *, demo: bool) -> int:
     import asyncio
 
     from qosgate.backends import BackendNotImplemented
+    from qosgate.backends.base import BackendError
     from qosgate.config.loader import ConfigError, load_policy
     from qosgate.http.identity import KeyRingError
     from qosgate.http.server import serve
@@ -122,6 +123,10 @@ def _serve_command(args: argparse.Namespace, *, demo: bool) -> int:
     except (BackendNotImplemented, KeyRingError) as exc:
         print(f"qosgate: {exc}", file=sys.stderr)
         return 2
+    except BackendError as exc:
+        # The backend could not start (an upstream key variable unset, ...).
+        print(f"qosgate: the backend did not start: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         # Port in use, address not available: say so, not a traceback.
         print(f"qosgate: cannot listen: {exc}", file=sys.stderr)

@@ -492,3 +492,18 @@ def test_fuzz_mutated_example(edits: list[tuple[int, str, str]]) -> None:
 def test_backend_without_kind_is_the_simulated_gpu():
     policy = load_policy_text("tiers: {a: {priority: 0}}\nbackend: {profile: a100-llama3-8b}\n")
     assert policy.backend.kind == "sim" and policy.backend.profile == "a100-llama3-8b"
+
+
+@pytest.mark.parametrize(
+    ("backend", "needle"),
+    [
+        ("{profile: h100-nope}", "backend.profile: unknown profile 'h100-nope'"),
+        ("{max_num_seqs: 512, max_num_batched_tokens: 100}", "must be at least max_num_seqs"),
+    ],
+)
+def test_a_sim_backend_that_could_not_start_is_a_config_error(backend, needle):
+    from qosgate.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_policy_text(f"tiers: {{a: {{priority: 0}}}}\nbackend: {backend}\n")
+    assert needle in str(err.value)

@@ -378,6 +378,25 @@ def test_cli_serve_rejects_a_bad_policy(tmp_path: Path, capsys: pytest.CaptureFi
     assert "invalid policy" in capsys.readouterr().err
 
 
+def test_cli_serve_reports_a_backend_that_cannot_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qosgate.cli import main
+
+    monkeypatch.delenv("QOSGATE_TEST_UNSET_KEY", raising=False)
+    policy = tmp_path / "upstream.yaml"
+    policy.write_text(
+        "tiers: {a: {priority: 0}}\n"
+        "default_tier: a\n"
+        "backend:\n"
+        "  kind: openai\n"
+        "  upstreams: [{url: 'http://127.0.0.1:9/v1', api_key_env: QOSGATE_TEST_UNSET_KEY}]\n"
+    )
+    assert main(["serve", "--config", str(policy), "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "QOSGATE_TEST_UNSET_KEY" in err and "Traceback" not in err
+
+
 def test_demo_banner_has_working_examples() -> None:
     from qosgate.cli import DEMO_KEY, demo_banner
 

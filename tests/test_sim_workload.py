@@ -367,7 +367,7 @@ def test_scenario_file_errors_name_file_line_and_field(tmp_path):
         ({"policies": ["lottery"]}, "policies.0"),
         ({"lengths": {"prompt": {"median": 10, "max": 5}, "output": {"median": 1}}}, "median"),
         ({"surprise": 1}, "surprise"),
-        ({"engine": {"profile": "tpu-v9"}}, "unknown sim profile 'tpu-v9'"),
+        ({"engine": {"profile": "tpu-v9"}}, "unknown profile 'tpu-v9'"),
         ({"targets": [{"name": "x", "metric": "a..b", "op": ">=", "value": 1}]}, "targets.0"),
         ({"targets": [{"name": "x", "metric": "a", "op": ">", "value": 1}]}, "op"),
     ],

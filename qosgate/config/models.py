@@ -215,6 +215,30 @@ class SimBackendConfig(StrictModel):
     """Order of the engine's own waiting queue."""
     model: str = "sim-llama3-8b"
     """Model name served."""
+
+    @field_validator("profile")
+    @classmethod
+    def _known_profile(cls, value: str) -> str:
+        # Imported here: the engine model imports this module for its types.
+        from qosgate.backends.sim import PROFILES
+
+        if value not in PROFILES:
+            raise ValueError(f"unknown profile {value!r} (known: {', '.join(sorted(PROFILES))})")
+        return value
+
+    @model_validator(mode="after")
+    def _step_holds_every_sequence(self) -> "SimBackendConfig":
+        from qosgate.backends.sim import PROFILES
+
+        profile = PROFILES[self.profile]
+        seqs = self.max_num_seqs or profile.max_num_seqs
+        budget = self.max_num_batched_tokens or profile.max_num_batched_tokens
+        if budget < seqs:
+            # As in vLLM: a step must be able to give every running sequence a token.
+            raise ValueError(
+                f"max_num_batched_tokens ({budget}) must be at least max_num_seqs ({seqs})"
+            )
+        return self
     output_median_tokens: PositiveInt | None = None
     """Output length of the live sim backend. None: every request produces its
     max_tokens. Otherwise a log-normal length with this median (sigma 0.9),

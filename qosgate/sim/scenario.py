@@ -25,7 +25,6 @@ from pydantic import (
     model_validator,
 )
 
-from qosgate.backends.sim import get_profile
 from qosgate.config.loader import load_model
 from qosgate.config.models import PolicyConfig, SimBackendConfig, StrictModel
 
@@ -307,12 +306,6 @@ class Scenario(StrictModel):
     in the result, for targets that compare against another load."""
     reference_policies: tuple[SchedulerPolicy, ...] = ("qos",)
     """Policies of the reference run."""
-
-    @field_validator("engine")
-    @classmethod
-    def _known_profile(cls, value: SimBackendConfig) -> SimBackendConfig:
-        get_profile(value.profile)
-        return value
 
     @field_validator("policies")
     @classmethod
