@@ -70,7 +70,7 @@ class TierConfig(StrictModel):
     """Whether running requests of this tier may be preempted for higher tiers."""
 
     @model_validator(mode="after")
-    def _slo_present(self) -> "TierConfig":
+    def _default_within_cap(self) -> "TierConfig":
         if self.default_max_tokens is not None and self.default_max_tokens > self.max_tokens:
             raise ValueError("default_max_tokens must not exceed max_tokens")
         return self

@@ -167,11 +167,6 @@ class VtcOrder:
         self._stamps = 0
         self._last_served = 0.0
 
-    def set_weights(self, weights: dict[str, float]) -> None:
-        self._weights = dict(weights)
-        for name, state in self._tenants.items():
-            state.weight = self._weights.get(name, 1.0)
-
     def weight(self, tenant: str) -> float:
         return self._weights.get(tenant, 1.0)
 

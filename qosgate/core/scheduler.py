@@ -476,15 +476,6 @@ class Scheduler:
         if req is not None and req.first_token_at is None:
             req.first_token_at = now
 
-    def requeue(self, req_id: str, now: float) -> Request:
-        """The backend dropped a running request by itself (e.g. its own
-        preemption): put it back at the head of its tier."""
-        req = self._running.get(req_id)
-        if req is None:
-            raise KeyError(req_id)
-        self._requeue(req, now)
-        return req
-
     def finish(self, req_id: str, now: float, outcome: Outcome, output_tokens: int) -> Request:
         """A running request ended (completed, failed, cancelled mid-stream)."""
         req = self._running.pop(req_id, None)
