@@ -45,15 +45,16 @@ _ERROR_BODY_BYTES = 64 * 1024
 
 
 def error_outcome(status: int, code: str | None) -> str:
-    """What an HTTP refusal means for the report: 429 and 503 are refusals
-    (quota when the code says so), 504 an expiry in the queue, anything else
-    an error."""
+    """What an HTTP refusal means for the report: 429, and 503 for overload,
+    are refusals (quota when the code says so), 504 an expiry in the queue.
+    Anything else is an error, including a 503 that says the backend is
+    unavailable: counting that as a deliberate refusal would hide failures."""
     if status == 429:
         if code and ("quota" in code or code == "rate_limit_exceeded"):
             return "rejected_quota"
         return "rejected_queue_full"
     if status == 503:
-        return "rejected_overload"
+        return "rejected_overload" if code in (None, "overloaded") else ERROR
     if status == 504:
         return "expired"
     return ERROR

@@ -21,7 +21,7 @@ from qosgate.bench.client import COMPLETED, RECORD_FIELDS
 from qosgate.bench.scenario import BenchScenario
 from qosgate.config.models import PolicyConfig
 from qosgate.core.request import Outcome, Request, RequestState
-from qosgate.sim.report import _percentile_sorted, build_policy_report, format_table
+from qosgate.sim.report import build_policy_report, format_table, percentile
 
 _OUTCOMES = {
     COMPLETED: Outcome.COMPLETED,
@@ -114,10 +114,6 @@ def _as_request(record: Record, scenario: BenchScenario) -> Request:
     return request
 
 
-def _pct(values: Sequence[float], q: float) -> float | None:
-    return _percentile_sorted(sorted(values), q)
-
-
 def _latency_stats(records: Sequence[Record]) -> dict[str, Any]:
     done = [r for r in records if r.outcome == COMPLETED]
     ttfts = [r.ttft for r in done if r.ttft is not None]
@@ -125,14 +121,14 @@ def _latency_stats(records: Sequence[Record]) -> dict[str, Any]:
     tpots = [t for t in (r.tpot for r in done) if t is not None]
     gaps = [gap for r in done if r.itl for gap in r.itl]
     return {
-        "ttft_p50_s": _pct(ttfts, 50),
-        "ttft_p99_s": _pct(ttfts, 99),
-        "e2e_p50_s": _pct(e2es, 50),
-        "e2e_p99_s": _pct(e2es, 99),
-        "tpot_p50_s": _pct(tpots, 50),
-        "tpot_p99_s": _pct(tpots, 99),
-        "itl_p50_s": _pct(gaps, 50),
-        "itl_p99_s": _pct(gaps, 99),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "e2e_p50_s": percentile(e2es, 50),
+        "e2e_p99_s": percentile(e2es, 99),
+        "tpot_p50_s": percentile(tpots, 50),
+        "tpot_p99_s": percentile(tpots, 99),
+        "itl_p50_s": percentile(gaps, 50),
+        "itl_p99_s": percentile(gaps, 99),
     }
 
 
@@ -197,7 +193,7 @@ def build_bench_report(
     totals["throughput_rps"] = len(done_in_window) / length
     totals.update(_latency_stats(in_window))
     lags = [r.lag for r in records]
-    totals["client_send_lag_p99_s"] = _pct(lags, 99)
+    totals["client_send_lag_p99_s"] = percentile(lags, 99)
     totals["client_send_lag_max_s"] = max(lags) if lags else None
     totals["client_cpu_s"] = client_cpu_s
     totals["wall_s"] = max((r.end for r in records), default=0.0)

@@ -23,9 +23,14 @@ class AdmissionDecision:
 
     @property
     def retry_after_header(self) -> str | None:
-        if self.retry_after_s is None:
-            return None
-        return str(max(1, math.ceil(self.retry_after_s)))
+        return retry_after_header(self.retry_after_s)
+
+
+def retry_after_header(seconds: float | None) -> str | None:
+    """Retry-After value: whole seconds, at least 1 (a 0 would invite a hot retry loop)."""
+    if seconds is None:
+        return None
+    return str(max(1, math.ceil(seconds)))
 
 
 ADMITTED = AdmissionDecision(admitted=True)

@@ -9,9 +9,9 @@ quota store.)
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar
 
+from qosgate.core.admission import retry_after_header
 from qosgate.core.request import Outcome
 
 
@@ -37,10 +37,7 @@ class GatewayError(Exception):
 
     @property
     def retry_after_header(self) -> str | None:
-        """Retry-After value: whole seconds, at least 1 (a 0 would invite a hot retry loop)."""
-        if self.retry_after_s is None:
-            return None
-        return str(max(1, math.ceil(self.retry_after_s)))
+        return retry_after_header(self.retry_after_s)
 
     def body(self) -> dict[str, Any]:
         """The OpenAI error body."""
