@@ -324,3 +324,14 @@ def test_requests_without_a_record_are_lost() -> None:
     assert report["totals"]["lost"] == 3
     assert report["totals"]["rejected"] == 1
     assert report["tiers"]["interactive"]["tpot_p50_s"] == pytest.approx(0.01 / 3)
+
+
+def test_a_503_is_a_refusal_only_when_the_gateway_says_overloaded():
+    from qosgate.bench.client import ERROR, error_outcome
+
+    assert error_outcome(503, "overloaded") == "rejected_overload"
+    assert error_outcome(503, None) == "rejected_overload"
+    assert error_outcome(503, "backend_unavailable") == ERROR
+    assert error_outcome(503, "shutting_down") == ERROR
+    assert error_outcome(429, "queue_full") == "rejected_queue_full"
+    assert error_outcome(504, "queue_timeout") == "expired"
