@@ -13,7 +13,8 @@ import pytest
 from qosgate.backends import build_backend
 from qosgate.backends.base import BackendError, BackendUnavailable, GenerationJob
 from qosgate.backends.sim import SimEngine
-from qosgate.backends.sim_live import SimBackend, estimate_prompt_tokens, filler_text
+from qosgate.backends.sim_live import SimBackend, filler_text
+from qosgate.backends.tokens import estimate_prompt_tokens
 from qosgate.config.models import PolicyConfig, SimBackendConfig, VllmBackendConfig
 from qosgate.core.request import Outcome, RequestState
 from qosgate.runtime import (
@@ -674,10 +675,12 @@ async def test_sim_not_running_and_close() -> None:
 def test_prompt_token_estimate() -> None:
     chat = {"messages": [{"role": "system", "content": "x" * 40},
                          {"role": "user", "content": [{"type": "text", "text": "y" * 9}]}]}
-    assert estimate_prompt_tokens("chat", chat) == 13  # ceil(49 / 4)
+    assert estimate_prompt_tokens("chat", chat) == 13 + 2 * 4  # ceil(49 / 4) + framing
     assert estimate_prompt_tokens("completions", {"prompt": "abcd" * 5}) == 5
-    assert estimate_prompt_tokens("completions", {"prompt": [1, 2, 3]}) == 3
     assert estimate_prompt_tokens("chat", {"messages": []}) == 1
+    # Both backends use this one estimate.
+    sim = SimBackend(SimBackendConfig())
+    assert sim.count_prompt_tokens("chat", chat) == estimate_prompt_tokens("chat", chat)
 
 
 def test_build_backend() -> None:

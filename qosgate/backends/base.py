@@ -22,8 +22,9 @@ class GenerationJob:
     endpoint: Literal["chat", "completions"]
     body: dict[str, Any]
     """The client's OpenAI request body after validation (model, messages or
-    prompt, sampling fields, unknown fields passed through); `max_tokens` is
-    already clamped to the tier's cap."""
+    prompt, sampling fields, unknown fields passed through), ready to send:
+    `max_tokens` (and `max_completion_tokens` if given) already clamped to the
+    tier's cap, and the gateway's own fields (`priority`) removed."""
     prompt_tokens: int
     max_tokens: int
     priority: int
@@ -54,6 +55,9 @@ class BackendError(Exception):
     def __init__(self, message: str, *, retryable: bool = False) -> None:
         super().__init__(message)
         self.retryable = retryable
+        """True when nothing reached the client, so running the request again
+        elsewhere could not duplicate output. Informational: the gateway does
+        not retry yet (a failed request ends backend_error)."""
 
 
 class BackendUnavailable(BackendError):

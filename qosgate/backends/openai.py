@@ -29,6 +29,7 @@ from typing import Any
 
 import aiohttp
 
+from qosgate.backends.tokens import estimate_prompt_tokens
 from qosgate.backends.base import BackendError, BackendUnavailable, Chunk, GenerationJob
 from qosgate.config.models import OpenAIBackendConfig, UpstreamConfig
 from qosgate.core.scheduler import BackendCapacity
@@ -39,11 +40,6 @@ log = logging.getLogger("qosgate.backends.openai")
 # large never limits the dispatcher, which then goes by free slots alone.
 UNKNOWN_KV_TOKENS = 1 << 40
 
-# The prompt-token estimate before a tokenizer is at hand: about four
-# characters per token for English text, plus the chat template's framing.
-CHARS_PER_TOKEN = 4
-TOKENS_PER_MESSAGE = 4
-
 # A health probe must not take a whole request timeout to notice a hung server.
 _HEALTH_TIMEOUT_S = 5.0
 # Upstream error bodies are quoted in errors and logs; bound what is read.
@@ -52,9 +48,6 @@ _ERROR_BODY_BYTES = 64 * 1024
 # long lines; a line longer than this is taken for a broken stream rather than
 # buffered without end.
 _MAX_LINE_BYTES = 2 << 20
-# The gateway's own extension (a level below the tier); an upstream would read
-# it as its own priority, or refuse it when its scheduler has none.
-_GATEWAY_FIELDS = ("priority",)
 
 
 class _Upstream:
@@ -121,20 +114,6 @@ def _int_fields(usage: dict[str, Any]) -> dict[str, int]:
     # Usage may carry nested details (prompt_tokens_details) or nulls; the port
     # promises a flat dict of counts.
     return {k: v for k, v in usage.items() if isinstance(v, int) and not isinstance(v, bool)}
-
-
-def _text_chars(content: Any) -> int:
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        total = 0
-        for part in content:
-            if isinstance(part, str):
-                total += len(part)
-            elif isinstance(part, dict) and isinstance(part.get("text"), str):
-                total += len(part["text"])
-        return total
-    return 0
 
 
 class OpenAIBackend:
@@ -235,29 +214,9 @@ class OpenAIBackend:
     # -- tokens ------------------------------------------------------------
 
     def count_prompt_tokens(self, endpoint: str, body: dict[str, Any]) -> int:
-        """An estimate: ceil(characters / 4) over the message contents (plus
-        4 per message for the chat template) or the prompt. The upstream's
-        tokenizer is not reachable over the OpenAI API; the vLLM backend
-        counts exactly."""
-        chars = 0
-        framing = 0
-        if endpoint == "chat":
-            messages = body.get("messages")
-            if isinstance(messages, list):
-                for message in messages:
-                    if isinstance(message, dict):
-                        framing += TOKENS_PER_MESSAGE
-                        chars += _text_chars(message.get("content"))
-            tools = body.get("tools")
-            if tools:
-                # Tool schemas are rendered into the prompt by the template.
-                chars += len(json.dumps(tools, separators=(",", ":")))
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-                return len(prompt)
-            chars += _text_chars(prompt)
-        return max(1, -(-chars // CHARS_PER_TOKEN) + framing)
+        """The shared estimate (qosgate.backends.tokens): the upstream's
+        tokenizer is not reachable over the OpenAI API."""
+        return estimate_prompt_tokens(endpoint, body)
 
     # -- routing -----------------------------------------------------------
 
@@ -331,11 +290,10 @@ class OpenAIBackend:
                 self._recheck.set()
 
     def _request_body(self, job: GenerationJob) -> dict[str, Any]:
-        body = {k: v for k, v in job.body.items() if k not in _GATEWAY_FIELDS}
+        # The body arrives clamped and without the gateway's own fields (see
+        # GenerationJob.body); only the streaming form is this backend's choice.
+        body = dict(job.body)
         body["max_tokens"] = job.max_tokens
-        if "max_completion_tokens" in body:
-            # The client's own limit must not bypass the tier's clamp.
-            body["max_completion_tokens"] = job.max_tokens
         body["stream"] = True
         options = body.get("stream_options")
         body["stream_options"] = {
@@ -366,8 +324,8 @@ class OpenAIBackend:
                 if isinstance(exc, TimeoutError):
                     raise
                 self._mark_unhealthy(upstream, repr(exc))
-                # No answer came, so no output was produced: running it again
-                # (elsewhere) cannot duplicate anything the client saw.
+                # No answer came, so no output was produced: the error says so
+                # (retryable), though the gateway does not retry it yet.
                 raise BackendError(
                     f"upstream {upstream.url} unreachable: {exc}", retryable=True
                 ) from exc

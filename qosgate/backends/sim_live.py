@@ -28,16 +28,12 @@ from qosgate.backends.base import (
     GenerationJob,
 )
 from qosgate.backends.sim import SimEngine, StepResult
+from qosgate.backends.tokens import estimate_prompt_tokens
 from qosgate.config.models import SimBackendConfig
 from qosgate.core.scheduler import BackendCapacity
 
 OUTPUT_SIGMA = 0.9
 """Spread (sigma of the log) of output lengths around `output_median_tokens`."""
-
-CHARS_PER_TOKEN = 4
-"""Prompt-size estimate without a tokenizer: ~4 characters per token is the usual
-rule of thumb for English text with BPE tokenizers. The vLLM backend counts
-with the model's own tokenizer."""
 
 _WORDS = (
     "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
@@ -52,34 +48,6 @@ def filler_text(start: int, count: int) -> str:
     return "".join(
         (" " if i else "") + _WORDS[i % n] for i in range(start, start + count)
     )
-
-
-def estimate_prompt_tokens(endpoint: str, body: dict[str, Any]) -> int:
-    """About `CHARS_PER_TOKEN` characters per token over the message contents
-    (chat) or the prompt (completions); at least 1."""
-    chars = 0
-    tokens = 0
-    if endpoint == "chat":
-        for message in body.get("messages") or ():
-            content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, str):
-                chars += len(content)
-            elif isinstance(content, list):
-                for part in content:
-                    if isinstance(part, dict) and isinstance(part.get("text"), str):
-                        chars += len(part["text"])
-    else:
-        prompt = body.get("prompt")
-        prompts = prompt if isinstance(prompt, list) else [prompt]
-        for item in prompts:
-            if isinstance(item, str):
-                chars += len(item)
-            elif isinstance(item, int):
-                # A prompt given as token ids is already counted.
-                tokens += 1
-            elif isinstance(item, list):
-                tokens += len(item)
-    return max(1, tokens + math.ceil(chars / CHARS_PER_TOKEN))
 
 
 _END = object()
