@@ -1,0 +1,44 @@
+"""The files in examples/ and docker/ work as their comments say."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from qosgate.config import load_policy
+
+from tests.http_support import live_app
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_api_gateway_policy_is_valid():
+    policy = load_policy(ROOT / "examples" / "behind-api-gateway.yaml")
+    assert policy.server.trusted_header_secret_env == "QOSGATE_GATEWAY_SECRET"
+    assert policy.default_tier in policy.tiers
+
+
+async def test_the_openai_client_example_runs_against_the_demo_policy():
+    policy = load_policy(ROOT / "policies" / "example.yaml")
+    fast = policy.backend.model_copy(update={"speed": 50.0})
+    async with live_app(policy.model_copy(update={"backend": fast})) as live:
+        env = {**os.environ, "QOSGATE_URL": f"{live.url}/v1"}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(ROOT / "examples" / "openai_client.py"),
+            env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+    assert proc.returncode == 0, err.decode()
+    text = out.decode()
+    assert "reply:" in text and "usage:" in text and "stream:" in text
+
+
+def test_the_dockerfile_serves_a_policy_on_all_interfaces():
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    assert "qosgate serve" in dockerfile and "--host 0.0.0.0" in dockerfile
+    # The image's default policy is the repository's example, copied in.
+    assert "COPY policies /etc/qosgate" in dockerfile
+    assert "QOSGATE_POLICY=/etc/qosgate/example.yaml" in dockerfile
+    assert (ROOT / "policies" / "example.yaml").is_file()
