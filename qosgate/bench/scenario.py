@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from qosgate.config.loader import load_model
-from qosgate.config.models import StrictModel
+from qosgate.config.models import NonNegativeFloat, PositiveFloat, PositiveInt, StrictModel
 from qosgate.sim.scenario import (
     LengthDist,
     LengthsConfig,
@@ -38,9 +38,6 @@ from qosgate.sim.scenario import (
     TrafficShape,
 )
 
-PositiveFloat = Annotated[float, Field(gt=0)]
-NonNegativeFloat = Annotated[float, Field(ge=0)]
-PositiveInt = Annotated[int, Field(gt=0)]
 
 # Tier and tenant names become the keys of the result JSON and go through the
 # policy models for the report, so they follow the policy's naming rule.

@@ -26,11 +26,15 @@ from pydantic import (
 )
 
 from qosgate.config.loader import load_model
-from qosgate.config.models import PolicyConfig, SimBackendConfig, StrictModel
+from qosgate.config.models import (
+    NonNegativeFloat,
+    PolicyConfig,
+    PositiveFloat,
+    PositiveInt,
+    SimBackendConfig,
+    StrictModel,
+)
 
-PositiveFloat = Annotated[float, Field(gt=0)]
-NonNegativeFloat = Annotated[float, Field(ge=0)]
-PositiveInt = Annotated[int, Field(gt=0)]
 SchedulerPolicy = Literal["fcfs", "strict", "qos"]
 
 # Relative paths inside a scenario (policy file, trace) are relative to the
