@@ -99,6 +99,16 @@ DEMO_KEY = "demo-interactive-key"
 digest is in the file."""
 
 
+def _loop_factory():
+    """uvloop's event loop where it is installed: it roughly halves the CPU
+    the loop itself spends per request (benchmarks/RESULTS.md, B1)."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def _serve_command(args: argparse.Namespace, *, demo: bool) -> int:
     import asyncio
 
@@ -119,7 +129,8 @@ def _serve_command(args: argparse.Namespace, *, demo: bool) -> int:
             print(demo_banner(url, _served_model(policy)), flush=True)
 
     try:
-        asyncio.run(serve(policy, args.host, args.port, on_ready=on_ready))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(serve(policy, args.host, args.port, on_ready=on_ready))
     except (BackendNotImplemented, KeyRingError) as exc:
         print(f"qosgate: {exc}", file=sys.stderr)
         return 2

@@ -38,6 +38,9 @@ class FakeUpstream:
         self.status_headers: dict[str, str] = {}
         self.status_body: Any = {"error": {"message": "boom", "type": "server_error"}}
         self.release = asyncio.Event()
+        # When set, the end of the body waits for it after [DONE] was sent.
+        self.eof_gate: asyncio.Event | None = None
+        self.done_sent = asyncio.Event()
         self.disconnected = asyncio.Event()
         self.requests: list[dict[str, Any]] = []
         self.model_probes: list[dict[str, str]] = []
@@ -78,7 +81,13 @@ class FakeUpstream:
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        self.requests.append({"path": request.path, "body": body, "headers": dict(request.headers)})
+        assert request.transport is not None
+        self.requests.append({
+            "path": request.path,
+            "body": body,
+            "headers": dict(request.headers),
+            "peer": request.transport.get_extra_info("peername"),
+        })
         if self.mode == "status":
             return web.json_response(
                 self.status_body, status=self.status, headers=self.status_headers
@@ -132,6 +141,9 @@ class FakeUpstream:
                 usage = {"prompt_tokens": 5, "completion_tokens": done, "total_tokens": 5 + done}
                 await send({"choices": [], "usage": usage})
             await send("[DONE]")
+            if self.eof_gate is not None:
+                self.done_sent.set()
+                await self.eof_gate.wait()
             await response.write_eof()
             return response
         except (asyncio.CancelledError, ConnectionError):
@@ -554,6 +566,32 @@ async def test_closing_the_stream_early_disconnects_the_upstream(h):
     await wait(up.disconnected)
     assert backend.capacity().free_slots == 2
     assert calls
+
+
+async def test_a_consumer_that_stops_at_the_last_chunk_keeps_the_connection(h):
+    # The gateway closes a stream as soon as it has the chunk with the finish
+    # reason; the upstream connection must still go back to the pool.
+    # The end of the body lags the [DONE] event, as it can on a real network.
+    up = await h.upstream("a")
+    backend = await h.backend([up])
+
+    async def lag_the_end() -> None:
+        await up.done_sent.wait()
+        up.done_sent.clear()
+        assert up.eof_gate is not None
+        up.eof_gate.set()
+
+    for _ in range(4):
+        up.eof_gate = asyncio.Event()
+        lag = asyncio.create_task(lag_the_end())
+        stream = backend.generate(job())
+        async for chunk in stream:
+            if chunk.finish_reason is not None:
+                break
+        await stream.aclose()
+        await asyncio.wait_for(lag, LIMIT_S)
+    assert len(up.requests) == 4
+    assert len({r["peer"] for r in up.requests}) == 1
 
 
 async def test_abort_stops_the_upstream_and_is_idempotent(h):

@@ -28,9 +28,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
+import orjson
 
-from qosgate.backends.tokens import estimate_prompt_tokens
 from qosgate.backends.base import BackendError, BackendUnavailable, Chunk, GenerationJob
+from qosgate.backends.tokens import estimate_prompt_tokens
 from qosgate.config.models import OpenAIBackendConfig, UpstreamConfig
 from qosgate.core.scheduler import BackendCapacity
 
@@ -156,6 +157,7 @@ class OpenAIBackend:
             # Concurrency is capped per upstream here; aiohttp's own pool cap
             # (100 by default) would otherwise queue requests out of sight.
             connector=aiohttp.TCPConnector(limit=0),
+            json_serialize=_json_text,
         )
         self._loop = asyncio.get_running_loop()
         self._started = True
@@ -346,19 +348,23 @@ class OpenAIBackend:
             # by line: each await costs more than the parsing it waits for.
             events = call._events = _EventStream(job.endpoint, upstream.url)
             content = response.content
-            while True:
+            while not events.ended:
                 while events.ready:
                     yield events.ready.popleft()
-                if events.error is not None:
-                    raise events.error
-                if events.ended:
-                    break
                 block = await content.readany()
                 if block:
                     events.feed(block)
                 else:
                     events.end()
-            finished = True
+            # [DONE] can come a read before the end of the body. Read that end
+            # before the last chunk goes out (the consumer may stop at it): a
+            # response released with its body unread closes its connection,
+            # and every request would pay for a new one.
+            finished = events.error is None and await _read_to_eof(content)
+            while events.ready:
+                yield events.ready.popleft()
+            if events.error is not None:
+                raise events.error
         except Exception as exc:
             # Whatever an aborted request's closed connection produced (a
             # connection error, a short stream) is the abort, not a failure.
@@ -522,6 +528,29 @@ class _Call:
                 loop.call_soon_threadsafe(self.backend._notify)
 
 
+def _json_text(value: Any) -> str:
+    return orjson.dumps(value).decode()
+
+
+_EOF_GRACE_S = 1.0
+"""How long the end of a body may lag its [DONE] before the connection is
+dropped rather than kept for reuse."""
+
+
+async def _read_to_eof(content: aiohttp.StreamReader) -> bool:
+    """Whether the body ended (at once, normally) within the grace."""
+    if content.at_eof():
+        return True
+    try:
+        async with asyncio.timeout(_EOF_GRACE_S):
+            while await content.readany():
+                pass
+    except (TimeoutError, aiohttp.ClientError, OSError):
+        # The output is complete either way; only the connection is not reused.
+        return False
+    return True
+
+
 async def _read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes:
     parts: list[bytes] = []
     size = 0
@@ -621,8 +650,8 @@ class _EventStream:
             self._finish(done=True)
             return
         try:
-            payload = json.loads(data)
-        except ValueError as exc:
+            payload = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
             raise self._malformed(f"not JSON: {data[:200]!r}") from exc
         if not isinstance(payload, dict):
             raise self._malformed(f"not an object: {data[:200]!r}")

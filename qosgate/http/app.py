@@ -9,7 +9,6 @@ bug, leaves as OpenAI's `{"error": {...}}` with the status DESIGN.md gives it.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -19,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
@@ -335,7 +335,8 @@ async def _json_response(stream: RequestStream, call: _Call) -> web.Response:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         kind = "text_completion"
     return web.json_response(
-        {
+        dumps=_json_text,
+        data={
             "id": call.response_id,
             "object": kind,
             "created": call.created,
@@ -346,8 +347,12 @@ async def _json_response(stream: RequestStream, call: _Call) -> web.Response:
     )
 
 
+def _json_text(value: Any) -> str:
+    return orjson.dumps(value).decode()
+
+
 def _event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
 _DONE_EVENT = b"data: [DONE]\n\n"
@@ -355,7 +360,7 @@ _DONE_EVENT = b"data: [DONE]\n\n"
 # would do: the text is the event's last string, so the last match is the text
 # whatever the id or the model name hold.
 _TEXT_MARKER = "\x00"
-_TEXT_MARKER_JSON = json.dumps(_TEXT_MARKER).encode()
+_TEXT_MARKER_JSON = orjson.dumps(_TEXT_MARKER)
 
 
 def _text_event_parts(call: _Call) -> tuple[bytes, bytes]:
@@ -452,7 +457,7 @@ async def _stream_response(
         while chunk is not None:
             tally.add(chunk)
             if chunk.text:
-                pending.append(head + json.dumps(chunk.text).encode() + tail)
+                pending.append(head + orjson.dumps(chunk.text) + tail)
             # After the finishing chunk the stream ends without a wait, and
             # its events go out with the last ones.
             if pending and chunk.finish_reason is None and not stream.ready():
