@@ -7,7 +7,7 @@ error that names the field rather than a setting silently ignored.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
@@ -71,7 +71,7 @@ class TierConfig(StrictModel):
     """Whether running requests of this tier may be preempted for higher tiers."""
 
     @model_validator(mode="after")
-    def _default_within_cap(self) -> "TierConfig":
+    def _default_within_cap(self) -> TierConfig:
         if self.default_max_tokens is not None and self.default_max_tokens > self.max_tokens:
             raise ValueError("default_max_tokens must not exceed max_tokens")
         return self
@@ -129,12 +129,23 @@ class SchedulerConfig(StrictModel):
 
 
 class RateLimit(StrictModel):
-    """A token bucket: `limit` per period, holding at most `burst`."""
+    """A sliding-window limit: never more than `limit` admitted in any window
+    of one period; optionally no more than `burst` of it at once."""
 
     limit: PositiveInt
-    """Refill per period."""
+    """The most admitted in any window of one period (a minute or a day)."""
     burst: PositiveInt | None = None
-    """Bucket size (default: limit)."""
+    """The most that can be taken at once, refilled at limit per period
+    (default and at most: the limit)."""
+
+    @model_validator(mode="after")
+    def _burst_within_limit(self) -> RateLimit:
+        if self.burst is not None and self.burst > self.limit:
+            raise ValueError(
+                f"burst ({self.burst}) cannot exceed limit ({self.limit}): the window "
+                "would refuse the excess anyway"
+            )
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -196,6 +207,14 @@ class QuotaStoreConfig(StrictModel):
     """Namespace for Redis keys."""
     on_error: Literal["fail_open", "fail_closed"] = "fail_open"
     """With Redis unreachable: keep serving on a local limiter, or answer 503."""
+    timeout_ms: PositiveInt = 250
+    """How long one Redis call may take before Redis counts as down."""
+    retry_interval_s: PositiveFloat = 1.0
+    """While Redis is down, how long before a request tries it again (doubling
+    up to 8x while it stays down); the requests in between do not wait on it."""
+    lease_s: PositiveFloat = 3600.0
+    """How long a max_concurrency slot stays held if its gateway dies without
+    releasing it; keep it above the longest a request can run."""
 
 
 class SimBackendConfig(StrictModel):
@@ -228,7 +247,7 @@ class SimBackendConfig(StrictModel):
         return value
 
     @model_validator(mode="after")
-    def _step_holds_every_sequence(self) -> "SimBackendConfig":
+    def _step_holds_every_sequence(self) -> SimBackendConfig:
         from qosgate.backends.sim import PROFILES
 
         profile = PROFILES[self.profile]
@@ -275,7 +294,7 @@ class VllmBackendConfig(StrictModel):
     kind: Literal["vllm"] = "vllm"
     model: str
     """Model path or name for the co-located engine."""
-    engine_args: dict[str, Union[str, int, float, bool, None]] = {}
+    engine_args: dict[str, str | int | float | bool | None] = {}
     """Further vLLM engine arguments (max_num_seqs, max_num_batched_tokens, ...)."""
 
 
@@ -288,7 +307,7 @@ def _default_backend_kind(value: object) -> object:
 
 
 BackendConfig = Annotated[
-    Union[SimBackendConfig, OpenAIBackendConfig, VllmBackendConfig],
+    SimBackendConfig | OpenAIBackendConfig | VllmBackendConfig,
     Field(discriminator="kind"),
     BeforeValidator(_default_backend_kind),
 ]
@@ -323,7 +342,7 @@ class PolicyConfig(StrictModel):
         return value
 
     @model_validator(mode="after")
-    def _references(self) -> "PolicyConfig":
+    def _references(self) -> PolicyConfig:
         errors: list[str] = []
         seen: dict[str, int] = {}
         for index, tenant in enumerate(self.tenants):

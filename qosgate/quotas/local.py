@@ -1,0 +1,249 @@
+"""The quota arithmetic in one process: synchronous, `now` passed in.
+
+`LocalLimiter` is what the memory store runs, what a fail-open gateway falls
+back on while Redis is down, and the reference the Redis store's Lua scripts
+(qosgate/quotas/redis_store.py) follow step for step; the conformance suite
+(tests/test_quota_conformance.py) holds them to the same answers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .model import (
+    SLOTS,
+    LimitState,
+    QuotaDecision,
+    RateRule,
+    Reservation,
+    SettledTwice,
+    TenantLimits,
+    refusal_reason,
+)
+
+
+@dataclass(slots=True)
+class _Window:
+    """One rate limit's state for one tenant: slot index -> amount, and the bucket."""
+
+    slots: dict[int, int] = field(default_factory=dict)
+    level: float | None = None  # bucket level; None: full
+    level_at: float = 0.0
+
+    def prune(self, rule: RateRule, now: float) -> int:
+        """Drop slots that no longer overlap the window; the amount still in it.
+        The window counts the current slot and the SLOTS before it: the ones
+        that overlap (now - period, now]."""
+        oldest = rule.slot(now) - SLOTS
+        stale = [k for k in self.slots if k < oldest]
+        for k in stale:
+            del self.slots[k]
+        return sum(self.slots.values())
+
+    def bucket(self, rule: RateRule, now: float) -> float:
+        if self.level is None:
+            return float(rule.burst)
+        return min(float(rule.burst), self.level + (now - self.level_at) * rule.rate_per_s)
+
+    def set_bucket(self, rule: RateRule, now: float, level: float) -> None:
+        self.level = min(float(rule.burst), level)
+        self.level_at = now
+
+
+def window_wait(rule: RateRule, slots: dict[int, int], used: int, need: int, now: float) -> float:
+    """Seconds until `need` more fits the window, as old slots leave it."""
+    freed = 0
+    for k in sorted(slots):
+        freed += slots[k]
+        if used - freed + need <= rule.limit:
+            # Slot k stops overlapping the window when slot k + SLOTS + 1 begins.
+            return max(0.0, (k + SLOTS + 1) * rule.width_s - now)
+    return 0.0
+
+
+def window_reset(rule: RateRule, slots: dict[int, int], now: float) -> float:
+    if not slots:
+        return 0.0
+    return max(0.0, (max(slots) + SLOTS + 1) * rule.width_s - now)
+
+
+def bucket_wait(rule: RateRule, level: float, need: int) -> float:
+    return max(0.0, (need - level) / rule.rate_per_s)
+
+
+def evaluate(
+    rule: RateRule, slots: dict[int, int], used: int, level: float, need: int, now: float
+) -> tuple[bool, float | None]:
+    """Whether `need` fits now, and if not, the wait (None: it never will)."""
+    fits = used + need <= rule.limit and (not rule.bucketed or level >= need)
+    if fits:
+        return True, 0.0
+    if need > rule.burst:
+        return False, None
+    wait = 0.0
+    if used + need > rule.limit:
+        wait = window_wait(rule, slots, used, need, now)
+    if rule.bucketed and level < need:
+        wait = max(wait, bucket_wait(rule, level, need))
+    return False, wait
+
+
+def limit_state(
+    rule: RateRule, slots: dict[int, int], used: int, level: float, now: float
+) -> LimitState:
+    remaining = rule.limit - used
+    reset = window_reset(rule, slots, now)
+    if rule.bucketed:
+        remaining = min(remaining, math.floor(level))
+        reset = max(reset, bucket_wait(rule, level, rule.burst))
+    return LimitState(rule.kind, rule.limit, used, max(0, remaining), reset)
+
+
+def refusal(rule: RateRule, need: int, wait: float | None) -> tuple[str, int, int, float | None]:
+    """(limit named, its value, need, wait) for a refused check."""
+    if wait is None and need <= rule.limit:
+        return (f"{rule.kind}.burst", rule.burst, need, None)
+    return (rule.kind, rule.limit, need, wait)
+
+
+def concurrency_state(max_concurrency: int, inflight: int) -> LimitState:
+    return LimitState(
+        "max_concurrency", max_concurrency, inflight, max(0, max_concurrency - inflight), 0.0
+    )
+
+
+CONCURRENCY_RETRY_S = 1.0
+"""Retry-After for a tenant at max_concurrency: a slot frees when one of its
+requests ends, which no clock can predict."""
+
+
+def settle_deltas(
+    reservation: Reservation, charged: int, served: bool
+) -> list[tuple[RateRule, int, int]]:
+    """(rule, change to its window, slot it goes to) for each rate a settlement
+    moves: tokens by charged - reserved, the request back if it was not served."""
+    changes = []
+    for rule in reservation.limits.rates:
+        if rule.counts_requests:
+            delta = 0 if served else -1
+        else:
+            delta = charged - reservation.tokens
+        if delta:
+            changes.append((rule, delta, rule.slot(reservation.at)))
+    return changes
+
+
+def mark_settled(reservation: Reservation, charged: int) -> None:
+    if reservation.settled:
+        raise SettledTwice(f"reservation of request {reservation.request_id} settled twice")
+    reservation.settled = True
+    reservation.charged = charged
+
+
+class LocalLimiter:
+    """Every tenant's windows and in-flight sets, in this process."""
+
+    def __init__(self) -> None:
+        self._windows: dict[tuple[str, str], _Window] = {}
+        self._inflight: dict[str, dict[str, float]] = {}  # tenant -> request id -> lease end
+
+    def _window(self, tenant: str, rule: RateRule) -> _Window:
+        key = (tenant, rule.kind)
+        window = self._windows.get(key)
+        if window is None:
+            window = self._windows[key] = _Window()
+        return window
+
+    def _live(self, tenant: str, now: float) -> dict[str, float]:
+        inflight = self._inflight.get(tenant)
+        if inflight is None:
+            inflight = self._inflight[tenant] = {}
+        expired = [rid for rid, until in inflight.items() if until <= now]
+        for rid in expired:
+            del inflight[rid]
+        return inflight
+
+    def reserve(
+        self,
+        tenant: str,
+        limits: TenantLimits,
+        tokens: int,
+        request_id: str,
+        now: float,
+        *,
+        lease_s: float,
+        store: str = "memory",
+    ) -> QuotaDecision:
+        """Reserve `tokens` (and one request, and one concurrency slot) under
+        every limit, or nothing at all."""
+        checks = []
+        refused: tuple[str, int, int, float | None] | None = None
+        for rule in limits.rates:
+            window = self._window(tenant, rule)
+            need = 1 if rule.counts_requests else tokens
+            used = window.prune(rule, now)
+            level = window.bucket(rule, now)
+            checks.append((rule, window, need, used, level))
+            if refused is None:
+                fits, wait = evaluate(rule, window.slots, used, level, need, now)
+                if not fits:
+                    refused = refusal(rule, need, wait)
+        inflight = self._live(tenant, now) if limits.max_concurrency is not None else {}
+        if (
+            refused is None
+            and limits.max_concurrency is not None
+            and len(inflight) >= limits.max_concurrency
+        ):
+            refused = ("max_concurrency", limits.max_concurrency, 1, CONCURRENCY_RETRY_S)
+        if refused is not None:
+            kind, limit, need, wait = refused
+            return QuotaDecision(
+                admitted=False,
+                exceeded=kind,
+                retry_after_s=wait,
+                reason=refusal_reason(kind, limit, need, wait),
+                states=self._states(tenant, limits, now),
+            )
+        for rule, window, need, _, level in checks:
+            k = rule.slot(now)
+            window.slots[k] = window.slots.get(k, 0) + need
+            if rule.bucketed:
+                window.set_bucket(rule, now, level - need)
+        if limits.max_concurrency is not None:
+            inflight[request_id] = now + lease_s
+        reservation = Reservation(tenant, request_id, tokens, now, limits, store=store)
+        return QuotaDecision(
+            admitted=True, reservation=reservation, states=self._states(tenant, limits, now)
+        )
+
+    def settle(self, reservation: Reservation, charged: int, served: bool, now: float) -> None:
+        """End a reservation: keep `charged` tokens of it (refund the rest, or
+        charge the excess), and give back the request if it was not served."""
+        mark_settled(reservation, charged)
+        tenant = reservation.tenant
+        for rule, delta, k in settle_deltas(reservation, charged, served):
+            window = self._window(tenant, rule)
+            if k in window.slots:
+                value = window.slots[k] + delta
+                if value > 0:
+                    window.slots[k] = value
+                else:
+                    del window.slots[k]
+            if rule.bucketed:
+                window.set_bucket(rule, now, window.bucket(rule, now) - delta)
+        if reservation.limits.max_concurrency is not None:
+            self._inflight.get(tenant, {}).pop(reservation.request_id, None)
+
+    def usage(self, tenant: str, limits: TenantLimits, now: float) -> tuple[LimitState, ...]:
+        return self._states(tenant, limits, now)
+
+    def _states(self, tenant: str, limits: TenantLimits, now: float) -> tuple[LimitState, ...]:
+        states = []
+        for rule in limits.rates:
+            window = self._window(tenant, rule)
+            used = window.prune(rule, now)
+            states.append(limit_state(rule, window.slots, used, window.bucket(rule, now), now))
+        if limits.max_concurrency is not None:
+            states.append(concurrency_state(limits.max_concurrency, len(self._live(tenant, now))))
+        return tuple(states)
