@@ -9,6 +9,7 @@ bug, leaves as OpenAI's `{"error": {...}}` with the status DESIGN.md gives it.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import time
@@ -24,7 +25,15 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from qosgate.backends.base import Chunk
 from qosgate.config.models import PolicyConfig
-from qosgate.runtime.errors import BadRequest, GatewayError, PayloadTooLarge
+from qosgate.quotas import QuotaStoreDown
+from qosgate.runtime.errors import (
+    BadRequest,
+    GatewayError,
+    PayloadTooLarge,
+    QuotaExceeded,
+    QuotaStoreUnavailable,
+    Unauthorized,
+)
 from qosgate.runtime.gate import Gateway, RequestStream
 
 from .errors import (
@@ -35,6 +44,7 @@ from .errors import (
     error_response,
 )
 from .identity import Identity, KeyRing
+from .ratelimit import ratelimit_headers
 from .validation import MAX_PRIORITY_OFFSET, Endpoint, parse_json, validate_body
 
 log = logging.getLogger("qosgate.http")
@@ -45,6 +55,12 @@ REQUEST_ID: Any = (
     if hasattr(web, "RequestKey")
     else "qosgate.request_id"
 )
+RATELIMIT: Any = (
+    web.RequestKey("qosgate.ratelimit", dict)
+    if hasattr(web, "RequestKey")
+    else "qosgate.ratelimit"
+)
+"""The x-ratelimit headers of the request's tenant, once its quota was checked."""
 REQUEST_ID_HEADER = "x-request-id"
 SESSION_HEADER = "X-Session-Id"
 _MAX_SESSION_LEN = 256
@@ -57,6 +73,8 @@ class AppState:
     keyring: KeyRing
     started: int
     """Unix time the app was built (the `created` of /v1/models)."""
+    admin_token: str | None = None
+    """Bearer token of the /admin endpoints (None: they are disabled)."""
 
 
 STATE = web.AppKey("qosgate.state", AppState)
@@ -78,13 +96,30 @@ def build_app(
         policy=policy,
         keyring=KeyRing.from_policy(policy, environ),
         started=int(time.time()),
+        admin_token=_admin_token(policy, environ),
     )
+    # Every response the tenant gets, streamed or not, error or not, carries
+    # its quota as it stood once checked.
+    app.on_response_prepare.append(_add_ratelimit_headers)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
+    app.router.add_get("/admin/quotas", _admin_quotas)
     return app
+
+
+def _admin_token(policy: PolicyConfig, environ: Mapping[str, str]) -> str | None:
+    name = policy.server.admin_token_env
+    token = environ.get(name) if name else None
+    return token or None
+
+
+async def _add_ratelimit_headers(request: web.Request, response: web.StreamResponse) -> None:
+    headers = request.get(RATELIMIT)
+    if headers:
+        response.headers.update(headers)
 
 
 # --------------------------------------------------------------------------
@@ -189,6 +224,60 @@ async def _models(request: web.Request) -> web.Response:
 
 
 # --------------------------------------------------------------------------
+# Admin
+
+
+def _check_admin(request: web.Request) -> None:
+    token = request.app[STATE].admin_token
+    if token is None:
+        raise RouteNotFound(
+            "The admin endpoints are disabled: set the variable named by "
+            "server.admin_token_env to a token to enable them."
+        )
+    given = request.headers.get("Authorization", "")
+    scheme, _, value = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        value.strip().encode("utf-8", "surrogateescape"), token.encode()
+    ):
+        raise Unauthorized("The admin endpoints need the admin token as a Bearer token.")
+
+
+async def _admin_quotas(request: web.Request) -> web.Response:
+    """Each tenant's quota use and what is left (read-only)."""
+    _check_admin(request)
+    state = request.app[STATE]
+    guard = state.gateway.quotas
+    tenants = {}
+    for tenant in state.policy.tenants:
+        states = await guard.usage(tenant.id)
+        tenants[tenant.id] = {
+            "tier": tenant.tier,
+            "limits": {
+                s.kind: {
+                    "limit": s.limit,
+                    "used": s.used,
+                    "remaining": s.remaining,
+                    "reset_s": round(s.reset_s, 3),
+                }
+                for s in states
+            },
+        }
+    counters = guard.counters
+    return web.json_response(
+        dumps=_json_text,
+        data={
+            "store": {
+                "kind": guard.store.name,
+                "on_error": state.policy.quota_store.on_error,
+                "reachable": not guard.store_down,
+                **vars(counters),
+            },
+            "tenants": tenants,
+        },
+    )
+
+
+# --------------------------------------------------------------------------
 # Completions
 
 
@@ -263,9 +352,22 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
         include_usage=parsed.include_usage,
     )
     session = request.headers.get(SESSION_HEADER)
+    reservation = None
+    try:
+        decision = await gateway.quotas.reserve(
+            identity.tenant, prompt_tokens + max_tokens, request_id
+        )
+    except QuotaStoreDown as exc:
+        raise QuotaStoreUnavailable(str(exc), retry_after_s=exc.retry_after_s) from None
+    if decision is not None:
+        request[RATELIMIT] = ratelimit_headers(decision.states)
+        if not decision.admitted:
+            raise QuotaExceeded(decision.reason, retry_after_s=decision.retry_after_s)
+        reservation = decision.reservation
     # From here on the request is admitted: every path must end it (the
     # response functions close the stream on any way out but completion).
     stream = gateway.submit(
+        reservation=reservation,
         request_id=request_id,
         tenant=identity.tenant,
         tier=identity.tier,

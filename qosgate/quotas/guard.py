@@ -134,9 +134,7 @@ class QuotaGuard:
         lease = self._cfg.lease_s
         if self._down_until is None or now >= self._down_until:
             try:
-                decision = await self.store.reserve(
-                    tenant, limits, tokens, request_id, now, lease_s=lease
-                )
+                decision = await self._store_reserve(tenant, limits, tokens, request_id, now)
             except QuotaStoreError as exc:
                 self._failed(now, exc)
             else:
@@ -153,6 +151,29 @@ class QuotaGuard:
         return self._fallback.reserve(
             tenant, limits, tokens, request_id, now, lease_s=lease, store=FALLBACK
         )
+
+    async def _store_reserve(
+        self, tenant: str, limits: TenantLimits, tokens: int, request_id: str, now: float
+    ) -> QuotaDecision:
+        call = self.store.reserve(tenant, limits, tokens, request_id, now, lease_s=self._cfg.lease_s)
+        if isinstance(self.store, MemoryQuotaStore):
+            # Nothing in it awaits, so a cancellation cannot land half-way.
+            return await call
+        # A client that leaves while the script runs must not leave a
+        # reservation behind: the call finishes on its own, and is refunded.
+        task = asyncio.ensure_future(call)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._refund_orphan)
+            raise
+
+    def _refund_orphan(self, task: asyncio.Future[QuotaDecision]) -> None:
+        if task.cancelled() or task.exception() is not None:
+            return
+        decision = task.result()
+        if decision.reservation is not None:
+            self.settle_soon(decision.reservation, 0, False)
 
     def settle_soon(self, reservation: Reservation, charged: int, served: bool) -> None:
         """Settle without making the caller wait (called from the request's

@@ -10,6 +10,8 @@ from qosgate.runtime.errors import (
     Overloaded,
     PayloadTooLarge,
     QueueFull,
+    QuotaExceeded,
+    QuotaStoreUnavailable,
     Unauthorized,
 )
 from qosgate.runtime.gate import Gateway, RequestStream
@@ -25,6 +27,8 @@ __all__ = [
     "Overloaded",
     "PayloadTooLarge",
     "QueueFull",
+    "QuotaExceeded",
+    "QuotaStoreUnavailable",
     "RequestStream",
     "Unauthorized",
 ]

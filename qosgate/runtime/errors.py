@@ -3,8 +3,7 @@
 Each class stands for one way a request can end without completing, so it
 carries the one `Outcome` (metrics label, log field) and the one HTTP status
 that way of ending maps to; the HTTP layer renders any of them generically in
-OpenAI's error shape. (QuotaExceeded, 429 rejected_quota, joins them with the
-quota store.)
+OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -58,6 +57,24 @@ class QueueFull(GatewayError):
     outcome = Outcome.REJECTED_QUEUE_FULL
     code = "queue_full"
     type = "rate_limit_error"
+
+
+class QuotaExceeded(GatewayError):
+    """The tenant's quota cannot hold the request now (Retry-After: when it
+    will), or ever (no Retry-After: the request alone is larger)."""
+
+    status = 429
+    outcome = Outcome.REJECTED_QUOTA
+    code = "rate_limit_exceeded"
+    type = "rate_limit_error"
+
+
+class QuotaStoreUnavailable(GatewayError):
+    """The quota store is unreachable and the gateway fails closed."""
+
+    status = 503
+    outcome = Outcome.REJECTED_QUOTA
+    code = "quota_store_unavailable"
 
 
 class Overloaded(GatewayError):

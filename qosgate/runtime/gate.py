@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from enum import Enum
-from typing import Any, AsyncIterator, Literal
+from typing import Any, Literal
 
 from qosgate.backends.base import (
     Backend,
@@ -29,6 +30,7 @@ from qosgate.backends.base import (
 from qosgate.config.models import PolicyConfig
 from qosgate.core.request import Outcome, Request
 from qosgate.core.scheduler import BackendCapacity, SchedulePlan, Scheduler
+from qosgate.quotas import QuotaGuard, Reservation
 from qosgate.runtime.errors import (
     BackendFailed,
     BackendUnavailableError,
@@ -55,10 +57,19 @@ class Gateway:
     """One scheduler in front of one backend."""
 
     def __init__(
-        self, policy: PolicyConfig, backend: Backend, *, drain_rate_hint: float | None = None
+        self,
+        policy: PolicyConfig,
+        backend: Backend,
+        *,
+        drain_rate_hint: float | None = None,
+        quotas: QuotaGuard | None = None,
     ) -> None:
+        # Without a guard of its own it builds one from the policy (memory or
+        # Redis, as `quota_store` says).
         self._policy = policy
         self._backend = backend
+        self.quotas = quotas if quotas is not None else QuotaGuard.from_policy(policy)
+        """Reserves at the door (the HTTP layer asks it) and settles here."""
         self._scheduler = Scheduler(policy, drain_rate_hint=drain_rate_hint)
         self._loop: asyncio.AbstractEventLoop | None = None
         # Requests admitted and not yet finished.
@@ -96,6 +107,7 @@ class Gateway:
         for stream in list(self._streams.values()):
             stream._end(GatewayClosing("the gateway is shutting down", retry_after_s=1.0))
         await self._backend.close()
+        await self.quotas.close()
 
     # -- views ---------------------------------------------------------------
 
@@ -142,11 +154,15 @@ class Gateway:
         max_tokens: int,
         priority_offset: int = 0,
         session: str | None = None,
+        reservation: Reservation | None = None,
     ) -> RequestStream:
         """Admit a request now or refuse it (QueueFull / Overloaded, the request
         then finished with that outcome). Unknown tier or a reused request id
-        are caller bugs and raise ValueError."""
+        are caller bugs and raise ValueError. The gateway takes over
+        `reservation` (the request's quota): it is refunded if the request is
+        refused, and settled when it ends."""
         if self._closed:
+            self._settle(reservation, 0, served=False)
             raise GatewayClosing("the gateway is shutting down", retry_after_s=1.0)
         loop = self._get_loop()
         now = loop.time()
@@ -154,8 +170,13 @@ class Gateway:
             request_id, tenant, tier, prompt_tokens, max_tokens, now,
             priority_offset=priority_offset,
         )  # fmt: skip
-        decision = self._scheduler.submit(req, now)
+        try:
+            decision = self._scheduler.submit(req, now)
+        except BaseException:
+            self._settle(reservation, 0, served=False)
+            raise
         if not decision.admitted:
+            self._settle(reservation, 0, served=False)
             error = QueueFull if decision.outcome is Outcome.REJECTED_QUEUE_FULL else Overloaded
             raise error(decision.reason, retry_after_s=decision.retry_after_s)
         job = GenerationJob(
@@ -168,7 +189,7 @@ class Gateway:
             tenant=tenant,
             session=session,
         )
-        stream = RequestStream(self, req, job, loop)
+        stream = RequestStream(self, req, job, loop, reservation)
         self._streams[request_id] = stream
         # Dispatch now rather than on the next loop turn: requests arriving in
         # the same turn would otherwise count each other, still undispatched,
@@ -276,10 +297,18 @@ class Gateway:
             self._reserved_kv -= need
 
     def _forget(self, request_id: str) -> None:
-        """The request finished: its room (if it held any) is free again."""
+        """The request finished: its room (if it held any) is free again, and
+        its quota is settled (here, where every way of ending meets, once)."""
         self._unreserve(request_id)
-        self._streams.pop(request_id, None)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and stream._reservation is not None:
+            charged, served = stream._charge()
+            self._settle(stream._reservation, charged, served=served)
         self._wake()
+
+    def _settle(self, reservation: Reservation | None, charged: int, *, served: bool) -> None:
+        if reservation is not None:
+            self.quotas.settle_soon(reservation, charged, served)
 
 
 class RequestStream:
@@ -292,12 +321,22 @@ class RequestStream:
     """
 
     def __init__(
-        self, gateway: Gateway, request: Request, job: GenerationJob, loop: asyncio.AbstractEventLoop
+        self,
+        gateway: Gateway,
+        request: Request,
+        job: GenerationJob,
+        loop: asyncio.AbstractEventLoop,
+        reservation: Reservation | None = None,
     ) -> None:
         self.request = request
         self._gw = gateway
         self._job = job
         self._loop = loop
+        self._reservation = reservation
+        # Whether the backend ever ran it, and the prompt size it reported:
+        # what the tenant is charged for if it ends cancelled.
+        self._ran = False
+        self._reported_prompt: int | None = None
         self._go: asyncio.Future[_Go] = loop.create_future()
         # Bumped on every preemption, so a consumer can tell that the backend
         # run it is reading is no longer the request's current one.
@@ -380,6 +419,19 @@ class RequestStream:
             self._gw._forget(req.id)
         return error
 
+    def _charge(self) -> tuple[int, bool]:
+        """(tokens to charge, whether the request counts as served) now that it
+        has ended. What ran is paid for, prompt and output, including a
+        request cancelled mid-way; a request refused, expired, failed by the
+        backend, or cancelled before it ran is refunded in full."""
+        req = self.request
+        if req.outcome is Outcome.COMPLETED or (req.outcome is Outcome.CANCELLED and self._ran):
+            prompt = self._reported_prompt
+            if prompt is None:
+                prompt = req.prompt_tokens
+            return prompt + self._output_tokens, True
+        return 0, False
+
     # -- the consumer's side -------------------------------------------------
 
     async def _iterate(self) -> AsyncIterator[Chunk]:
@@ -395,6 +447,7 @@ class RequestStream:
                     # Preempted after dispatch but before this task ran.
                     continue
                 epoch = self._epoch
+                self._ran = True
                 gw._unreserve(req.id)
                 try:
                     # The backend counts the job from here (at the latest before
@@ -428,6 +481,7 @@ class RequestStream:
                         self._output_tokens += chunk.tokens
                         if chunk.finish_reason is not None:
                             usage = chunk.usage or {}
+                            self._reported_prompt = usage.get("prompt_tokens")
                             output = usage.get("completion_tokens", self._output_tokens)
                             self._output_tokens = output
                             gw._scheduler.finish(req.id, now, Outcome.COMPLETED, output)
