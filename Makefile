@@ -3,7 +3,10 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 POLICY ?= policies/example.yaml
 
-.PHONY: demo test install dev bench clean
+.PHONY: demo test install dev bench clean redis-server
+
+# Root installs system packages itself; anyone else through sudo.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -19,8 +22,16 @@ dev: $(BIN)/python
 demo: install
 	$(BIN)/qosgate demo --config $(POLICY)
 
+## The quota tests start a real redis-server; install Debian's when missing.
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server (apt-get)"; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server >/dev/null; \
+	} || { echo "could not install redis-server: install it, then run make test again"; exit 1; }
+
 ## Install what the tests need and run them.
-test: dev
+test: dev redis-server
 	$(BIN)/python -m pytest -q
 
 ## Run the benchmark scenarios that need no server and refresh their JSON.

@@ -18,6 +18,7 @@ def redis_server() -> Iterator[RedisServer]:
 
 @pytest.fixture
 def own_redis_server() -> Iterator[RedisServer]:
-    """A redis-server of the test's own, which it may kill and restart."""
-    with RedisServer() as server:
+    """A redis-server of the test's own, which it may kill and restart (its
+    data survives that, as a production server's would)."""
+    with RedisServer(durable=True) as server:
         yield server

@@ -23,6 +23,7 @@ from qosgate.config.loader import load_policy_text
 from qosgate.config.models import PolicyConfig
 from qosgate.core.scheduler import BackendCapacity
 from qosgate.http.app import build_app
+from qosgate.quotas import QuotaGuard
 from qosgate.runtime.gate import Gateway, RequestStream
 
 ALICE_KEY = "test-key-alice"  # tenant alice, tier interactive (from a sha256 in the YAML)
@@ -104,14 +105,17 @@ class Live:
 
 @contextlib.asynccontextmanager
 async def live_app(
-    policy: PolicyConfig | None = None, backend: Backend | None = None
+    policy: PolicyConfig | None = None,
+    backend: Backend | None = None,
+    *,
+    quotas: QuotaGuard | None = None,
 ) -> AsyncIterator[Live]:
     policy = policy or make_policy()
     if backend is None:
         from qosgate.backends import build_backend
 
         backend = build_backend(policy.backend)
-    gateway = RecordingGateway(policy, backend)
+    gateway = RecordingGateway(policy, backend, quotas=quotas)
     await gateway.start()
     # handler_cancellation as `qosgate serve` runs it: a client that leaves
     # cancels its handler.

@@ -25,7 +25,9 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, *, durable: bool = False) -> None:
+        """`durable`: an append-only file synced on every write, so that a
+        kill and a restart keep the data, as a production Redis would."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError(
@@ -34,6 +36,7 @@ class RedisServer:
             )
         self.binary = binary
         self.port = port or free_port()
+        self.durable = durable
         self._dir = tempfile.TemporaryDirectory(prefix="qosgate-redis-")
         self.proc: subprocess.Popen[str] | None = None
         self.log: list[str] = []
@@ -47,7 +50,9 @@ class RedisServer:
         self.proc = subprocess.Popen(
             [
                 self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
-                "--save", "", "--appendonly", "no", "--dir", self._dir.name,
+                "--save", "", "--dir", self._dir.name,
+                *(("--appendonly", "yes", "--appendfsync", "always") if self.durable
+                  else ("--appendonly", "no")),
                 "--loglevel", "notice",
             ],
             stdout=subprocess.PIPE,

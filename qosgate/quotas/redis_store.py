@@ -20,6 +20,8 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -212,9 +214,16 @@ class RedisQuotaStore(QuotaStore):
                 socket_timeout=socket_timeout_s,
                 socket_connect_timeout=socket_timeout_s,
             )
-            # The gateway decides what an outage means (fail open or closed);
-            # retrying inside the client would only hide it for longer.
-            client = aioredis.Redis(connection_pool=pool, retry=None)
+            # One retry on a fresh connection, so that a pooled connection the
+            # server dropped (a restart) is not taken for an outage; more would
+            # only delay what the gateway does about a real one. A retried
+            # reservation that had in fact run holds its tokens twice until
+            # its window passes: too strict, never too lax.
+            client = aioredis.Redis(
+                connection_pool=pool,
+                retry=Retry(NoBackoff(), retries=1),
+                retry_on_error=[RedisConnectionError],
+            )
         self._redis = client
         self._reserve = self._redis.register_script(_RESERVE)
         self._settle = self._redis.register_script(_SETTLE)

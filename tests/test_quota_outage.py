@@ -1,0 +1,147 @@
+"""Redis killed and restarted under a gateway: fail_open keeps serving on the
+local limiter, fail_closed refuses with 503; both come back by themselves.
+
+The guard's clock is the test's, so "after the retry interval" is a step of
+the clock, not a sleep; Redis is a real server the test kills and restarts on
+the same port.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from qosgate.config.models import QuotaStoreConfig, TenantQuotas
+from qosgate.quotas import FALLBACK, QuotaGuard, QuotaStoreDown, TenantLimits
+from qosgate.quotas.redis_store import RedisQuotaStore
+from tests.http_support import make_policy
+from tests.redis_server import RedisServer
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_700_000_640.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+LIMITS = {"t": TenantLimits.from_config(TenantQuotas(tokens_per_minute=1000, max_concurrency=4))}
+
+
+def make_guard(server: RedisServer, on_error: str, clock: Clock) -> QuotaGuard:
+    cfg = QuotaStoreConfig(
+        kind="redis", url=server.url, on_error=on_error, retry_interval_s=1.0, timeout_ms=500
+    )
+    store = RedisQuotaStore(cfg.url, key_prefix=f"outage-{uuid.uuid4().hex[:8]}:")
+    return QuotaGuard(store, cfg, LIMITS, clock=clock)
+
+
+async def used(guard: QuotaGuard) -> dict[str, int]:
+    return {s.kind: s.used for s in await guard.usage("t")}
+
+
+async def test_fail_open_serves_on_the_local_limiter_and_recovers(own_redis_server):
+    clock = Clock()
+    guard = make_guard(own_redis_server, "fail_open", clock)
+    try:
+        before = await guard.reserve("t", 600, "r1")
+        assert before.admitted and before.reservation.store == "redis"
+
+        own_redis_server.stop()
+        # Settling while Redis is down keeps the settlement for later.
+        guard.settle_soon(before.reservation, 100, True)
+        during = await guard.reserve("t", 700, "r2")
+        assert during.admitted and during.reservation.store == FALLBACK
+        assert guard.store_down
+        assert guard.counters.store_errors >= 1 and guard.counters.fallback_reservations == 1
+        # The local limiter still holds the line: 700 + 400 > 1000.
+        refused = await guard.reserve("t", 400, "r3")
+        assert not refused.admitted and refused.exceeded == "tokens_per_minute"
+        errors = guard.counters.store_errors
+        clock.now += 0.5  # within the retry interval: Redis is not tried
+        assert (await guard.reserve("t", 100, "r4")).reservation.store == FALLBACK
+        assert guard.counters.store_errors == errors
+
+        own_redis_server.start()
+        # Two failures (the settlement, then r2) doubled the interval to 2 s.
+        clock.now += 2.0
+        after = await guard.reserve("t", 200, "r5")
+        assert after.admitted and after.reservation.store == "redis"
+        assert not guard.store_down
+        # The kept settlement reached Redis: 600 reserved, 100 charged, +200.
+        assert guard._resending is not None
+        await guard._resending
+        assert guard.counters.settlements_resent == 1
+        assert (await used(guard))["tokens_per_minute"] == 300
+        guard.settle_soon(during.reservation, 0, False)  # local, settles locally
+    finally:
+        await guard.close()
+
+
+async def test_fail_closed_refuses_with_retry_after_and_recovers(own_redis_server):
+    clock = Clock()
+    guard = make_guard(own_redis_server, "fail_closed", clock)
+    try:
+        assert (await guard.reserve("t", 100, "r1")).admitted
+        own_redis_server.stop()
+        with pytest.raises(QuotaStoreDown) as refused:
+            await guard.reserve("t", 100, "r2")
+        assert refused.value.retry_after_s >= 1.0
+        assert guard.counters.refused_store_down == 1
+        clock.now += 1.0
+        with pytest.raises(QuotaStoreDown):  # still down: the interval doubles
+            await guard.reserve("t", 100, "r3")
+        own_redis_server.start()
+        clock.now += 1.0  # not yet: the doubled interval has not passed
+        with pytest.raises(QuotaStoreDown):
+            await guard.reserve("t", 100, "r4")
+        clock.now += 1.0
+        back = await guard.reserve("t", 100, "r5")
+        assert back.admitted and back.reservation.store == "redis"
+        assert not guard.store_down
+    finally:
+        await guard.close()
+
+
+async def test_a_gateway_failing_closed_answers_503_then_recovers(own_redis_server):
+    import aiohttp
+
+    from qosgate.backends import build_backend
+    from tests.http_support import ALICE_KEY, MODEL, POLICY_YAML, live_app
+
+    yaml_text = POLICY_YAML.replace(
+        "    api_keys: [\"sha256:",
+        "    quotas: {tokens_per_minute: 100000}\n    api_keys: [\"sha256:",
+        1,
+    ) + (
+        f"quota_store:\n  kind: redis\n  url: {own_redis_server.url}\n"
+        "  on_error: fail_closed\n  key_prefix: \"http-outage:\"\n"
+    )
+    policy = make_policy(yaml_text)
+    clock = Clock()
+    guard = QuotaGuard(
+        RedisQuotaStore(own_redis_server.url, key_prefix="http-outage:"),
+        policy.quota_store,
+        {t.id: TenantLimits.from_config(t.quotas) for t in policy.tenants},
+        clock=clock,
+    )
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    headers = {"Authorization": f"Bearer {ALICE_KEY}"}
+    async with live_app(policy, build_backend(policy.backend), quotas=guard) as live:
+        async with aiohttp.ClientSession() as http:
+            url = live.url + "/v1/chat/completions"
+            async with http.post(url, json=body, headers=headers) as resp:
+                assert resp.status == 200
+                assert int(resp.headers["x-ratelimit-remaining-tokens"]) < 100_000
+            own_redis_server.stop()
+            async with http.post(url, json=body, headers=headers) as resp:
+                assert resp.status == 503
+                assert int(resp.headers["Retry-After"]) >= 1
+                error = (await resp.json())["error"]
+                assert error["code"] == "quota_store_unavailable"
+            own_redis_server.start()
+            clock.now += 1.0
+            async with http.post(url, json=body, headers=headers) as resp:
+                assert resp.status == 200
