@@ -60,6 +60,13 @@ def error_outcome(status: int, code: str | None) -> str:
     return ERROR
 
 
+def _seconds(value: str | None) -> float | None:
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
 def _error_code(body: bytes) -> str | None:
     try:
         payload = json.loads(body)
@@ -94,6 +101,9 @@ class Job:
                 headers["Authorization"] = f"Bearer {key}"
             self.headers.append(headers)
         self.timeout = aiohttp.ClientTimeout(total=float(cfg["timeout_s"]))
+        self.honor_retry_after = bool(cfg.get("honor_retry_after", False))
+        self.retry_after: dict[int, float] = {}
+        """Request number -> the Retry-After it was refused with (when honoured)."""
 
     def prompt(self, rid: int, tokens: int) -> str:
         """About 4 characters per token of ordinary words, different for every
@@ -143,6 +153,10 @@ class Job:
             ) as response:
                 status = response.status
                 if status != 200:
+                    if self.honor_retry_after:
+                        wait = _seconds(response.headers.get("Retry-After"))
+                        if wait is not None:
+                            self.retry_after[rid] = wait
                     raw = await response.content.read(_ERROR_BODY_BYTES)
                     error_code = _error_code(raw)
                     outcome = error_outcome(status, error_code)
@@ -279,6 +293,11 @@ async def run_closed(job: Job, users: list[int], spec: dict[str, Any], start: fl
                 return
             _, t, cls, prompt, out = pool[n % len(pool)]
             records.append(await job.one((n, t, cls, prompt, out), start, 0.0))
+            wait = job.retry_after.pop(n, None)
+            if wait is not None:
+                if deadline is not None:
+                    wait = min(wait, max(0.0, deadline - loop.time()))
+                await asyncio.sleep(wait)
             k += 1
 
     results = await asyncio.gather(*(user(u) for u in users), return_exceptions=True)

@@ -63,6 +63,7 @@ def job_config(scenario: BenchScenario, url: str, keys: list[str | None], seed: 
         "model": scenario.model,
         "stream": scenario.stream,
         "timeout_s": scenario.timeout_s,
+        "honor_retry_after": scenario.honor_retry_after,
         "extra_body": dict(scenario.extra_body),
         "keys": keys,
         "priority": [c.priority for c in scenario.classes],

@@ -168,6 +168,9 @@ class BenchScenario(StrictModel):
     never out of `lost`)."""
     timeout_s: PositiveFloat = 600.0
     """Per-request client timeout; a request past it is an error (timeout)."""
+    honor_retry_after: bool = False
+    """mode sweep: a user refused with a Retry-After (429, 503) waits that long
+    before its next request, as real clients do, instead of sending at once."""
     arrivals: BenchArrivals = BenchArrivals()
     """Open loop: arrival process and total rate of the share classes."""
     lengths: LengthsConfig | None = None

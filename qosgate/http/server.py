@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from aiohttp import web
 
 from qosgate.config.models import PolicyConfig
+from qosgate.quotas import QuotaGuard
 
 from .app import build_app
 
@@ -32,10 +33,12 @@ async def serve(
     environ: Mapping[str, str] = os.environ,
     on_ready: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
+    quotas: QuotaGuard | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM (or `stop` is set). `on_ready` gets the API
     URL once the socket listens (port 0 resolved), and replaces the default
-    one-line announcement."""
+    one-line announcement. `quotas` replaces the guard the policy would build
+    (a benchmark's instrumented store)."""
     from qosgate.backends import build_backend
     from qosgate.runtime.gate import Gateway
 
@@ -44,7 +47,7 @@ async def serve(
     stop = stop if stop is not None else asyncio.Event()
 
     backend = build_backend(policy.backend)
-    gateway = Gateway(policy, backend)
+    gateway = Gateway(policy, backend, quotas=quotas)
     await gateway.start()
     runner: web.AppRunner | None = None
     loop = asyncio.get_running_loop()
