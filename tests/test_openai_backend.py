@@ -684,3 +684,42 @@ def test_prompt_token_estimate():
     assert backend.count_prompt_tokens("chat", chat) == 12 + 2 * 4
     assert backend.count_prompt_tokens("completions", {"prompt": "z" * 9}) == 3
     assert backend.count_prompt_tokens("completions", {"prompt": ""}) == 1
+
+
+# -- counting prompt tokens ---------------------------------------------------------
+
+
+def _word_tokenizer(path) -> str:
+    """A tokenizer.json built here (no model hub): one token per known word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "hello": 1, "there": 2, "world": 3, "!": 4}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    target = str(path / "tokenizer.json")
+    tokenizer.save(target)
+    return target
+
+
+async def test_a_configured_tokenizer_counts_the_prompt(h, tmp_path):
+    up = await h.upstream("a")
+    backend = await h.backend([up], tokenizer=_word_tokenizer(tmp_path))
+    chat = {"messages": [{"role": "user", "content": "hello there world !"},
+                         {"role": "user", "content": [{"type": "text", "text": "hello"}]}]}
+    # 4 + 1 words, plus the template's allowance of 4 per message.
+    assert backend.count_prompt_tokens("chat", chat) == 5 + 2 * 4
+    assert backend.count_prompt_tokens("completions", {"prompt": "hello unknownword"}) == 2
+
+
+async def test_without_a_tokenizer_the_estimate_is_used(h):
+    up = await h.upstream("a")
+    backend = await h.backend([up])
+    assert backend.count_prompt_tokens("completions", {"prompt": "x" * 40}) == 10
+
+
+async def test_an_unusable_tokenizer_stops_the_start_naming_the_field(h, tmp_path):
+    up = await h.upstream("a")
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("{not a tokenizer")
+    with pytest.raises(BackendError, match="backend.tokenizer"):
+        await h.backend([up], tokenizer=str(bad))

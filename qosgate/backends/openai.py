@@ -31,7 +31,11 @@ import aiohttp
 import orjson
 
 from qosgate.backends.base import BackendError, BackendUnavailable, Chunk, GenerationJob
-from qosgate.backends.tokens import estimate_prompt_tokens
+from qosgate.backends.tokens import (
+    TokenizerCounter,
+    TokenizerUnavailable,
+    estimate_prompt_tokens,
+)
 from qosgate.config.models import OpenAIBackendConfig, UpstreamConfig
 from qosgate.core.scheduler import BackendCapacity
 
@@ -138,10 +142,16 @@ class OpenAIBackend:
         self._closed = False
         self._request_timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
         self._health_timeout = aiohttp.ClientTimeout(total=min(cfg.timeout_s, _HEALTH_TIMEOUT_S))
+        self._count: Callable[[str, dict[str, Any]], int] = estimate_prompt_tokens
 
     # -- lifecycle ---------------------------------------------------------
 
     async def start(self) -> None:
+        if self._cfg.tokenizer is not None:
+            try:
+                self._count = TokenizerCounter(self._cfg.tokenizer)
+            except TokenizerUnavailable as exc:
+                raise BackendError(str(exc)) from exc
         for index, upstream in enumerate(self._upstreams):
             env = upstream.cfg.api_key_env
             if env is None:
@@ -216,9 +226,10 @@ class OpenAIBackend:
     # -- tokens ------------------------------------------------------------
 
     def count_prompt_tokens(self, endpoint: str, body: dict[str, Any]) -> int:
-        """The shared estimate (qosgate.backends.tokens): the upstream's
-        tokenizer is not reachable over the OpenAI API."""
-        return estimate_prompt_tokens(endpoint, body)
+        """With `backend.tokenizer`, counted with it; otherwise the shared
+        estimate (qosgate.backends.tokens): the upstream's own tokenizer is not
+        reachable over the OpenAI API."""
+        return self._count(endpoint, body)
 
     # -- routing -----------------------------------------------------------
 

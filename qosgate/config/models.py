@@ -158,11 +158,11 @@ class RateLimit(StrictModel):
 
 class TenantQuotas(StrictModel):
     tokens_per_minute: RateLimit | None = None
-    """Prompt + output tokens per minute."""
+    """Prompt + output tokens admitted in any 60 s."""
     tokens_per_day: RateLimit | None = None
-    """Prompt + output tokens per day."""
+    """Prompt + output tokens admitted in any 24 h."""
     requests_per_minute: RateLimit | None = None
-    """Requests per minute."""
+    """Requests admitted in any 60 s."""
     max_concurrency: PositiveInt | None = None
     """Requests queued or running at once."""
 
@@ -288,6 +288,9 @@ class OpenAIBackendConfig(StrictModel):
     """Seconds between health checks."""
     timeout_s: Annotated[float, Field(gt=0)] = 600.0
     """Upstream request timeout."""
+    tokenizer: str | None = None
+    """Path of the served model's Hugging Face tokenizer.json, to count prompt
+    tokens exactly (quotas reserve them); unset: about 4 characters a token."""
 
 
 class VllmBackendConfig(StrictModel):
