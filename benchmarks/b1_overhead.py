@@ -8,21 +8,29 @@ One run, on one machine, side by side (../shared/BENCHMARKS.md, B1):
   on two ports: one answers at once, one after 50 ms; always 8 tokens;
 - one `qosgate serve` process per port (benchmarks/b1_policy.yaml with that
   upstream: one tier, budgets that never refuse);
+- one floor proxy per port (benchmarks/b1_floor_proxy.py): a bare aiohttp
+  proxy on qosgate's stack (uvloop, aiohttp, orjson) doing the same network
+  work with no identity, validation, scheduling or metering. It is not a
+  target: it shows how much of what qosgate adds is the Python HTTP stack on
+  this machine, and how much is qosgate's own logic (qosgate over floor);
 - the load generator of `qosgate bench` in its own process (one worker, one
   asyncio client), sending benchmarks/b1_load.yaml's requests closed-loop at
   concurrency 1, 16 and 64, non-streaming and streaming.
 
-For each case, blocks alternate between (a) client -> upstream and (b) client
--> qosgate -> upstream in the order a b b a (then again), each block the same
-request count, so slow drift of the machine falls on both alike. Reported per
-case: end-to-end p50/p99 both ways and what qosgate adds, TTFT likewise when
-streaming, requests/s both ways, and qosgate's CPU per request: its process's
-utime + stime (/proc/PID/stat) over its blocks divided by their requests.
+For each case, blocks alternate between (d) client -> upstream, (f) client
+-> floor proxy -> upstream and (q) client -> qosgate -> upstream in the order
+d f q q f d (then again), each block the same request count, so slow drift of
+the machine falls on all three alike. Reported per case: end-to-end p50/p99
+each way and what qosgate (and the floor) add over direct, TTFT likewise when
+streaming, requests/s, and the CPU per request of qosgate and of the floor:
+each process's utime + stime (/proc/PID/stat) over its own blocks divided by
+their requests; then qosgate over floor (added p50 and CPU per request).
 
 The targets (added p50 under 1 ms at concurrency 1; gateway CPU under 0.5 ms
-per request) are printed as PASS/FAIL; the exit status is 0 unless the run
-itself broke (a request lost or failed, a process that would not start): the
-figures are measurements.
+per request) are about qosgate against direct and are printed as PASS/FAIL,
+each with an informational line giving the floor's figure beside it; the exit
+status is 0 unless the run itself broke (a request lost or failed, a process
+that would not start): the figures are measurements.
 """
 
 from __future__ import annotations
@@ -58,12 +66,17 @@ TARGET_CPU_MS = 0.5
 CONCURRENCY = (1, 16, 64)
 DELAYS_MS = (0, 50)
 # Requests per case and target, split over the blocks. Sized so a case's
-# blocks take a few seconds on a 2-core machine and the whole run < 3 min.
+# blocks take a few seconds on a 2-core machine and the whole run < 2.5 min;
+# 50 ms at c=1 gets 160 so the CPU per request is not mostly tick rounding.
 REQUESTS = {
     0: {1: 800, 16: 2400, 64: 3200},
-    50: {1: 80, 16: 640, 64: 2560},
+    50: {1: 160, 16: 640, 64: 2560},
 }
-ROUNDS = 2  # each round is a b b a: 4 blocks, 2 per target
+TARGETS = ("direct", "floor", "qosgate")
+# Each round is d f q q f d: 6 blocks, 2 per target.
+ROUND_ORDER = ("direct", "floor", "qosgate", "qosgate", "floor", "direct")
+ROUNDS = 2
+BLOCKS_PER_TARGET = 2 * ROUNDS
 WARMUP = 64  # unmeasured requests per target before a (delay, stream) group
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -114,6 +127,16 @@ class Child:
                 self.proc.wait()
 
 
+def _announced_url(child: Child) -> str:
+    # "qosgate: serving the OpenAI API at http://127.0.0.1:PORT/v1", and the
+    # floor proxy's "b1-floor: proxying at http://127.0.0.1:PORT/v1"
+    url = child.first_line.rsplit(" ", 1)[-1]
+    if not url.startswith("http://"):
+        child.stop()
+        raise RuntimeError(f"{child.name}: unexpected first line {child.first_line!r}")
+    return url
+
+
 def start_gateway(upstream_url: str, tmp: Path, name: str) -> tuple[Child, str]:
     policy = yaml.safe_load((HERE / "b1_policy.yaml").read_text())
     policy["backend"]["upstreams"][0]["url"] = upstream_url
@@ -125,12 +148,17 @@ def start_gateway(upstream_url: str, tmp: Path, name: str) -> tuple[Child, str]:
          "--host", "127.0.0.1", "--port", "0"],
         tmp,
     )
-    # "qosgate: serving the OpenAI API at http://127.0.0.1:PORT/v1"
-    url = child.first_line.rsplit(" ", 1)[-1]
-    if not url.startswith("http://"):
-        child.stop()
-        raise RuntimeError(f"{name}: unexpected first line {child.first_line!r}")
-    return child, url
+    return child, _announced_url(child)
+
+
+def start_floor(upstream_url: str, tmp: Path, name: str) -> tuple[Child, str]:
+    child = Child(
+        name,
+        [sys.executable, str(HERE / "b1_floor_proxy.py"), upstream_url,
+         "--host", "127.0.0.1", "--port", "0"],
+        tmp,
+    )
+    return child, _announced_url(child)
 
 
 def run_block(pool: WorkerPool, cfg: dict[str, Any], spec_pool: list[tuple], concurrency: int,
@@ -196,61 +224,67 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             children.append(upstream)
             ports = json.loads(upstream.first_line)["ports"]
             gateways: dict[int, tuple[Child, str]] = {}
+            floors: dict[int, tuple[Child, str]] = {}
             for delay in delays:
                 upstream_url = f"http://127.0.0.1:{ports[str(delay)]}/v1"
                 child, url = start_gateway(upstream_url, tmp, f"qosgate-{delay}ms")
                 children.append(child)
                 gateways[delay] = (child, url)
+                child, url = start_floor(upstream_url, tmp, f"floor-{delay}ms")
+                children.append(child)
+                floors[delay] = (child, url)
             with WorkerPool(1) as pool:
                 print(f"B1: upstream pid {upstream.pid}, qosgate pids "
-                      f"{', '.join(str(g[0].pid) for g in gateways.values())}, "
+                      f"{', '.join(str(g[0].pid) for g in gateways.values())}, floor pids "
+                      f"{', '.join(str(f[0].pid) for f in floors.values())}, "
                       f"load generator pid {pool.pids[0]}", file=sys.stderr, flush=True)
                 for delay in delays:
                     gateway, gateway_url = gateways[delay]
+                    floor, floor_url = floors[delay]
+                    # The process whose CPU a target's blocks are charged to.
+                    proxy_pid = {"direct": None, "floor": floor.pid, "qosgate": gateway.pid}
                     direct_url = f"http://127.0.0.1:{ports[str(delay)]}/v1"
+                    urls = {"direct": direct_url, "floor": floor_url, "qosgate": gateway_url}
                     for stream in (False, True):
                         cfgs = {}
-                        for target, url in (("direct", direct_url), ("qosgate", gateway_url)):
+                        for target, url in urls.items():
                             cfg = job_config(scenario, url, keys, scenario.seed)
                             cfg["stream"] = stream
                             cfgs[target] = cfg
                         # Every request is alike (fixed lengths); a worker numbers
                         # them itself, so one drawn request serves as the pool.
                         specs = sweep_pool(scenario, 1)[:1]
-                        for target in ("direct", "qosgate"):
+                        for target in TARGETS:
                             _, _, failures = run_block(pool, cfgs[target], specs, 16, WARMUP)
                             broken.extend(failures)
                         for concurrency in levels:
                             base = REQUESTS[delay].get(concurrency, 40 * concurrency)
-                            total = max(2 * ROUNDS, int(base * scale))
-                            per_block = max(1, total // (2 * ROUNDS))
+                            total = max(BLOCKS_PER_TARGET, int(base * scale))
+                            per_block = max(1, total // BLOCKS_PER_TARGET)
                             collected: dict[str, dict[str, Any]] = {
-                                t: {"records": [], "wall": 0.0, "cpu": 0.0, "up_cpu": 0.0}
-                                for t in ("direct", "qosgate")
+                                t: {"records": [], "wall": 0.0, "cpu": 0.0, "up_cpu": 0.0,
+                                    "planned": 0}
+                                for t in TARGETS
                             }
-                            order = ["direct", "qosgate", "qosgate", "direct"] * ROUNDS
-                            for target in order:
-                                gw_before = cpu_seconds(gateway.pid)
+                            for target in ROUND_ORDER * ROUNDS:
+                                pid = proxy_pid[target]
+                                proxy_before = cpu_seconds(pid) if pid else 0.0
                                 up_before = cpu_seconds(upstream.pid)
                                 records, wall, failures = run_block(
                                     pool, cfgs[target], specs, concurrency, per_block
                                 )
-                                gw_cpu = cpu_seconds(gateway.pid) - gw_before
+                                proxy_cpu = cpu_seconds(pid) - proxy_before if pid else 0.0
                                 up_cpu = cpu_seconds(upstream.pid) - up_before
                                 broken.extend(failures)
                                 slot = collected[target]
                                 slot["records"].extend(records)
                                 slot["wall"] += wall
-                                slot["cpu"] += gw_cpu
+                                slot["cpu"] += proxy_cpu
                                 slot["up_cpu"] += up_cpu
-                                slot.setdefault("planned", 0)
                                 slot["planned"] += per_block
                             row = case_row(delay, stream, concurrency, collected)
                             rows.append(row)
-                            print(f"  {delay:>2} ms upstream, {'stream' if stream else 'json':>6}, "
-                                  f"c={concurrency:<2}: added p50 {fmt(row['added_e2e_p50_ms'], '.3f')} ms,"
-                                  f" qosgate CPU {fmt(row['qosgate']['cpu_ms_per_request'], '.3f')} ms/req",
-                                  file=sys.stderr, flush=True)
+                            print(progress(row), file=sys.stderr, flush=True)
         finally:
             for child in reversed(children):
                 child.stop()
@@ -266,6 +300,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "upstream_output_tokens": 8,
         "rounds": ROUNDS,
+        "block_order": list(ROUND_ORDER),
         "run_s": time.monotonic() - started,
         "rows": rows,
         "targets": targets(rows),
@@ -280,24 +315,51 @@ def case_row(delay: int, stream: bool, concurrency: int, collected: dict[str, di
         summary = summarise(slot["records"], slot["wall"], slot["planned"])
         done = summary["completed"] or 0
         summary["upstream_cpu_ms_per_request"] = slot["up_cpu"] * 1000 / done if done else None
-        if target == "qosgate":
+        if target != "direct":
             summary["cpu_ms_per_request"] = slot["cpu"] * 1000 / done if done else None
             summary["cpu_s"] = slot["cpu"]
             # /proc/PID/stat counts whole clock ticks: each block's reading can
             # be off by one tick.
-            blocks = 2 * ROUNDS
             summary["cpu_resolution_ms_per_request"] = (
-                blocks * 1000 / CLK_TCK / done if done else None
+                BLOCKS_PER_TARGET * 1000 / CLK_TCK / done if done else None
             )
         out[target] = summary
-    d, g = out["direct"], out["qosgate"]
+    d, f, g = out["direct"], out["floor"], out["qosgate"]
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a and b else None
+
+    # qosgate against direct (the targets' figures; keys as before the floor).
     out["added_e2e_p50_ms"] = _diff(g["e2e_p50_ms"], d["e2e_p50_ms"])
     out["added_e2e_p99_ms"] = _diff(g["e2e_p99_ms"], d["e2e_p99_ms"])
     out["added_ttft_p50_ms"] = _diff(g["ttft_p50_ms"], d["ttft_p50_ms"]) if stream else None
     out["added_ttft_p99_ms"] = _diff(g["ttft_p99_ms"], d["ttft_p99_ms"]) if stream else None
-    out["rps_ratio"] = (g["requests_per_s"] / d["requests_per_s"]
-                        if g["requests_per_s"] and d["requests_per_s"] else None)
+    out["rps_ratio"] = ratio(g["requests_per_s"], d["requests_per_s"])
+    # The floor proxy against direct: what the Python HTTP stack alone adds.
+    out["floor_added_e2e_p50_ms"] = _diff(f["e2e_p50_ms"], d["e2e_p50_ms"])
+    out["floor_added_e2e_p99_ms"] = _diff(f["e2e_p99_ms"], d["e2e_p99_ms"])
+    out["floor_added_ttft_p50_ms"] = _diff(f["ttft_p50_ms"], d["ttft_p50_ms"]) if stream else None
+    out["floor_added_ttft_p99_ms"] = _diff(f["ttft_p99_ms"], d["ttft_p99_ms"]) if stream else None
+    out["floor_rps_ratio"] = ratio(f["requests_per_s"], d["requests_per_s"])
+    # qosgate against the floor: what qosgate's own logic adds.
+    over = "qosgate_over_floor_"
+    out[over + "e2e_p50_ms"] = _diff(g["e2e_p50_ms"], f["e2e_p50_ms"])
+    out[over + "e2e_p99_ms"] = _diff(g["e2e_p99_ms"], f["e2e_p99_ms"])
+    out[over + "ttft_p50_ms"] = _diff(g["ttft_p50_ms"], f["ttft_p50_ms"]) if stream else None
+    out[over + "cpu_ms_per_request"] = _diff(g["cpu_ms_per_request"], f["cpu_ms_per_request"])
+    out["qosgate_over_floor_rps_ratio"] = ratio(g["requests_per_s"], f["requests_per_s"])
     return out
+
+
+def progress(row: dict) -> str:
+    mode = "stream" if row["stream"] else "json"
+    return (
+        f"  {row['upstream_delay_ms']:>2} ms upstream, {mode:>6}, c={row['concurrency']:<2}:"
+        f" added p50 {fmt(row['added_e2e_p50_ms'], '.3f')} ms"
+        f" (floor {fmt(row['floor_added_e2e_p50_ms'], '.3f')}),"
+        f" qosgate CPU {fmt(row['qosgate']['cpu_ms_per_request'], '.3f')} ms/req"
+        f" (floor {fmt(row['floor']['cpu_ms_per_request'], '.3f')})"
+    )
 
 
 def targets(rows: list[dict]) -> list[dict]:
@@ -305,15 +367,21 @@ def targets(rows: list[dict]) -> list[dict]:
     for row in rows:
         case = (f"{row['upstream_delay_ms']} ms upstream, "
                 f"{'stream' if row['stream'] else 'json'}, c={row['concurrency']}")
+        # floor_value: the floor proxy's figure for the same check, and
+        # qosgate_over_floor: qosgate's minus it; information only, never `passed`.
         if row["concurrency"] == 1:
             value = row["added_e2e_p50_ms"]
             checks.append({"name": f"added p50 < {TARGET_ADDED_P50_MS:g} ms ({case})",
                            "value": value, "threshold": TARGET_ADDED_P50_MS,
-                           "passed": value is not None and value < TARGET_ADDED_P50_MS})
+                           "passed": value is not None and value < TARGET_ADDED_P50_MS,
+                           "floor_value": row.get("floor_added_e2e_p50_ms"),
+                           "qosgate_over_floor": row.get("qosgate_over_floor_e2e_p50_ms")})
         value = row["qosgate"].get("cpu_ms_per_request")
         checks.append({"name": f"qosgate CPU < {TARGET_CPU_MS:g} ms/request ({case})",
                        "value": value, "threshold": TARGET_CPU_MS,
-                       "passed": value is not None and value < TARGET_CPU_MS})
+                       "passed": value is not None and value < TARGET_CPU_MS,
+                       "floor_value": (row.get("floor") or {}).get("cpu_ms_per_request"),
+                       "qosgate_over_floor": row.get("qosgate_over_floor_cpu_ms_per_request")})
     return checks
 
 
@@ -325,35 +393,49 @@ def table(result: dict[str, Any]) -> str:
     lines = [
         (
             f"B1 gateway overhead ({result['machine']['cpus']} CPUs, Python "
-            f"{result['machine']['python']}; upstream answers 8 tokens; e2e in ms)"
+            f"{result['machine']['python']}; upstream answers 8 tokens; e2e in ms;"
+            " floor = bare aiohttp proxy, benchmarks/b1_floor_proxy.py)"
         ),
         "",
         (
-            "upstream  mode    conc  requests  direct p50  direct p99  qosgate p50  qosgate p99"
-            "  added p50  added p99  added TTFT p50  direct req/s  qosgate req/s"
-            "  qosgate CPU ms/req  upstream CPU ms/req (direct/via)  errors  lost"
+            "upstream  mode    conc  requests  direct p50  direct p99  floor p50  floor p99"
+            "  qosgate p50  qosgate p99  added p50  added p99  added TTFT p50"
+            "  floor added p50  q-over-floor p50  direct req/s  floor req/s  qosgate req/s"
+            "  floor CPU ms/req  qosgate CPU ms/req  q-over-floor CPU"
+            "  upstream CPU ms/req (direct/floor/qosgate)  errors  lost"
         ),
     ]
     for row in result["rows"]:
-        d, g = row["direct"], row["qosgate"]
+        d, f, g = row["direct"], row["floor"], row["qosgate"]
         lines.append(
             f"{row['upstream_delay_ms']:>5} ms  {'stream' if row['stream'] else 'json':<6}"
             f" {row['concurrency']:>5} {g['requests']:>9}"
             f" {fmt(d['e2e_p50_ms'], '.3f'):>11} {fmt(d['e2e_p99_ms'], '.3f'):>11}"
+            f" {fmt(f['e2e_p50_ms'], '.3f'):>10} {fmt(f['e2e_p99_ms'], '.3f'):>10}"
             f" {fmt(g['e2e_p50_ms'], '.3f'):>12} {fmt(g['e2e_p99_ms'], '.3f'):>12}"
             f" {fmt(row['added_e2e_p50_ms'], '.3f'):>10} {fmt(row['added_e2e_p99_ms'], '.3f'):>10}"
             f" {fmt(row['added_ttft_p50_ms'], '.3f'):>15}"
-            f" {fmt(d['requests_per_s'], '.0f'):>13} {fmt(g['requests_per_s'], '.0f'):>14}"
+            f" {fmt(row['floor_added_e2e_p50_ms'], '.3f'):>16}"
+            f" {fmt(row['qosgate_over_floor_e2e_p50_ms'], '.3f'):>17}"
+            f" {fmt(d['requests_per_s'], '.0f'):>13} {fmt(f['requests_per_s'], '.0f'):>12}"
+            f" {fmt(g['requests_per_s'], '.0f'):>14}"
+            f" {fmt(f['cpu_ms_per_request'], '.3f'):>17}"
             f" {fmt(g['cpu_ms_per_request'], '.3f'):>19}"
-            f" {fmt(d['upstream_cpu_ms_per_request'], '.3f'):>17} /"
-            f" {fmt(g['upstream_cpu_ms_per_request'], '.3f'):<14}"
-            f" {d['errors'] + g['errors']:>7} {d['lost'] + g['lost']:>5}"
+            f" {fmt(row['qosgate_over_floor_cpu_ms_per_request'], '.3f'):>17}"
+            f" {fmt(d['upstream_cpu_ms_per_request'], '.3f'):>19} /"
+            f" {fmt(f['upstream_cpu_ms_per_request'], '.3f')} /"
+            f" {fmt(g['upstream_cpu_ms_per_request'], '.3f'):<13}"
+            f" {d['errors'] + f['errors'] + g['errors']:>7}"
+            f" {d['lost'] + f['lost'] + g['lost']:>5}"
         )
     lines.append("")
-    lines.append("targets (measurements; they do not set the exit status)")
+    lines.append("targets (qosgate against direct; measurements, they do not set the exit status;")
+    lines.append("each followed by the floor proxy's figure for the same check, for information)")
     for check in result["targets"]:
         verdict = "PASS" if check["passed"] else "FAIL"
         lines.append(f"  {verdict}  {check['name']}: {fmt(check['value'], '.3f')}")
+        lines.append(f"        info  floor proxy: {fmt(check.get('floor_value'), '.3f')},"
+                     f" qosgate over floor: {fmt(check.get('qosgate_over_floor'), '.3f')}")
     lines.append("")
     lines.append(f"run took {result['run_s']:.0f} s")
     if result["failures"]:
@@ -378,8 +460,8 @@ def main() -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
-    lost = sum(row["direct"]["lost"] + row["qosgate"]["lost"] for row in result["rows"])
-    errors = sum(row["direct"]["errors"] + row["qosgate"]["errors"] for row in result["rows"])
+    lost = sum(row[t]["lost"] for row in result["rows"] for t in TARGETS)
+    errors = sum(row[t]["errors"] for row in result["rows"] for t in TARGETS)
     if lost or result["failures"]:
         print(f"B1 broke: {lost} requests lost, {len(result['failures'])} load generator failures",
               file=sys.stderr)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
+from qosgate.quotas import MemoryQuotaStore, QuotaStore
+from qosgate.quotas.redis_store import RedisQuotaStore
 from tests.redis_server import RedisServer
 
 
@@ -22,3 +25,16 @@ def own_redis_server() -> Iterator[RedisServer]:
     data survives that, as a production server's would)."""
     with RedisServer(durable=True) as server:
         yield server
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def quota_store(request) -> AsyncIterator[QuotaStore]:
+    """Each QuotaStore in turn: the test runs once per kind. The Redis one
+    gets a key prefix of its own on the session's server."""
+    if request.param == "memory":
+        store: QuotaStore = MemoryQuotaStore()
+    else:
+        server = request.getfixturevalue("redis_server")
+        store = RedisQuotaStore(server.url, key_prefix=f"test-{uuid.uuid4().hex[:8]}:")
+    yield store
+    await store.close()

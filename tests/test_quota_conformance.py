@@ -33,15 +33,9 @@ def limits(**quotas) -> TenantLimits:
     return TenantLimits.from_config(TenantQuotas.model_validate(quotas))
 
 
-@pytest.fixture(params=["memory", "redis"])
-async def store(request):
-    if request.param == "memory":
-        s: QuotaStore = MemoryQuotaStore()
-    else:
-        server = request.getfixturevalue("redis_server")
-        s = RedisQuotaStore(server.url, key_prefix=f"test-{uuid.uuid4().hex[:8]}:")
-    yield s
-    await s.close()
+@pytest.fixture
+def store(quota_store):
+    return quota_store
 
 
 _ids = iter(range(10**9))

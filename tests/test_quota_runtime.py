@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 
@@ -17,7 +16,6 @@ from qosgate.backends.sim_live import SimBackend
 from qosgate.config.models import PolicyConfig, QuotaStoreConfig, SimBackendConfig
 from qosgate.core.request import Outcome
 from qosgate.quotas import MemoryQuotaStore, QuotaGuard, QuotaStore, TenantLimits
-from qosgate.quotas.redis_store import RedisQuotaStore
 from qosgate.runtime import Gateway, GatewayError, Overloaded, QueueFull
 
 TIERS = {
@@ -104,15 +102,9 @@ def policy() -> PolicyConfig:
     })  # fmt: skip
 
 
-@pytest.fixture(params=["memory", "redis"])
-async def store(request):
-    if request.param == "memory":
-        s: QuotaStore = MemoryQuotaStore()
-    else:
-        server = request.getfixturevalue("redis_server")
-        s = RedisQuotaStore(server.url, key_prefix=f"rt-{uuid.uuid4().hex[:8]}:")
-    yield s
-    await s.close()
+@pytest.fixture
+def store(quota_store):
+    return quota_store
 
 
 @pytest.mark.parametrize("seed", range(3))

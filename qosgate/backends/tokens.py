@@ -18,20 +18,6 @@ TOKENS_PER_MESSAGE = 4
 """What a chat template adds around each message (role markers, separators)."""
 
 
-def _text_chars(content: Any) -> int:
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        total = 0
-        for part in content:
-            if isinstance(part, str):
-                total += len(part)
-            elif isinstance(part, dict) and isinstance(part.get("text"), str):
-                total += len(part["text"])
-        return total
-    return 0
-
-
 def _texts(endpoint: str, body: dict[str, Any]) -> tuple[list[str], int]:
     """The prompt's texts, and the tokens a chat template adds around them."""
     texts: list[str] = []
@@ -77,7 +63,7 @@ class TokenizerCounter:
             ) from exc
         try:
             self._tokenizer = Tokenizer.from_file(path)
-        except Exception as exc:  # noqa: BLE001 - the library raises plain Exception
+        except Exception as exc:
             raise TokenizerUnavailable(
                 f"backend.tokenizer: cannot load {path!r} as a tokenizer.json: {exc}"
             ) from exc
@@ -98,19 +84,6 @@ def estimate_prompt_tokens(endpoint: str, body: dict[str, Any]) -> int:
     """ceil(characters / 4) over the message contents (chat, plus the template's
     framing per message and any tool schemas) or the prompt (completions); at
     least 1."""
-    chars = 0
-    framing = 0
-    if endpoint == "chat":
-        messages = body.get("messages")
-        if isinstance(messages, list):
-            for message in messages:
-                if isinstance(message, dict):
-                    framing += TOKENS_PER_MESSAGE
-                    chars += _text_chars(message.get("content"))
-        tools = body.get("tools")
-        if tools:
-            # Tool schemas are rendered into the prompt by the template.
-            chars += len(json.dumps(tools, separators=(",", ":")))
-    else:
-        chars += _text_chars(body.get("prompt"))
+    texts, framing = _texts(endpoint, body)
+    chars = sum(len(text) for text in texts)
     return max(1, -(-chars // CHARS_PER_TOKEN) + framing)
