@@ -41,6 +41,8 @@ class FakeUpstream:
         # When set, the end of the body waits for it after [DONE] was sent.
         self.eof_gate: asyncio.Event | None = None
         self.done_sent = asyncio.Event()
+        self.held = asyncio.Event()
+        """Set when a whole answer is being held (mode hold)."""
         self.disconnected = asyncio.Event()
         self.requests: list[dict[str, Any]] = []
         self.model_probes: list[dict[str, str]] = []
@@ -93,6 +95,8 @@ class FakeUpstream:
                 self.status_body, status=self.status, headers=self.status_headers
             )
         chat = request.path.endswith("/chat/completions")
+        if body.get("stream") is not True:
+            return await self._whole(request, body, chat)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         self.active += 1
@@ -154,6 +158,34 @@ class FakeUpstream:
                 self.active -= 1
 
 
+    async def _whole(self, request: web.Request, body: dict, chat: bool) -> web.StreamResponse:
+        """The same answer, not streamed."""
+        if self.mode == "malformed":
+            return web.Response(text="{not json", content_type="application/json")
+        if self.mode == "hold":
+            self.active += 1
+            self.held.set()
+            try:
+                await self.release.wait()
+            except asyncio.CancelledError:
+                self.disconnected.set()
+                raise
+            finally:
+                self.active -= 1
+        text = "".join(self.pieces)
+        if chat:
+            message = {"role": "assistant", "content": text, **self.delta_extra}
+            choice = {"index": 0, "message": message, "finish_reason": "stop"}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": "stop"}
+        answer: dict[str, Any] = {"object": "x", "choices": [choice]}
+        if self.send_usage:
+            done = self.completion_tokens or len(self.pieces)
+            answer["usage"] = {"prompt_tokens": 5, "completion_tokens": done,
+                               "total_tokens": 5 + done}
+        return web.json_response(answer)
+
+
 class Harness:
     def __init__(self) -> None:
         self.upstreams: list[FakeUpstream] = []
@@ -211,9 +243,9 @@ def job(
 ) -> GenerationJob:
     if body is None:
         body = (
-            {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+            {"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": True}
             if endpoint == "chat"
-            else {"model": "m", "prompt": "hello"}
+            else {"model": "m", "prompt": "hello", "stream": True}
         )
     return GenerationJob(
         request_id=f"r{next(_ids)}",
@@ -254,7 +286,7 @@ async def test_chat_streams_chunks_with_usage_and_passes_fields_through(h):
         "model": "m",
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 999,
-        "stream": False,
+        "stream": True,
         "seed": 42,
         "stream_options": {"continuous_usage_stats": False},
     }
@@ -723,3 +755,73 @@ async def test_an_unusable_tokenizer_stops_the_start_naming_the_field(h, tmp_pat
     bad.write_text("{not a tokenizer")
     with pytest.raises(BackendError, match="backend.tokenizer"):
         await h.backend([up], tokenizer=str(bad))
+
+
+# -- clients that read the answer whole -------------------------------------------
+
+
+def whole_job(endpoint: Literal["chat", "completions"] = "chat", **body: Any) -> GenerationJob:
+    base = (
+        {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+        if endpoint == "chat"
+        else {"model": "m", "prompt": "hello"}
+    )
+    return job(endpoint, body={**base, "stream": False, **body})
+
+
+async def test_a_whole_answer_is_asked_for_whole_and_comes_as_one_chunk(h):
+    up = await h.upstream("up0")
+    up.delta_extra = {"tool_calls": [{"id": "c1", "type": "function"}]}
+    backend = await h.backend([up])
+    chunks = await collect(backend.generate(whole_job(stream_options={"include_usage": True})))
+    assert len(chunks) == 1
+    (chunk,) = chunks
+    assert chunk.text == "up0 says hi" and chunk.finish_reason == "stop"
+    assert chunk.usage == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert chunk.tokens == 3
+    assert chunk.raw == {"message": {"tool_calls": [{"id": "c1", "type": "function"}]}}
+    sent = up.requests[0]["body"]
+    assert sent["stream"] is False and "stream_options" not in sent
+
+
+async def test_a_whole_completion_without_usage_is_estimated(h):
+    up = await h.upstream("up0")
+    up.send_usage = False
+    backend = await h.backend([up])
+    (chunk,) = await collect(backend.generate(whole_job("completions")))
+    assert chunk.text == "up0 says hi" and chunk.usage is None
+    assert chunk.tokens == 3  # 11 characters, about 4 a token
+
+
+async def test_a_malformed_whole_answer_is_a_backend_error(h):
+    up = await h.upstream("up0")
+    up.mode = "malformed"
+    backend = await h.backend([up])
+    with pytest.raises(BackendError, match="malformed"):
+        await collect(backend.generate(whole_job()))
+    assert backend.capacity().free_slots > 0
+
+
+async def test_whole_answers_reuse_the_connection(h):
+    up = await h.upstream("up0")
+    backend = await h.backend([up])
+    for _ in range(3):
+        stream = backend.generate(whole_job())
+        async for _chunk in stream:
+            break
+        await stream.aclose()
+    assert len({r["peer"] for r in up.requests}) == 1
+
+
+async def test_closing_a_held_whole_answer_disconnects_the_upstream(h):
+    up = await h.upstream("up0")
+    up.mode = "hold"
+    backend = await h.backend([up])
+    stream = backend.generate(whole_job())
+    pending = asyncio.ensure_future(stream.__anext__())
+    await wait(up.held)
+    pending.cancel()  # the consumer's task is cancelled while it waits
+    with pytest.raises(asyncio.CancelledError):
+        await pending
+    await stream.aclose()
+    await wait(up.disconnected)

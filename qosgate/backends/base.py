@@ -33,6 +33,12 @@ class GenerationJob:
     session: str | None = None
     """Session key for affinity (X-Session-Id), if the client sent one."""
 
+    @property
+    def streamed(self) -> bool:
+        """Whether the client reads the output as it comes (its `stream`). When
+        it does not, a backend may deliver the output in one piece."""
+        return self.body.get("stream") is True
+
 
 @dataclass(slots=True)
 class Chunk:

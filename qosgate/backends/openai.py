@@ -53,6 +53,8 @@ _ERROR_BODY_BYTES = 64 * 1024
 # long lines; a line longer than this is taken for a broken stream rather than
 # buffered without end.
 _MAX_LINE_BYTES = 2 << 20
+_MAX_BODY_BYTES = 64 << 20
+"""The largest whole (non-streamed) answer read from an upstream."""
 
 
 class _Upstream:
@@ -304,9 +306,16 @@ class OpenAIBackend:
 
     def _request_body(self, job: GenerationJob) -> dict[str, Any]:
         # The body arrives clamped and without the gateway's own fields (see
-        # GenerationJob.body); only the streaming form is this backend's choice.
+        # GenerationJob.body). A client that reads the answer whole gets it
+        # from the upstream whole: one JSON body instead of an event per token
+        # is less work on both sides (about a third of the gateway's CPU per
+        # request, B1). Streamed answers always carry usage.
         body = dict(job.body)
         body["max_tokens"] = job.max_tokens
+        if not job.streamed:
+            body["stream"] = False
+            body.pop("stream_options", None)
+            return body
         body["stream"] = True
         options = body.get("stream_options")
         body["stream_options"] = {
@@ -355,6 +364,14 @@ class OpenAIBackend:
                         message, _retry_after_s(response.headers.get("Retry-After"))
                     )
                 raise BackendError(message)
+            if not job.streamed:
+                whole = _whole_answer(
+                    job.endpoint, await _read_at_most(response, _MAX_BODY_BYTES + 1), upstream.url
+                )
+                # Read to its end: the connection can go back to the pool.
+                finished = True
+                yield whole
+                return
             # Whatever has arrived is parsed in one go rather than awaited line
             # by line: each await costs more than the parsing it waits for.
             events = call._events = _EventStream(job.endpoint, upstream.url)
@@ -541,6 +558,52 @@ class _Call:
 
 def _json_text(value: Any) -> str:
     return orjson.dumps(value).decode()
+
+
+def _whole_answer(endpoint: str, raw: bytes, where: str) -> Chunk:
+    """A non-streamed completion as one chunk: its text, its usage, and for
+    chat the message's other fields (tool calls, ...) under raw["message"]."""
+
+    def malformed(why: str) -> BackendError:
+        return BackendError(f"upstream {where} sent a malformed answer: {why}")
+
+    if len(raw) > _MAX_BODY_BYTES:
+        raise malformed(f"larger than {_MAX_BODY_BYTES} bytes")
+    try:
+        payload = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise malformed(f"not JSON: {raw[:200]!r}") from exc
+    if not isinstance(payload, dict):
+        raise malformed("not an object")
+    if payload.get("error") is not None:
+        raise BackendError(f"upstream {where} failed: {_error_message(raw)}")
+    choices = payload.get("choices")
+    if not isinstance(choices, list):
+        raise malformed("no choices")
+    choice = next((c for c in choices if isinstance(c, dict) and c.get("index", 0) == 0), None)
+    if choice is None:
+        raise malformed("no choice 0")
+    raw_fields: dict[str, Any] = {}
+    if endpoint == "chat":
+        message = choice.get("message")
+        if not isinstance(message, dict):
+            raise malformed("choice 0 has no message")
+        text = message.get("content") or ""
+        extra = {k: v for k, v in message.items() if k not in ("content", "role") and v is not None}
+        if extra:
+            raw_fields["message"] = extra
+    else:
+        text = choice.get("text") or ""
+    if not isinstance(text, str):
+        raise malformed("content is not a string")
+    usage_raw = payload.get("usage")
+    usage = _int_fields(usage_raw) if isinstance(usage_raw, dict) else None
+    if usage is not None and "completion_tokens" in usage:
+        tokens = usage["completion_tokens"]
+    else:
+        tokens = estimate_prompt_tokens("completions", {"prompt": text}) if text else 0
+    finish = choice.get("finish_reason") or "stop"
+    return Chunk(text=text, tokens=tokens, finish_reason=str(finish), usage=usage, raw=raw_fields)
 
 
 _EOF_GRACE_S = 1.0

@@ -413,11 +413,17 @@ class _Tally:
 
 async def _json_response(stream: RequestStream, call: _Call) -> web.Response:
     parts: list[str] = []
+    message_fields: dict[str, Any] = {}
     tally = _Tally()
     try:
         async for chunk in stream:
             parts.append(chunk.text)
             tally.add(chunk)
+            # A backend that answers whole passes a chat message's other
+            # fields (tool calls, ...) along.
+            extra = chunk.raw.get("message") if chunk.raw else None
+            if isinstance(extra, dict):
+                message_fields.update(extra)
     except BaseException:
         # Cancelled (client gone) or failed: the stream must end its request
         # now, so a queued request leaves the queue and a running one aborts.
@@ -428,7 +434,7 @@ async def _json_response(stream: RequestStream, call: _Call) -> web.Response:
     if call.endpoint == "chat":
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
+            "message": {"role": "assistant", "content": text, **message_fields},
             "logprobs": None,
             "finish_reason": finish,
         }
