@@ -11,12 +11,11 @@ qosgate's added latency and CPU into the part the Python HTTP stack costs on
 this machine (this proxy) and the part that is qosgate's own logic (qosgate
 over this proxy).
 
-It serves POST /v1/chat/completions and /v1/completions. Like qosgate's
-openai backend it always asks the upstream to stream
-(`stream: true, stream_options.include_usage: true`). A streaming client
-request gets the upstream's SSE bytes relayed as they arrive; any other gets
-the OpenAI JSON shape (chat.completion or text_completion) built from the
-streamed events, with the usage of the upstream's usage event.
+It serves POST /v1/chat/completions and /v1/completions, and asks the upstream
+as qosgate's openai backend does. A streaming client request is streamed from
+the upstream (`stream_options.include_usage: true`) and its SSE bytes are
+relayed as they arrive. Any other request is asked for whole, and the
+upstream's JSON answer is relayed as it is.
 
 Prints `b1-floor: proxying at http://HOST:PORT/v1` (the form qosgate uses) as
 its first stdout line once it listens; SIGTERM or SIGINT stops it.
@@ -28,55 +27,16 @@ import argparse
 import asyncio
 import signal
 import sys
-import time
 
 import orjson
 from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-_DONE = b"[DONE]"
 
 
 def _error(status: int, message: str) -> web.Response:
     body = {"error": {"message": message, "type": "floor_proxy_error"}}
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
-
-
-def _collect(chat: bool, raw: bytes) -> dict:
-    """The non-streaming answer, from the whole SSE body of the upstream."""
-    parts: list[str] = []
-    finish = None
-    usage = None
-    ident = model = None
-    created = 0
-    for line in raw.split(b"\n"):
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if not data or data == _DONE:
-            continue
-        event = orjson.loads(data)
-        if ident is None:
-            ident, model, created = event.get("id"), event.get("model"), event.get("created", 0)
-        if event.get("usage"):
-            usage = event["usage"]
-        for choice in event.get("choices") or ():
-            if chat:
-                parts.append((choice.get("delta") or {}).get("content") or "")
-            else:
-                parts.append(choice.get("text") or "")
-            if choice.get("finish_reason"):
-                finish = choice["finish_reason"]
-    text = "".join(parts)
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "finish_reason": finish}
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish}
-        kind = "text_completion"
-    return {"id": ident or "floor", "object": kind, "created": created or int(time.time()),
-            "model": model, "choices": [choice], "usage": usage}
 
 
 def build_app(upstream: str) -> web.Application:
@@ -99,10 +59,13 @@ def build_app(upstream: str) -> web.Application:
         if not isinstance(body, dict):
             return _error(400, "body is not a JSON object")
         streaming = body.get("stream") is True
-        body["stream"] = True
-        options = body.get("stream_options")
-        body["stream_options"] = {**(options if isinstance(options, dict) else {}),
-                                  "include_usage": True}
+        if streaming:
+            options = body.get("stream_options")
+            body["stream_options"] = {**(options if isinstance(options, dict) else {}),
+                                      "include_usage": True}
+        else:
+            body["stream"] = False
+            body.pop("stream_options", None)
         url = upstream + ("/chat/completions" if chat else "/completions")
         async with request.app[session_key].post(
             url, data=orjson.dumps(body),
@@ -113,8 +76,7 @@ def build_app(upstream: str) -> web.Application:
                                     body=await upstream_response.read(),
                                     content_type="application/json")
             if not streaming:
-                raw = await upstream_response.read()
-                return web.Response(body=orjson.dumps(_collect(chat, raw)),
+                return web.Response(body=await upstream_response.read(),
                                     content_type="application/json")
             response = web.StreamResponse(headers=_SSE_HEADERS)
             await response.prepare(request)
