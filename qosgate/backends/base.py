@@ -107,4 +107,10 @@ class Backend(Protocol):
         is at hand, so that `__anext__` will not wait (see `RequestStream.ready`)."""
 
     def abort(self, request_id: str) -> None:
-        """Stop a running request (preemption, client gone). Idempotent."""
+        """Stop a running request (preemption, client gone). Idempotent.
+
+        A backend may also have `gone() -> BackendUnavailable | None`:
+        the error when it cannot take work and will not recover by itself (a
+        dead engine), as opposed to not ready *yet*. The gateway then refuses
+        new requests and ends queued ones at once, instead of letting them
+        wait out their budgets."""

@@ -296,9 +296,13 @@ class OpenAIBackendConfig(StrictModel):
 class VllmBackendConfig(StrictModel):
     kind: Literal["vllm"] = "vllm"
     model: str
-    """Model path or name for the co-located engine."""
+    """Model path (or name, where a model hub is reachable) for the co-located engine."""
+    served_model_name: str | None = None
+    """The `model` clients send (default: `model`)."""
     engine_args: dict[str, str | int | float | bool | None] = {}
-    """Further vLLM engine arguments (max_num_seqs, max_num_batched_tokens, ...)."""
+    """Further vLLM engine arguments, as vLLM names them: max_num_seqs,
+    max_num_batched_tokens, enable_chunked_prefill, max_model_len, dtype,
+    enforce_eager, ... (scheduling_policy defaults to priority)."""
 
 
 def _default_backend_kind(value: object) -> object:

@@ -495,17 +495,25 @@ class Scheduler:
             self._output_estimate += 0.05 * (output_tokens - self._output_estimate)
         return req
 
-    def cancel(self, req_id: str, now: float, output_tokens: int = 0) -> tuple[Request | None, bool]:
-        """The client went away. Returns the request and whether it was running
-        (then the caller must abort it in the backend)."""
+    def cancel(
+        self,
+        req_id: str,
+        now: float,
+        output_tokens: int = 0,
+        outcome: Outcome = Outcome.CANCELLED,
+    ) -> tuple[Request | None, bool]:
+        """End a request wherever it is: the client went away (cancelled), or
+        the backend is gone for good (`outcome` backend_error). Returns the
+        request and whether it was running (then the caller must abort it in
+        the backend)."""
         req = self._queued.pop(req_id, None)
         if req is not None:
             self._queues[req.tier].remove(req, _FINISHED)
-            req.outcome = Outcome.CANCELLED
+            req.outcome = outcome
             req.finished_at = now
             return req, False
         if req_id in self._running:
-            return self.finish(req_id, now, Outcome.CANCELLED, output_tokens), True
+            return self.finish(req_id, now, outcome, output_tokens), True
         return None, False
 
     # -- views ---------------------------------------------------------------

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 
 from aiohttp import web
 
+from qosgate.backends.base import BackendError
 from qosgate.config.models import PolicyConfig
 from qosgate.quotas import QuotaGuard
 
@@ -49,6 +50,22 @@ async def serve(
     backend = build_backend(policy.backend)
     gateway = Gateway(policy, backend, quotas=quotas)
     await gateway.start()
+    # A backend that loads in the background (the vLLM engine) and fails to
+    # start stops the server: an unready gateway that can never become ready
+    # would only turn every request into a 503.
+    failed: list[BaseException] = []
+    wait_ready = getattr(backend, "wait_ready", None)
+    watcher: asyncio.Task[None] | None = None
+    if wait_ready is not None:
+
+        async def watch() -> None:
+            try:
+                await wait_ready()
+            except Exception as exc:  # noqa: BLE001 - reported by the caller
+                failed.append(exc)
+                stop.set()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
     runner: web.AppRunner | None = None
     loop = asyncio.get_running_loop()
     handled: list[signal.Signals] = []
@@ -85,6 +102,11 @@ async def serve(
             loop.remove_signal_handler(sig)
         # Stop listening and let in-flight requests finish (up to the grace),
         # then end whatever the gateway still holds.
+        if watcher is not None:
+            watcher.cancel()
         if runner is not None:
             await runner.cleanup()
         await gateway.close()
+    if failed:
+        error = failed[0]
+        raise error if isinstance(error, BackendError) else BackendError(str(error))

@@ -28,7 +28,7 @@ from qosgate.backends.base import (
     GenerationJob,
 )
 from qosgate.config.models import PolicyConfig
-from qosgate.core.request import Outcome, Request
+from qosgate.core.request import Outcome, Request, RequestState
 from qosgate.core.scheduler import BackendCapacity, SchedulePlan, Scheduler
 from qosgate.quotas import QuotaGuard, Reservation
 from qosgate.runtime.errors import (
@@ -164,6 +164,12 @@ class Gateway:
         if self._closed:
             self._settle(reservation, 0, served=False)
             raise GatewayClosing("the gateway is shutting down", retry_after_s=1.0)
+        down = self._backend_down()
+        if down is not None:
+            # Gone for good (not starting): queueing would only make the
+            # client wait out its budget for the same answer.
+            self._settle(reservation, 0, served=False)
+            raise down
         loop = self._get_loop()
         now = loop.time()
         req = Request(
@@ -242,8 +248,24 @@ class Gateway:
             cap.kv_capacity_tokens,
         )
 
+    def _backend_down(self) -> BackendUnavailableError | None:
+        probe = getattr(self._backend, "gone", None)
+        error = probe() if probe is not None else None
+        if error is None:
+            return None
+        return BackendUnavailableError(str(error), retry_after_s=error.retry_after_s)
+
     def _dispatch(self, now: float) -> None:
         if self._closed:
+            return
+        down = self._backend_down()
+        if down is not None:
+            # What is queued will never run here: end it now (503, another
+            # replica can take it). Running requests fail through their
+            # backend streams.
+            for stream in list(self._streams.values()):
+                if stream.request.state is not RequestState.RUNNING:
+                    stream._end(down)
             return
         while True:
             cap = self._capacity()
@@ -402,7 +424,8 @@ class RequestStream:
             return
         gw = self._gw
         now = self._loop.time()
-        _, running = gw._scheduler.cancel(req.id, now, self._output_tokens)
+        outcome = error.outcome if error is not None else Outcome.CANCELLED
+        _, running = gw._scheduler.cancel(req.id, now, self._output_tokens, outcome)
         self._error = error
         gw._forget(req.id)
         if running:

@@ -1,0 +1,248 @@
+"""qosgate in front of a real co-located vLLM engine (CPU build, tiny model).
+
+Over the HTTP API with the official `openai` client: chat and completions,
+streamed and not. A client that leaves is aborted inside the engine. The
+engine never holds more requests than its sequence slots while qosgate's
+queues hold the rest. The tier's priority reaches the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+import pytest_asyncio
+
+from qosgate.backends.vllm import VllmBackend
+from tests.http_support import live_app, make_policy
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MAX_SEQS = 4
+KEYS = {"gold": "vllm-gold-key", "bronze": "vllm-bronze-key"}
+
+
+def policy_yaml(model: str) -> str:
+    import hashlib
+
+    def digest(key: str) -> str:
+        return hashlib.sha256(key.encode()).hexdigest()
+
+    return f"""
+version: 1
+backend:
+  kind: vllm
+  model: {model}
+  served_model_name: tiny
+  engine_args:
+    enforce_eager: true
+    dtype: bfloat16
+    max_model_len: 2048
+    max_num_seqs: {MAX_SEQS}
+tiers:
+  gold:
+    priority: 0
+    max_queue_wait_ms: 120000
+    max_tokens: 2000
+  bronze:
+    priority: 2
+    max_queue_wait_ms: 120000
+    max_tokens: 256
+tenants:
+  - id: g
+    tier: gold
+    api_keys: ["sha256:{digest(KEYS['gold'])}"]
+  - id: b
+    tier: bronze
+    api_keys: ["sha256:{digest(KEYS['bronze'])}"]
+"""
+
+
+class Watch:
+    """Records what the engine is asked: each request's priority, aborts, and
+    how many requests it held at each new one."""
+
+    def __init__(self, backend: VllmBackend) -> None:
+        self.priorities: dict[str, int] = {}
+        self.aborted: list[str] = []
+        self._abort_waiters: dict[str, asyncio.Event] = {}
+        self.held_at_submit: list[int] = []
+        engine = backend.engine
+        generate, abort = engine.generate, engine.abort
+
+        def watched_generate(prompt: Any, params: Any, request_id: str, **kw: Any):
+            self.priorities[request_id] = kw.get("priority", 0)
+            self.held_at_submit.append(engine.get_num_unfinished_requests())
+            return generate(prompt, params, request_id, **kw)
+
+        async def watched_abort(request_id: Any, internal: bool = False) -> None:
+            ids = [request_id] if isinstance(request_id, str) else list(request_id)
+            self.aborted.extend(ids)
+            for prefix, event in self._abort_waiters.items():
+                if any(rid.startswith(prefix) for rid in ids):
+                    event.set()
+            await abort(request_id, internal)
+
+        engine.generate = watched_generate
+        engine.abort = watched_abort
+
+    def abort_event(self, request_id: str) -> asyncio.Event:
+        """Set once the engine is asked to abort the request (vLLM may add a
+        suffix of its own to the id)."""
+        event = self._abort_waiters.setdefault(request_id, asyncio.Event())
+        if any(rid.startswith(request_id) for rid in self.aborted):
+            event.set()
+        return event
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def live(tiny_model):
+    policy = make_policy(policy_yaml(tiny_model))
+    from qosgate.backends import build_backend
+
+    backend = build_backend(policy.backend)
+    async with live_app(policy, backend) as app:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(app.url + "/readyz") as r:
+                # The engine loads in the background: not ready yet.
+                assert r.status == 503
+        await backend.wait_ready()
+        app.watch = Watch(backend)  # type: ignore[attr-defined]
+        yield app
+
+
+def client(live, tier: str = "gold") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=live.url + "/v1", api_key=KEYS[tier], max_retries=0)
+
+
+async def test_ready_once_the_engine_is_up(live):
+    async with aiohttp.ClientSession() as http:
+        async with http.get(live.url + "/readyz") as r:
+            assert r.status == 200
+        async with http.get(live.url + "/v1/models", headers={"Authorization": "Bearer "
+                                                             + KEYS["gold"]}) as r:
+            assert [m["id"] for m in (await r.json())["data"]] == ["tiny"]
+
+
+async def test_the_openai_client_chat_and_completions_streamed_and_not(live):
+    c = client(live)
+    chat = await c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello world"}], max_tokens=12,
+        extra_body={"ignore_eos": True},
+    )
+    assert chat.choices[0].finish_reason == "length"
+    assert chat.usage.completion_tokens == 12 and chat.usage.prompt_tokens > 0
+    assert isinstance(chat.choices[0].message.content, str)
+
+    text = []
+    finish = None
+    stream = await c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=10,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    usage = None
+    async for chunk in stream:
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage:
+            usage = chunk.usage
+    assert finish == "length" and usage is not None and usage.completion_tokens == 10
+
+    done = await c.completions.create(model="tiny", prompt="the quick brown fox", max_tokens=8,
+                                      extra_body={"ignore_eos": True})
+    assert done.usage.completion_tokens == 8
+    pieces = []
+    async for chunk in await c.completions.create(model="tiny", prompt="hello", max_tokens=6,
+                                                  stream=True, extra_body={"ignore_eos": True}):
+        pieces.append(chunk.choices[0].text if chunk.choices else "")
+    assert len("".join(pieces)) > 0
+    await c.close()
+
+
+async def test_the_prompt_is_counted_with_the_models_tokenizer(live):
+    backend: VllmBackend = live.gateway.backend
+    tokenizer = backend.engine.tokenizer
+    body = {"messages": [{"role": "user", "content": "hello world"}]}
+    expected = tokenizer.apply_chat_template(
+        body["messages"], tokenize=False, add_generation_prompt=True
+    )
+    assert backend.count_prompt_tokens("chat", body) == len(
+        tokenizer.encode(expected, add_special_tokens=False)
+    )
+    assert expected.startswith("<|user|>hello world")  # the model's own template
+
+
+async def test_a_client_that_leaves_is_aborted_inside_the_engine(live):
+    engine = live.gateway.backend.engine
+    async with aiohttp.ClientSession() as http:
+        response = await http.post(
+            live.url + "/v1/completions",
+            # Long enough (seconds on these cores) to be running when the
+            # client leaves.
+            json={"model": "tiny", "prompt": "hello", "max_tokens": 2000, "stream": True,
+                  "ignore_eos": True},
+            headers={"Authorization": "Bearer " + KEYS["gold"]},
+        )
+        assert response.status == 200
+        await response.content.readline()  # it is generating
+        request_id = live.gateway.streams[-1].request.id
+        response.close()  # the client hangs up mid-stream
+        await asyncio.wait_for(live.gateway.aclosed.wait(), 30)
+        await asyncio.wait_for(live.watch.abort_event(request_id).wait(), 30)
+    await asyncio.wait_for(live.gateway.aclosed.wait(), 30)
+    assert live.gateway.streams[-1].request.outcome.value == "cancelled"
+    assert request_id not in live.gateway.backend._runs
+    assert engine.get_num_unfinished_requests() == 0
+
+
+async def test_the_engine_holds_no_more_than_its_slots_and_qosgate_queues_the_rest(live):
+    watch = live.watch
+    watch.held_at_submit.clear()
+    queued_seen = []
+    gateway = live.gateway
+    original_submit = gateway.submit
+
+    def submit(**kw):
+        stream = original_submit(**kw)
+        queued_seen.append(gateway.scheduler.queued_count)
+        return stream
+
+    gateway.submit = submit
+    try:
+        c = client(live)
+        replies = await asyncio.gather(*(
+            c.completions.create(model="tiny", prompt=f"request {i}", max_tokens=24,
+                                 extra_body={"ignore_eos": True})
+            for i in range(4 * MAX_SEQS)
+        ))  # fmt: skip
+        await c.close()
+    finally:
+        gateway.submit = original_submit
+    assert all(r.usage.completion_tokens == 24 for r in replies)
+    # Every request reached the engine, and none while it already held all
+    # its sequence slots: the backlog waited in qosgate's queue.
+    assert len(watch.held_at_submit) == 4 * MAX_SEQS
+    assert max(watch.held_at_submit) < MAX_SEQS
+    assert max(queued_seen) >= 2 * MAX_SEQS
+
+
+async def test_the_tiers_priority_reaches_the_engine(live):
+    watch = live.watch
+    gold, bronze = client(live, "gold"), client(live, "bronze")
+    await gold.completions.create(model="tiny", prompt="a", max_tokens=2)
+    gold_id = live.gateway.streams[-1].request.id
+    await bronze.completions.create(model="tiny", prompt="b", max_tokens=2)
+    bronze_id = live.gateway.streams[-1].request.id
+    # The client may lower its priority, never raise it.
+    await bronze.completions.create(model="tiny", prompt="c", max_tokens=2,
+                                    extra_body={"priority": 1})
+    lowered_id = live.gateway.streams[-1].request.id
+    assert watch.priorities[gold_id] == 0
+    assert watch.priorities[bronze_id] == 2
+    assert watch.priorities[lowered_id] == 3
+    await gold.close()
+    await bronze.close()
