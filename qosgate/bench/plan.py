@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 
 from qosgate.bench.scenario import BenchScenario
-from qosgate.sim.workload import arrival_times, length_sampler, class_rates
+from qosgate.sim.workload import arrival_times, class_rates, length_sampler
 
 Spec = tuple[int, float, int, int, int]
 

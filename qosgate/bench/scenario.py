@@ -38,7 +38,6 @@ from qosgate.sim.scenario import (
     TrafficShape,
 )
 
-
 # Tier and tenant names become the keys of the result JSON and go through the
 # policy models for the report, so they follow the policy's naming rule.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")

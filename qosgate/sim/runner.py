@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 from qosgate.backends.sim import SimEngine
 from qosgate.config.models import PolicyConfig, SimBackendConfig
 from qosgate.core.request import Outcome, Request
-from qosgate.core.scheduler import BackendCapacity, Scheduler, SchedulePlan
+from qosgate.core.scheduler import BackendCapacity, SchedulePlan, Scheduler
 from qosgate.sim.workload import Arrival
 
 _INF = math.inf
