@@ -123,6 +123,9 @@ def _serve_command(args: argparse.Namespace, *, demo: bool) -> int:
     except ConfigError as exc:
         print(f"qosgate: invalid policy\n{exc}", file=sys.stderr)
         return 2
+    from qosgate.observability import configure_logging
+
+    configure_logging(policy.observability.log_format)
     on_ready = None
     if demo:
         def on_ready(url: str) -> None:

@@ -36,6 +36,18 @@ class ServerConfig(StrictModel):
     """Environment variable holding the shared secret that makes X-Tenant-Id trusted."""
 
 
+class ObservabilityConfig(StrictModel):
+    """Logs and metrics."""
+
+    log_format: Literal["auto", "json", "console"] = "auto"
+    """auto: console on a terminal, JSON lines otherwise (production)."""
+    log_requests: bool = True
+    """One log line per finished request (id, tenant, tier, outcome, waits, TTFT, tokens)."""
+    metrics_tenant_labels: bool = True
+    """Label per-tenant metrics with the tenant; off: one `all` series, for
+    fleets with very many tenants."""
+
+
 class BatchWindow(StrictModel):
     """How long a tier may hold requests back to form a batch."""
 
@@ -339,6 +351,8 @@ class PolicyConfig(StrictModel):
     """Tier for requests of unknown tenants (None: such requests are refused)."""
     quota_store: QuotaStoreConfig = QuotaStoreConfig()
     """Where quota counters live."""
+    observability: ObservabilityConfig = ObservabilityConfig()
+    """Logs and metrics."""
 
     @field_validator("tiers")
     @classmethod

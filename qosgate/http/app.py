@@ -20,11 +20,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from qosgate.backends.base import Chunk
 from qosgate.config.models import PolicyConfig
+from qosgate.core.request import Outcome
 from qosgate.quotas import QuotaStoreDown
 from qosgate.runtime.errors import (
     BadRequest,
@@ -61,6 +64,14 @@ RATELIMIT: Any = (
     else "qosgate.ratelimit"
 )
 """The x-ratelimit headers of the request's tenant, once its quota was checked."""
+ADMITTED: Any = (
+    web.RequestKey("qosgate.admitted", bool)
+    if hasattr(web, "RequestKey")
+    else "qosgate.admitted"
+)
+"""Set once the request is handed to the gateway, which from then on counts
+its outcome itself."""
+TIER: Any = web.RequestKey("qosgate.tier", str) if hasattr(web, "RequestKey") else "qosgate.tier"
 REQUEST_ID_HEADER = "x-request-id"
 SESSION_HEADER = "X-Session-Id"
 _MAX_SESSION_LEN = 256
@@ -107,6 +118,7 @@ def build_app(
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/admin/quotas", _admin_quotas)
+    app.router.add_get("/metrics", _metrics)
     return app
 
 
@@ -130,11 +142,18 @@ async def _add_ratelimit_headers(request: web.Request, response: web.StreamRespo
 async def _error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     request_id = uuid.uuid4().hex
     request[REQUEST_ID] = request_id
+    # Every line logged while this request is served carries its id (and,
+    # once known, its tenant and tier).
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(request_id=request_id)
     try:
         response = await handler(request)
     except GatewayError as exc:
+        _count_refusal(request, exc.outcome)
         response = error_response(exc)
     except web.HTTPException as exc:
+        if exc.status >= 400:
+            _count_refusal(request, Outcome.BAD_REQUEST)
         response = _from_http_exception(request, exc)
     except asyncio.CancelledError:
         raise
@@ -161,6 +180,14 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
     if not response.prepared:
         response.headers[REQUEST_ID_HEADER] = request_id
     return response
+
+
+def _count_refusal(request: web.Request, outcome: Outcome) -> None:
+    """A request that ended before the gateway took it (the gateway counts the
+    rest). Only the API's own paths count as requests."""
+    if request.get(ADMITTED) or not request.path.startswith("/v1/"):
+        return
+    request.app[STATE].gateway.observer.refused(request.get(TIER, "none"), outcome)
 
 
 def _from_http_exception(request: web.Request, exc: web.HTTPException) -> web.StreamResponse:
@@ -193,6 +220,19 @@ def _from_http_exception(request: web.Request, exc: web.HTTPException) -> web.St
 
 # --------------------------------------------------------------------------
 # Probes and models
+
+
+def _record_quota(gateway: Gateway, tenant: str, states: Any) -> None:
+    tokens = [s.remaining for s in states if s.kind in ("tokens_per_minute", "tokens_per_day")]
+    if tokens:
+        gateway.observer.metrics.quota(tenant, min(tokens))
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    registry = request.app[STATE].gateway.observer.metrics.registry
+    response = web.Response(body=generate_latest(registry))
+    response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
+    return response
 
 
 async def _healthz(request: web.Request) -> web.Response:
@@ -322,6 +362,8 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     state = request.app[STATE]
     # Identity first: an unauthenticated client does not get its body parsed.
     identity: Identity = state.keyring.identify(request.headers)
+    request[TIER] = identity.tier
+    structlog.contextvars.bind_contextvars(tenant=identity.tenant, tier=identity.tier)
     raw = await _read_json(request)
     gateway = state.gateway
     parsed = validate_body(endpoint, raw, gateway.backend.models)
@@ -361,11 +403,13 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
         raise QuotaStoreUnavailable(str(exc), retry_after_s=exc.retry_after_s) from None
     if decision is not None:
         request[RATELIMIT] = ratelimit_headers(decision.states)
+        _record_quota(gateway, identity.tenant, decision.states)
         if not decision.admitted:
             raise QuotaExceeded(decision.reason, retry_after_s=decision.retry_after_s)
         reservation = decision.reservation
     # From here on the request is admitted: every path must end it (the
     # response functions close the stream on any way out but completion).
+    request[ADMITTED] = True  # admitted or refused, the gateway counts it now
     stream = gateway.submit(
         reservation=reservation,
         request_id=request_id,

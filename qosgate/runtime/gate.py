@@ -30,6 +30,7 @@ from qosgate.backends.base import (
 from qosgate.config.models import PolicyConfig
 from qosgate.core.request import Outcome, Request, RequestState
 from qosgate.core.scheduler import BackendCapacity, SchedulePlan, Scheduler
+from qosgate.observability import Observer
 from qosgate.quotas import QuotaGuard, Reservation
 from qosgate.runtime.errors import (
     BackendFailed,
@@ -63,13 +64,18 @@ class Gateway:
         *,
         drain_rate_hint: float | None = None,
         quotas: QuotaGuard | None = None,
+        observer: Observer | None = None,
     ) -> None:
         # Without a guard of its own it builds one from the policy (memory or
-        # Redis, as `quota_store` says).
+        # Redis, as `quota_store` says); likewise its metrics, in a registry
+        # of their own.
         self._policy = policy
         self._backend = backend
         self.quotas = quotas if quotas is not None else QuotaGuard.from_policy(policy)
         """Reserves at the door (the HTTP layer asks it) and settles here."""
+        self.observer = observer if observer is not None else Observer(policy)
+        """Metrics and the request log, fed at each event of a request."""
+        self.observer.metrics.watch(self._levels)
         self._scheduler = Scheduler(policy, drain_rate_hint=drain_rate_hint)
         self._loop: asyncio.AbstractEventLoop | None = None
         # Requests admitted and not yet finished.
@@ -163,12 +169,14 @@ class Gateway:
         refused, and settled when it ends."""
         if self._closed:
             self._settle(reservation, 0, served=False)
+            self.observer.refused(tier, Outcome.CANCELLED)
             raise GatewayClosing("the gateway is shutting down", retry_after_s=1.0)
         down = self._backend_down()
         if down is not None:
             # Gone for good (not starting): queueing would only make the
             # client wait out its budget for the same answer.
             self._settle(reservation, 0, served=False)
+            self.observer.refused(tier, down.outcome)
             raise down
         loop = self._get_loop()
         now = loop.time()
@@ -183,6 +191,7 @@ class Gateway:
             raise
         if not decision.admitted:
             self._settle(reservation, 0, served=False)
+            self.observer.refused(tier, decision.outcome)
             error = QueueFull if decision.outcome is Outcome.REJECTED_QUEUE_FULL else Overloaded
             raise error(decision.reason, retry_after_s=decision.retry_after_s)
         job = GenerationJob(
@@ -270,7 +279,7 @@ class Gateway:
         while True:
             cap = self._capacity()
             plan = self._scheduler.schedule(now, cap, backend_ready=self._backend.ready())
-            self._carry_out(plan, cap)
+            self._carry_out(plan, cap, now)
             # A preemption frees room this same instant can use; a backend that
             # is down frees none, and asking again would only preempt more.
             if not plan.preempt or not self._backend.ready():
@@ -278,10 +287,14 @@ class Gateway:
         if plan.wakeup_at is not None:
             self._arm(plan.wakeup_at)
 
-    def _carry_out(self, plan: SchedulePlan, cap: BackendCapacity) -> None:
+    def _carry_out(self, plan: SchedulePlan, cap: BackendCapacity, now: float) -> None:
         streams = self._streams
         kv_total = cap.kv_capacity_tokens
+        observer = self.observer
+        if plan.batches:
+            observer.released(plan.batches)
         for req in plan.dispatch:
+            observer.dispatched(req, now)
             # What the scheduler counted against free KV for it.
             need = req.work if kv_total is None else min(req.work, kv_total)
             self._reserved[req.id] = need
@@ -323,10 +336,17 @@ class Gateway:
         its quota is settled (here, where every way of ending meets, once)."""
         self._unreserve(request_id)
         stream = self._streams.pop(request_id, None)
-        if stream is not None and stream._reservation is not None:
-            charged, served = stream._charge()
-            self._settle(stream._reservation, charged, served=served)
+        if stream is not None:
+            usage = stream._usage()
+            if stream._reservation is not None:
+                charged = sum(usage) if usage is not None else 0
+                self._settle(stream._reservation, charged, served=usage is not None)
+            self.observer.finished(stream.request, usage)
         self._wake()
+
+    def _levels(self) -> dict:
+        """Queue and backend levels, for the metrics at scrape time."""
+        return self.snapshot()
 
     def _settle(self, reservation: Reservation | None, charged: int, *, served: bool) -> None:
         if reservation is not None:
@@ -442,18 +462,18 @@ class RequestStream:
             self._gw._forget(req.id)
         return error
 
-    def _charge(self) -> tuple[int, bool]:
-        """(tokens to charge, whether the request counts as served) now that it
-        has ended. What ran is paid for, prompt and output, including a
-        request cancelled mid-way; a request refused, expired, failed by the
-        backend, or cancelled before it ran is refunded in full."""
+    def _usage(self) -> tuple[int, int] | None:
+        """(prompt, completion) tokens the request used, now that it has
+        ended; None if it never ran. What ran is paid for (quotas) and counted
+        (metrics), including a request cancelled mid-way; a request refused,
+        expired, failed by the backend, or cancelled before it ran is not."""
         req = self.request
         if req.outcome is Outcome.COMPLETED or (req.outcome is Outcome.CANCELLED and self._ran):
             prompt = self._reported_prompt
             if prompt is None:
                 prompt = req.prompt_tokens
-            return prompt + self._output_tokens, True
-        return 0, False
+            return prompt, self._output_tokens
+        return None
 
     # -- the consumer's side -------------------------------------------------
 
@@ -501,6 +521,7 @@ class RequestStream:
                             # From here the core will not preempt it: the
                             # client has output that cannot be taken back.
                             gw._scheduler.on_first_token(req.id, now)
+                            gw.observer.first_token(req, now)
                         self._output_tokens += chunk.tokens
                         if chunk.finish_reason is not None:
                             usage = chunk.usage or {}

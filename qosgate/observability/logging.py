@@ -1,0 +1,78 @@
+"""structlog for qosgate: JSON lines in production, console in development.
+
+Context that belongs to a request (its id, tenant, tier) is bound once, in the
+HTTP handler, with structlog's contextvars, so every line logged while
+serving it carries them. The one line per finished request is written where
+the request ends (`request_finished`), from the request record itself, since
+a request can end outside its handler's context (expiry, shutdown).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Literal
+
+import structlog
+
+from qosgate.core.request import Request
+
+request_log = structlog.get_logger("qosgate.requests")
+
+
+def configure_logging(fmt: Literal["auto", "json", "console"] = "auto", level: int = logging.INFO) -> None:
+    """Route structlog and the standard library's logging through one
+    renderer. `auto`: console on a terminal, JSON otherwise."""
+    if fmt == "auto":
+        fmt = "console" if sys.stderr.isatty() else "json"
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if fmt == "json"
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    structlog.configure(
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        cache_logger_on_first_use=True,
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+            foreign_pre_chain=[*shared, structlog.stdlib.ExtraAdder()],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def request_finished(req: Request, usage: tuple[int, int] | None) -> None:
+    """The one line per finished request: outcome, waits, TTFT and tokens.
+    Never the prompt (the record holds none)."""
+    assert req.outcome is not None and req.finished_at is not None
+
+    def ms(start: float | None, end: float | None) -> float | None:
+        if start is None or end is None:
+            return None
+        return round((end - start) * 1000, 3)
+
+    request_log.info(
+        "request",
+        request_id=req.id,
+        tenant=req.tenant,
+        tier=req.tier,
+        outcome=req.outcome.value,
+        queue_wait_ms=ms(req.arrival, req.dispatched_at),
+        ttft_ms=ms(req.arrival, req.first_token_at),
+        e2e_ms=ms(req.arrival, req.finished_at),
+        prompt_tokens=usage[0] if usage else 0,
+        completion_tokens=usage[1] if usage else 0,
+        preemptions=req.preemptions,
+    )

@@ -1,0 +1,189 @@
+"""Prometheus metrics, named as DESIGN.md section 7 names them.
+
+`GatewayMetrics` owns its metrics in a registry it is given (a fresh one by
+default), so two gateways in one process, or a test, never share counters.
+Events are recorded where they happen (a request refused at the door, a
+batch released, a first token, a request's end); what is a level rather than
+an event (queue depth, oldest wait, backend in flight) is read from the
+gateway when Prometheus scrapes, so the hot path pays nothing for it.
+
+With `tenant_labels` off, the per-tenant series (`tokens_total`,
+`quota_remaining_tokens`) carry `tenant="all"`: a fleet with many thousand
+tenants keeps a bounded number of series.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from qosgate.config.models import PolicyConfig
+from qosgate.core.request import Outcome, Request
+
+PREFIX = "qosgate_"
+
+# Seconds; from a fast first token to a long batch job.
+LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BATCH_WAIT_BUCKETS = (0.0, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+
+RECENT = 512
+"""First-token times kept per tier for /admin/stats percentiles."""
+
+
+class _Levels(Collector):
+    """Queue and backend levels, read at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        snap = self._snapshot()
+        depth = GaugeMetricFamily(f"{PREFIX}queue_depth", "Requests queued", labels=["tier"])
+        tokens = GaugeMetricFamily(
+            f"{PREFIX}queue_tokens", "Prompt + max tokens of the queued requests", labels=["tier"]
+        )
+        oldest = GaugeMetricFamily(
+            f"{PREFIX}oldest_wait_seconds", "Wait of the oldest queued request", labels=["tier"]
+        )
+        for tier, t in snap.get("tiers", {}).items():
+            depth.add_metric([tier], t["queued"])
+            tokens.add_metric([tier], t["queued_tokens"])
+            oldest.add_metric([tier], t["oldest_wait_s"])
+        backend = snap.get("backend", {})
+        inflight = GaugeMetricFamily(
+            f"{PREFIX}backend_inflight", "Requests the backend is running"
+        )
+        inflight.add_metric([], snap.get("running", 0))
+        capacity = GaugeMetricFamily(
+            f"{PREFIX}backend_capacity", "Requests the backend could run at once (running + free slots)"
+        )
+        capacity.add_metric([], snap.get("running", 0) + backend.get("free_slots", 0))
+        yield from (depth, tokens, oldest, inflight, capacity)
+
+
+class GatewayMetrics:
+    def __init__(
+        self,
+        policy: PolicyConfig,
+        registry: CollectorRegistry | None = None,
+        *,
+        tenant_labels: bool = True,
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.tenant_labels = tenant_labels
+        self._tiers = policy.tiers
+        r = self.registry
+        self.requests = Counter(
+            f"{PREFIX}requests", "Requests by tier and outcome", ["tier", "outcome"], registry=r
+        )
+        self.queue_wait = Histogram(
+            f"{PREFIX}queue_wait_seconds", "Time queued before dispatch", ["tier"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            f"{PREFIX}ttft_seconds", "Time to first token", ["tier"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.tpot = Histogram(
+            f"{PREFIX}tpot_seconds", "Time per output token after the first", ["tier"],
+            buckets=TPOT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            f"{PREFIX}e2e_seconds", "Arrival to last token", ["tier"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.slo_attained = Counter(
+            f"{PREFIX}slo_attained", "Completed within the tier's SLO", ["tier"], registry=r
+        )
+        self.slo_missed = Counter(
+            f"{PREFIX}slo_missed", "Completed outside the tier's SLO", ["tier"], registry=r
+        )
+        self.batch_size = Histogram(
+            f"{PREFIX}batch_size", "Requests released together by a batch window",
+            buckets=BATCH_SIZE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.batch_wait = Histogram(
+            f"{PREFIX}batch_wait_seconds", "How long a batch's oldest request waited",
+            buckets=BATCH_WAIT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.tokens = Counter(
+            f"{PREFIX}tokens", "Tokens served, by tenant and kind (prompt, completion)",
+            ["tenant", "kind"], registry=r,
+        )  # fmt: skip
+        self.quota_remaining = Gauge(
+            f"{PREFIX}quota_remaining_tokens",
+            "Tokens the tenant's tightest token limit still allows (as of its last request)",
+            ["tenant"], registry=r,
+        )  # fmt: skip
+        self.recent_ttft: dict[str, collections.deque[float]] = collections.defaultdict(
+            lambda: collections.deque(maxlen=RECENT)
+        )
+        self.batches_recent: collections.deque[int] = collections.deque(maxlen=RECENT)
+
+    def watch(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        """Read the queue and backend levels from `snapshot` at scrape time."""
+        self.registry.register(_Levels(snapshot))
+
+    def _tenant(self, tenant: str) -> str:
+        return tenant if self.tenant_labels else "all"
+
+    # -- events -------------------------------------------------------------------
+
+    def refused(self, tier: str, outcome: Outcome) -> None:
+        """A request that never entered a queue (unknown key, bad body, quota...)."""
+        self.requests.labels(tier, outcome.value).inc()
+
+    def dispatched(self, req: Request, now: float) -> None:
+        self.queue_wait.labels(req.tier).observe(max(0.0, now - req.arrival))
+
+    def released(self, batches: Iterable[tuple[str, int, float]]) -> None:
+        for _tier, size, wait in batches:
+            self.batch_size.observe(size)
+            self.batch_wait.observe(max(0.0, wait))
+            self.batches_recent.append(size)
+
+    def first_token(self, req: Request, now: float) -> None:
+        ttft = max(0.0, now - req.arrival)
+        self.ttft.labels(req.tier).observe(ttft)
+        self.recent_ttft[req.tier].append(ttft)
+
+    def finished(self, req: Request, charged: tuple[int, int] | None) -> None:
+        """A request that was admitted has ended. `charged`: (prompt, completion)
+        tokens it used, when it ran."""
+        assert req.outcome is not None and req.finished_at is not None
+        tier = req.tier
+        self.requests.labels(tier, req.outcome.value).inc()
+        if charged is not None:
+            prompt, completion = charged
+            tenant = self._tenant(req.tenant)
+            self.tokens.labels(tenant, "prompt").inc(prompt)
+            self.tokens.labels(tenant, "completion").inc(completion)
+        if req.outcome is not Outcome.COMPLETED:
+            return
+        e2e = req.finished_at - req.arrival
+        self.e2e.labels(tier).observe(e2e)
+        if req.first_token_at is not None and req.output_tokens > 1:
+            self.tpot.labels(tier).observe(
+                (req.finished_at - req.first_token_at) / (req.output_tokens - 1)
+            )
+        cfg = self._tiers.get(tier)
+        if cfg is None:
+            return
+        if cfg.ttft_slo_ms is not None:
+            ttft = (req.first_token_at or req.finished_at) - req.arrival
+            met = ttft * 1000 <= cfg.ttft_slo_ms
+        elif cfg.e2e_slo_ms is not None:
+            met = e2e * 1000 <= cfg.e2e_slo_ms
+        else:
+            return
+        (self.slo_attained if met else self.slo_missed).labels(tier).inc()
+
+    def quota(self, tenant: str, remaining: int) -> None:
+        self.quota_remaining.labels(self._tenant(tenant)).set(remaining)

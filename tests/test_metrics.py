@@ -1,0 +1,152 @@
+"""/metrics under load: every metric of DESIGN.md section 7 is there, parsed
+with prometheus-client's own parser, and moves as the load does."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
+
+from qosgate.backends.base import Chunk, GenerationJob
+from tests.http_support import (
+    ALICE_KEY,
+    BOB_KEY,
+    MODEL,
+    POLICY_YAML,
+    ScriptedBackend,
+    live_app,
+    make_policy,
+)
+
+# Metric families (counters without their _total suffix), as DESIGN.md section 7 names them.
+DESIGN_METRICS = {
+    "qosgate_queue_depth", "qosgate_queue_tokens", "qosgate_oldest_wait_seconds",
+    "qosgate_queue_wait_seconds", "qosgate_requests", "qosgate_ttft_seconds",
+    "qosgate_tpot_seconds", "qosgate_e2e_seconds", "qosgate_slo_attained", "qosgate_slo_missed",
+    "qosgate_batch_size", "qosgate_batch_wait_seconds", "qosgate_tokens",
+    "qosgate_quota_remaining_tokens", "qosgate_backend_inflight", "qosgate_backend_capacity",
+}  # fmt: skip
+
+
+def policy():
+    # alice (interactive) has a token quota and an SLO nothing can meet, so
+    # slo_missed moves; bob (batch) has a generous end-to-end SLO.
+    text = POLICY_YAML.replace(
+        "    ttft_slo_ms: 500", "    ttft_slo_ms: 0.001"
+    ).replace(
+        '    api_keys: ["sha256:', "    quotas: {tokens_per_minute: 1000000}\n    api_keys: [\"sha256:", 1
+    ).replace(
+        "    default_max_tokens: 8", "    default_max_tokens: 8\n    e2e_slo_ms: 600000"
+    )
+    return make_policy(text)
+
+
+async def scrape(http: aiohttp.ClientSession, url: str) -> dict[tuple[str, tuple], float]:
+    async with http.get(url + "/metrics") as r:
+        assert r.status == 200
+        assert r.content_type == "text/plain"
+        text = await r.text()
+    samples = {}
+    families = set()
+    for family in text_string_to_metric_families(text):
+        families.add(family.name)
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    samples[("families", ())] = families  # type: ignore[assignment]
+    return samples
+
+
+def value(samples, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+async def test_every_design_metric_is_exported_and_moves_with_the_load():
+    gate = asyncio.Event()
+
+    async def held(job: GenerationJob) -> AsyncIterator[Chunk]:
+        await gate.wait()
+        for i in range(4):
+            yield Chunk(text=f"w{i} ", tokens=1, finish_reason="stop" if i == 3 else None)
+
+    backend = ScriptedBackend(held, free_slots=2)
+    async with live_app(policy(), backend) as live, aiohttp.ClientSession() as http:
+        before = await scrape(http, live.url)
+        assert DESIGN_METRICS <= before[("families", ())]
+        assert value(before, "qosgate_backend_capacity") == 2
+
+        async def call(key: str, stream: bool) -> int:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 4, "stream": stream}
+            async with http.post(live.url + "/v1/chat/completions", json=body,
+                                 headers={"Authorization": f"Bearer {key}"}) as r:
+                await r.read()
+                return r.status
+
+        with capture_logs() as logs:
+            calls = [asyncio.create_task(call(k, s)) for k in (ALICE_KEY, BOB_KEY)
+                     for s in (False, True, False)]
+            # Two run (held by the backend), four wait in qosgate's queues.
+            while len(live.gateway.streams) < 6:
+                await live.gateway.submitted.wait()
+                live.gateway.submitted.clear()
+            during = await scrape(http, live.url)
+            assert value(during, "qosgate_backend_inflight") == 2
+            queued = sum(value(during, "qosgate_queue_depth", tier=t)
+                         for t in ("interactive", "batch"))
+            assert queued == 4
+            assert sum(value(during, "qosgate_queue_tokens", tier=t)
+                       for t in ("interactive", "batch")) > 0
+            assert max(value(during, "qosgate_oldest_wait_seconds", tier=t)
+                       for t in ("interactive", "batch")) > 0
+
+            gate.set()
+            assert await asyncio.gather(*calls) == [200] * 6
+            # A refusal at the door counts too.
+            async with http.post(live.url + "/v1/chat/completions", json={"model": MODEL},
+                                 headers={"Authorization": "Bearer wrong"}) as r:
+                assert r.status == 401
+
+        after = await scrape(http, live.url)
+    assert value(after, "qosgate_requests_total", tier="interactive", outcome="completed") == 3
+    assert value(after, "qosgate_requests_total", tier="batch", outcome="completed") == 3
+    assert value(after, "qosgate_requests_total", tier="none", outcome="unauthorized") == 1
+    assert value(after, "qosgate_queue_depth", tier="interactive") == 0
+    assert value(after, "qosgate_backend_inflight") == 0
+    for name in ("qosgate_queue_wait_seconds_count", "qosgate_ttft_seconds_count",
+                 "qosgate_tpot_seconds_count", "qosgate_e2e_seconds_count"):
+        assert value(after, name, tier="interactive") == 3, name
+        assert value(after, name, tier="batch") == 3, name
+    assert value(after, "qosgate_slo_missed_total", tier="interactive") == 3
+    assert value(after, "qosgate_slo_attained_total", tier="batch") == 3
+    assert value(after, "qosgate_batch_size_count") >= 3
+    assert value(after, "qosgate_batch_size_sum") == 6
+    assert value(after, "qosgate_batch_wait_seconds_count") == value(after, "qosgate_batch_size_count")
+    assert value(after, "qosgate_tokens_total", tenant="alice", kind="completion") == 12
+    assert value(after, "qosgate_tokens_total", tenant="bob", kind="prompt") == 3 * 5
+    remaining = value(after, "qosgate_quota_remaining_tokens", tenant="alice")
+    assert 0 < remaining < 1_000_000
+
+    # One log line per finished request, with its outcome, waits and tokens.
+    lines = [entry for entry in logs if entry.get("event") == "request"]
+    assert len(lines) == 6
+    assert {line["outcome"] for line in lines} == {"completed"}
+    assert all(line["completion_tokens"] == 4 and line["prompt_tokens"] == 5 for line in lines)
+    assert all(line["queue_wait_ms"] is not None and line["ttft_ms"] is not None for line in lines)
+    assert {line["tenant"] for line in lines} == {"alice", "bob"}
+    assert not any("hi" == str(v) for line in lines for v in line.values())  # no prompt text
+
+
+async def test_tenant_labels_can_be_switched_off():
+    text = POLICY_YAML + "observability:\n  metrics_tenant_labels: false\n"
+    async with live_app(make_policy(text)) as live, aiohttp.ClientSession() as http:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        async with http.post(live.url + "/v1/chat/completions", json=body,
+                             headers={"Authorization": f"Bearer {ALICE_KEY}"}) as r:
+            assert r.status == 200
+        after = await scrape(http, live.url)
+    tenants = {dict(labels).get("tenant") for (name, labels) in after
+               if name == "qosgate_tokens_total"}
+    assert tenants == {"all"}
