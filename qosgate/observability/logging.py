@@ -13,6 +13,7 @@ import logging
 import sys
 from typing import Any, Literal
 
+import orjson
 import structlog
 
 from qosgate.core.request import Request
@@ -20,31 +21,37 @@ from qosgate.core.request import Request
 request_log = structlog.get_logger("qosgate.requests")
 
 
-def configure_logging(fmt: Literal["auto", "json", "console"] = "auto", level: int = logging.INFO) -> None:
-    """Route structlog and the standard library's logging through one
-    renderer. `auto`: console on a terminal, JSON otherwise."""
+def configure_logging(
+    fmt: Literal["auto", "json", "console"] = "auto", level: int = logging.INFO
+) -> None:
+    """structlog straight to stderr (orjson-rendered lines: the request log is
+    on the hot path), and the standard library's logging (qosgate's modules,
+    aiohttp, vLLM) through the same renderer. `auto`: console on a terminal,
+    JSON otherwise."""
     if fmt == "auto":
         fmt = "console" if sys.stderr.isatty() else "json"
-    renderer: Any = (
-        structlog.processors.JSONRenderer()
-        if fmt == "json"
-        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
-    )
-    shared = [
+    shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
+    if fmt == "json":
+        renderer: Any = structlog.processors.JSONRenderer(serializer=orjson.dumps)
+        factory: Any = structlog.BytesLoggerFactory(sys.stderr.buffer)
+        text_renderer: Any = structlog.processors.JSONRenderer()
+    else:
+        renderer = text_renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        factory = structlog.PrintLoggerFactory(sys.stderr)
     structlog.configure(
-        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
-        logger_factory=structlog.stdlib.LoggerFactory(),
+        processors=[*shared, renderer],
+        logger_factory=factory,
         wrapper_class=structlog.make_filtering_bound_logger(level),
         cache_logger_on_first_use=True,
     )
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
-            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, text_renderer],
             foreign_pre_chain=[*shared, structlog.stdlib.ExtraAdder()],
         )
     )
