@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from qosgate.backends.base import Chunk
 from qosgate.config.models import PolicyConfig
 from qosgate.core.request import Outcome
+from qosgate.observability.metrics import stats_view
 from qosgate.quotas import QuotaStoreDown
 from qosgate.runtime.errors import (
     BadRequest,
@@ -118,6 +119,7 @@ def build_app(
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/admin/quotas", _admin_quotas)
+    app.router.add_get("/admin/stats", _admin_stats)
     app.router.add_get("/metrics", _metrics)
     return app
 
@@ -282,10 +284,37 @@ def _check_admin(request: web.Request) -> None:
         raise Unauthorized("The admin endpoints need the admin token as a Bearer token.")
 
 
-async def _admin_quotas(request: web.Request) -> web.Response:
-    """Each tenant's quota use and what is left (read-only)."""
+async def _admin_stats(request: web.Request) -> web.Response:
+    """The dashboard's data: queues and backend as they stand, requests by
+    outcome, SLOs, first-token times and batch sizes per tier, quotas."""
     _check_admin(request)
     state = request.app[STATE]
+    gateway = state.gateway
+    snapshot = gateway.snapshot()
+    tiers = {
+        name: {
+            **snapshot["tiers"].get(name, {}),
+            "priority": tier.priority,
+            "ttft_slo_ms": tier.ttft_slo_ms,
+            "e2e_slo_ms": tier.e2e_slo_ms,
+        }
+        for name, tier in state.policy.tiers.items()
+    }
+    return web.json_response(
+        dumps=_json_text,
+        data={
+            "time": time.time(),
+            "ready": gateway.ready(),
+            "scheduler": {k: v for k, v in snapshot.items() if k not in ("tiers", "backend")},
+            "backend": snapshot["backend"],
+            "tiers": tiers,
+            **stats_view(gateway.observer.metrics),
+            "quotas": await _quota_view(state),
+        },
+    )
+
+
+async def _quota_view(state: AppState) -> dict[str, Any]:
     guard = state.gateway.quotas
     tenants = {}
     for tenant in state.policy.tenants:
@@ -302,6 +331,15 @@ async def _admin_quotas(request: web.Request) -> web.Response:
                 for s in states
             },
         }
+    return tenants
+
+
+async def _admin_quotas(request: web.Request) -> web.Response:
+    """Each tenant's quota use and what is left (read-only)."""
+    _check_admin(request)
+    state = request.app[STATE]
+    guard = state.gateway.quotas
+    tenants = await _quota_view(state)
     counters = guard.counters
     return web.json_response(
         dumps=_json_text,

@@ -18,7 +18,7 @@ import structlog
 
 from qosgate.core.request import Request
 
-request_log = structlog.get_logger("qosgate.requests")
+request_log: Any = structlog.get_logger("qosgate.requests")
 
 
 def configure_logging(
@@ -48,6 +48,23 @@ def configure_logging(
         wrapper_class=structlog.make_filtering_bound_logger(level),
         cache_logger_on_first_use=True,
     )
+    # The request line is written once per request, from the request record
+    # (every field explicit): a pipeline of its own skips the context merge,
+    # and in JSON takes the epoch time rather than formatting a date.
+    global request_log
+    if fmt == "json":
+        request_log = structlog.wrap_logger(
+            factory(),
+            processors=[
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt=None, key="ts"),
+                renderer,
+            ],
+            wrapper_class=structlog.make_filtering_bound_logger(level),
+            cache_logger_on_first_use=True,
+        )
+    else:
+        request_log = structlog.get_logger("qosgate.requests")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(

@@ -125,6 +125,9 @@ class GatewayMetrics:
         self.recent_ttft: dict[str, collections.deque[float]] = collections.defaultdict(
             lambda: collections.deque(maxlen=RECENT)
         )
+        # Labelled children, looked up once: `labels()` costs more than the
+        # increment it leads to, and a request touches a dozen series.
+        self._children: dict[tuple[Any, ...], Any] = {}
         self.batches_recent: collections.deque[int] = collections.deque(maxlen=RECENT)
 
     def watch(self, snapshot: Callable[[], dict[str, Any]]) -> None:
@@ -134,14 +137,21 @@ class GatewayMetrics:
     def _tenant(self, tenant: str) -> str:
         return tenant if self.tenant_labels else "all"
 
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     # -- events -------------------------------------------------------------------
 
     def refused(self, tier: str, outcome: Outcome) -> None:
         """A request that never entered a queue (unknown key, bad body, quota...)."""
-        self.requests.labels(tier, outcome.value).inc()
+        self._child(self.requests, tier, outcome.value).inc()
 
     def dispatched(self, req: Request, now: float) -> None:
-        self.queue_wait.labels(req.tier).observe(max(0.0, now - req.arrival))
+        self._child(self.queue_wait, req.tier).observe(max(0.0, now - req.arrival))
 
     def released(self, batches: Iterable[tuple[str, int, float]]) -> None:
         for _tier, size, wait in batches:
@@ -151,7 +161,7 @@ class GatewayMetrics:
 
     def first_token(self, req: Request, now: float) -> None:
         ttft = max(0.0, now - req.arrival)
-        self.ttft.labels(req.tier).observe(ttft)
+        self._child(self.ttft, req.tier).observe(ttft)
         self.recent_ttft[req.tier].append(ttft)
 
     def finished(self, req: Request, charged: tuple[int, int] | None) -> None:
@@ -159,18 +169,18 @@ class GatewayMetrics:
         tokens it used, when it ran."""
         assert req.outcome is not None and req.finished_at is not None
         tier = req.tier
-        self.requests.labels(tier, req.outcome.value).inc()
+        self._child(self.requests, tier, req.outcome.value).inc()
         if charged is not None:
             prompt, completion = charged
             tenant = self._tenant(req.tenant)
-            self.tokens.labels(tenant, "prompt").inc(prompt)
-            self.tokens.labels(tenant, "completion").inc(completion)
+            self._child(self.tokens, tenant, "prompt").inc(prompt)
+            self._child(self.tokens, tenant, "completion").inc(completion)
         if req.outcome is not Outcome.COMPLETED:
             return
         e2e = req.finished_at - req.arrival
-        self.e2e.labels(tier).observe(e2e)
+        self._child(self.e2e, tier).observe(e2e)
         if req.first_token_at is not None and req.output_tokens > 1:
-            self.tpot.labels(tier).observe(
+            self._child(self.tpot, tier).observe(
                 (req.finished_at - req.first_token_at) / (req.output_tokens - 1)
             )
         cfg = self._tiers.get(tier)
@@ -183,7 +193,45 @@ class GatewayMetrics:
             met = e2e * 1000 <= cfg.e2e_slo_ms
         else:
             return
-        (self.slo_attained if met else self.slo_missed).labels(tier).inc()
+        self._child(self.slo_attained if met else self.slo_missed, tier).inc()
 
     def quota(self, tenant: str, remaining: int) -> None:
-        self.quota_remaining.labels(self._tenant(tenant)).set(remaining)
+        self._child(self.quota_remaining, self._tenant(tenant)).set(remaining)
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def stats_view(metrics: GatewayMetrics) -> dict[str, Any]:
+    """What the dashboard draws, from the same counters /metrics exports:
+    requests by tier and outcome, SLO attained and missed, recent first-token
+    times, recent batch sizes."""
+    requests: dict[str, dict[str, float]] = collections.defaultdict(dict)
+    for sample in metrics.requests.collect()[0].samples:
+        if sample.name.endswith("_total"):
+            requests[sample.labels["tier"]][sample.labels["outcome"]] = sample.value
+    slo: dict[str, dict[str, float]] = collections.defaultdict(dict)
+    for key, counter in (("attained", metrics.slo_attained), ("missed", metrics.slo_missed)):
+        for sample in counter.collect()[0].samples:
+            if sample.name.endswith("_total"):
+                slo[sample.labels["tier"]][key] = sample.value
+    ttft = {
+        tier: {"p50_s": _percentile(list(v), 50), "p99_s": _percentile(list(v), 99), "n": len(v)}
+        for tier, v in metrics.recent_ttft.items()
+    }
+    sizes = list(metrics.batches_recent)
+    return {
+        "requests": requests,
+        "slo": slo,
+        "ttft": ttft,
+        "batches": {
+            "recent": len(sizes),
+            "mean_size": (sum(sizes) / len(sizes)) if sizes else None,
+            "max_size": max(sizes) if sizes else None,
+        },
+    }
