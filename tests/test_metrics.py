@@ -150,3 +150,36 @@ async def test_tenant_labels_can_be_switched_off():
     tenants = {dict(labels).get("tenant") for (name, labels) in after
                if name == "qosgate_tokens_total"}
     assert tenants == {"all"}
+
+
+async def test_admin_stats_has_what_the_dashboard_draws(monkeypatch):
+    from tests import http_support
+
+    monkeypatch.setitem(http_support.ENV, "QG_TEST_ADMIN", "stats-token")
+    yaml_text = POLICY_YAML.replace("server:\n", "server:\n  admin_token_env: QG_TEST_ADMIN\n", 1)
+    yaml_text = yaml_text.replace(
+        '    api_keys: ["sha256:', "    quotas: {tokens_per_minute: 5000}\n    api_keys: [\"sha256:", 1
+    )
+    async with live_app(make_policy(yaml_text)) as live, aiohttp.ClientSession() as http:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        for key in (ALICE_KEY, BOB_KEY):
+            async with http.post(live.url + "/v1/chat/completions", json=body,
+                                 headers={"Authorization": f"Bearer {key}"}) as r:
+                assert r.status == 200
+        async with http.get(live.url + "/admin/stats") as r:
+            assert r.status == 401
+        async with http.get(live.url + "/admin/stats",
+                            headers={"Authorization": "Bearer stats-token"}) as r:
+            assert r.status == 200
+            stats = await r.json()
+    assert set(stats["tiers"]) == {"interactive", "batch"}
+    inter = stats["tiers"]["interactive"]
+    assert inter["queued"] == 0 and inter["ttft_slo_ms"] == 500 and inter["priority"] == 0
+    assert stats["requests"]["interactive"]["completed"] == 1
+    assert stats["requests"]["batch"]["completed"] == 1
+    assert stats["ttft"]["interactive"]["n"] == 1 and stats["ttft"]["interactive"]["p99_s"] > 0
+    assert stats["slo"]["interactive"]["attained"] + stats["slo"]["interactive"].get("missed", 0) == 1
+    assert stats["batches"]["recent"] >= 2
+    alice = stats["quotas"]["alice"]["limits"]["tokens_per_minute"]
+    assert alice["limit"] == 5000 and 0 < alice["used"] < 5000
+    assert stats["ready"] is True and "free_slots" in stats["backend"]
