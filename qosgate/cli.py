@@ -133,7 +133,9 @@ def _serve_command(args: argparse.Namespace, *, demo: bool) -> int:
 
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(serve(policy, args.host, args.port, on_ready=on_ready))
+            runner.run(serve(
+                policy, args.host, args.port, on_ready=on_ready, policy_path=args.config
+            ))
     except (BackendNotImplemented, KeyRingError) as exc:
         print(f"qosgate: {exc}", file=sys.stderr)
         return 2

@@ -109,6 +109,7 @@ async def live_app(
     backend: Backend | None = None,
     *,
     quotas: QuotaGuard | None = None,
+    policy_path: str | None = None,
 ) -> AsyncIterator[Live]:
     policy = policy or make_policy()
     if backend is None:
@@ -119,7 +120,9 @@ async def live_app(
     await gateway.start()
     # handler_cancellation as `qosgate serve` runs it: a client that leaves
     # cancels its handler.
-    server = TestServer(build_app(gateway, policy, environ=ENV), handler_cancellation=True)
+    server = TestServer(
+        build_app(gateway, policy, environ=ENV, policy_path=policy_path), handler_cancellation=True
+    )
     await server.start_server()
     try:
         yield Live(str(server.make_url("")).rstrip("/"), gateway, policy)

@@ -170,6 +170,13 @@ class VtcOrder:
     def weight(self, tenant: str) -> float:
         return self._weights.get(tenant, 1.0)
 
+    def set_weights(self, weights: dict[str, float]) -> None:
+        """New weights (a policy reload): counters already earned stand; what
+        is served from now on is divided by the new weight."""
+        self._weights = dict(weights)
+        for state in self._tenants.values():
+            state.weight = self.weight(state.name)
+
     def _top(self) -> _Tenant | None:
         """The backlogged tenant with the smallest counter, with its entry current.
 

@@ -135,6 +135,41 @@ class Scheduler:
         self._queue_list = sorted(self._queues.values(), key=lambda q: (q.priority, q.name))
         self._top_level = self._queue_list[0].priority
 
+    def reconfigure(self, policy: PolicyConfig) -> None:
+        """Take a reloaded policy's tiers and tenants. The `scheduler` section
+        must be unchanged (the caller checks). Queued and running requests keep
+        their place and their deadlines; a tier's new settings apply to what
+        is decided from now on; a tier that is gone keeps its queue until it
+        drains (no tenant can send it more)."""
+        self.policy = policy
+        weights = {t.id: t.weight for t in policy.tenants}
+        if self.kind == "fcfs":
+            single = self._queue_list[0]
+            for name in policy.tiers:
+                self._queues[name] = single
+            return
+        tau = policy.scheduler.drain_rate_tau_s
+        use_vtc = self.kind == "qos" and policy.scheduler.fairness == "vtc"
+        for name, tier in policy.tiers.items():
+            fresh = _tier_queue(
+                name, tier, VtcOrder(weights) if use_vtc else FifoOrder(), tau
+            )
+            queue = self._queues.get(name)
+            if queue is None:
+                self._queues[name] = fresh
+                continue
+            for attr in ("priority", "budget_s", "delays", "max_len", "max_wait_s",
+                         "max_batch_size", "max_batch_tokens", "preemptible"):
+                setattr(queue, attr, getattr(fresh, attr))
+            if isinstance(queue.order, VtcOrder):
+                queue.order.set_weights(weights)
+        self._queue_list = sorted(
+            {id(q): q for q in self._queues.values()}.values(), key=lambda q: (q.priority, q.name)
+        )
+        self._top_level = min(
+            self._queues[name].priority for name in policy.tiers
+        )
+
     def queue(self, tier: str) -> TierQueue:
         try:
             return self._queues[tier]

@@ -9,6 +9,7 @@ bug, leaves as OpenAI's `{"error": {...}}` with the status DESIGN.md gives it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import os
@@ -87,6 +88,10 @@ class AppState:
     """Unix time the app was built (the `created` of /v1/models)."""
     admin_token: str | None = None
     """Bearer token of the /admin endpoints (None: they are disabled)."""
+    environ: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Where `env:` keys are read from (again on reload)."""
+    policy_path: str | None = None
+    """The policy file, re-read on reload."""
 
 
 STATE = web.AppKey("qosgate.state", AppState)
@@ -97,7 +102,9 @@ def build_app(
     policy: PolicyConfig | None = None,
     *,
     environ: Mapping[str, str] = os.environ,
+    policy_path: str | None = None,
 ) -> web.Application:
+    """`policy_path`: the file a reload re-reads (None: reload is refused)."""
     policy = policy if policy is not None else gateway.policy
     app = web.Application(
         client_max_size=policy.server.max_body_bytes,
@@ -109,6 +116,8 @@ def build_app(
         keyring=KeyRing.from_policy(policy, environ),
         started=int(time.time()),
         admin_token=_admin_token(policy, environ),
+        environ=environ,
+        policy_path=policy_path,
     )
     # Every response the tenant gets, streamed or not, error or not, carries
     # its quota as it stood once checked.
@@ -120,6 +129,7 @@ def build_app(
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/admin/quotas", _admin_quotas)
     app.router.add_get("/admin/stats", _admin_stats)
+    app.router.add_post("/admin/reload", _admin_reload)
     app.router.add_get("/metrics", _metrics)
     return app
 
@@ -282,6 +292,46 @@ def _check_admin(request: web.Request) -> None:
         value.strip().encode("utf-8", "surrogateescape"), token.encode()
     ):
         raise Unauthorized("The admin endpoints need the admin token as a Bearer token.")
+
+
+class PolicyRejected(BadRequest):
+    """A reload that was refused; the running policy stays."""
+
+    code = "policy_rejected"
+
+
+def reload_policy(app: web.Application) -> dict[str, Any]:
+    """Re-read the policy file, validate it, and swap tiers, tenants, keys and
+    quotas at once, or raise PolicyRejected with the reason (the file, line
+    and field of each problem) and change nothing."""
+    from qosgate.config.loader import ConfigError, load_policy
+    from qosgate.http.identity import KeyRingError
+    from qosgate.runtime import PolicyReloadRefused
+
+    state = app[STATE]
+    if state.policy_path is None:
+        raise PolicyRejected("this gateway was not started from a policy file; nothing to reload")
+    try:
+        policy = load_policy(state.policy_path)
+        keyring = KeyRing.from_policy(policy, state.environ)
+        state.gateway.reload(policy)
+    except (ConfigError, KeyRingError, PolicyReloadRefused) as exc:
+        raise PolicyRejected(f"reload refused, the running policy stays: {exc}") from None
+    # Nothing awaited since the gateway took it: no request sees half of each.
+    state.policy = policy
+    state.keyring = keyring
+    log.warning("policy reloaded from %s", state.policy_path)
+    return {
+        "status": "reloaded",
+        "path": state.policy_path,
+        "tiers": sorted(policy.tiers),
+        "tenants": len(policy.tenants),
+    }
+
+
+async def _admin_reload(request: web.Request) -> web.Response:
+    _check_admin(request)
+    return web.json_response(reload_policy(request.app))
 
 
 async def _admin_stats(request: web.Request) -> web.Response:

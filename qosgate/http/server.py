@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 from collections.abc import Callable, Mapping
@@ -12,8 +13,11 @@ from aiohttp import web
 from qosgate.backends.base import BackendError
 from qosgate.config.models import PolicyConfig
 from qosgate.quotas import QuotaGuard
+from qosgate.runtime.errors import GatewayError
 
-from .app import build_app
+from .app import build_app, reload_policy
+
+log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 10.0
 """How long in-flight requests may run on after a stop signal before they are
@@ -35,6 +39,7 @@ async def serve(
     on_ready: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
     quotas: QuotaGuard | None = None,
+    policy_path: str | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM (or `stop` is set). `on_ready` gets the API
     URL once the socket listens (port 0 resolved), and replaces the default
@@ -70,7 +75,7 @@ async def serve(
     loop = asyncio.get_running_loop()
     handled: list[signal.Signals] = []
     try:
-        app = build_app(gateway, policy, environ=environ)
+        app = build_app(gateway, policy, environ=environ, policy_path=policy_path)
         # Without handler cancellation aiohttp lets a handler run on after its
         # client disconnects, so a queued request would keep its place.
         runner = web.AppRunner(
@@ -85,9 +90,19 @@ async def serve(
                 bound_port = address[1]
                 break
         url = api_url(host, bound_port)
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        def reload_on_signal() -> None:
             try:
-                loop.add_signal_handler(sig, stop.set)
+                reload_policy(app)
+            except GatewayError as exc:
+                log.error("%s", exc.message)
+
+        for sig, action in (
+            (signal.SIGINT, stop.set),
+            (signal.SIGTERM, stop.set),
+            (signal.SIGHUP, reload_on_signal),
+        ):
+            try:
+                loop.add_signal_handler(sig, action)
                 handled.append(sig)
             except (NotImplementedError, RuntimeError):
                 # Not the main thread (tests) or no signals on this platform.

@@ -130,6 +130,10 @@ class GatewayMetrics:
         self._children: dict[tuple[Any, ...], Any] = {}
         self.batches_recent: collections.deque[int] = collections.deque(maxlen=RECENT)
 
+    def set_tiers(self, policy: PolicyConfig) -> None:
+        """The SLOs of a reloaded policy."""
+        self._tiers = policy.tiers
+
     def watch(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         """Read the queue and backend levels from `snapshot` at scrape time."""
         self.registry.register(_Levels(snapshot))

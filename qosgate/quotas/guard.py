@@ -98,6 +98,11 @@ class QuotaGuard:
         limits = {t.id: TenantLimits.from_config(t.quotas) for t in policy.tenants}
         return cls(store or build_store(policy.quota_store), policy.quota_store, limits)
 
+    def set_limits(self, policy: PolicyConfig) -> None:
+        """A reloaded policy's limits, for reservations from now on; those
+        already made settle under the limits they were made with."""
+        self._limits = {t.id: TenantLimits.from_config(t.quotas) for t in policy.tenants}
+
     # -- views ---------------------------------------------------------------
 
     def limits(self, tenant: str) -> TenantLimits | None:

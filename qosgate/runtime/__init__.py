@@ -14,7 +14,7 @@ from qosgate.runtime.errors import (
     QuotaStoreUnavailable,
     Unauthorized,
 )
-from qosgate.runtime.gate import Gateway, RequestStream
+from qosgate.runtime.gate import Gateway, PolicyReloadRefused, RequestStream
 
 __all__ = [
     "BackendFailed",
@@ -26,6 +26,7 @@ __all__ = [
     "GatewayError",
     "Overloaded",
     "PayloadTooLarge",
+    "PolicyReloadRefused",
     "QueueFull",
     "QuotaExceeded",
     "QuotaStoreUnavailable",

@@ -46,6 +46,10 @@ from qosgate.runtime.errors import (
 log = logging.getLogger(__name__)
 
 
+class PolicyReloadRefused(ValueError):
+    """A reloaded policy changes what only a restart can change."""
+
+
 class _Go(Enum):
     """Why a stream's dispatch future resolved."""
 
@@ -114,6 +118,28 @@ class Gateway:
             stream._end(GatewayClosing("the gateway is shutting down", retry_after_s=1.0))
         await self._backend.close()
         await self.quotas.close()
+
+    # -- reload --------------------------------------------------------------
+
+    RELOADABLE_EXCEPT = ("scheduler", "backend", "server", "quota_store", "observability")
+    """Sections a reload cannot change (a restart can)."""
+
+    def reload(self, policy: PolicyConfig) -> None:
+        """Swap in a reloaded policy's tiers, tenants and quotas, all at once
+        (no await between). Queued and running requests are unaffected.
+        Raises PolicyReloadRefused, naming the section, if the new policy
+        changes one that needs a restart; the old policy then stays."""
+        for section in self.RELOADABLE_EXCEPT:
+            if getattr(policy, section) != getattr(self._policy, section):
+                raise PolicyReloadRefused(
+                    f"{section}: changed, and changing it needs a restart "
+                    "(a reload swaps tiers, tenants and quotas)"
+                )
+        self._scheduler.reconfigure(policy)
+        self.quotas.set_limits(policy)
+        self.observer.metrics.set_tiers(policy)
+        self._policy = policy
+        self._wake()
 
     # -- views ---------------------------------------------------------------
 
