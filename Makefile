@@ -3,7 +3,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 POLICY ?= policies/example.yaml
 
-.PHONY: demo test test-vllm install dev bench clean redis-server
+.PHONY: demo test test-vllm install dev bench clean redis-server chromium
 
 # Root installs system packages itself; anyone else through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -30,8 +30,16 @@ redis-server:
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server >/dev/null; \
 	} || { echo "could not install redis-server: install it, then run make test again"; exit 1; }
 
+## The dashboard is tested in a real headless browser: Debian's chromium.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing chromium (apt-get)"; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium >/dev/null; \
+	} || { echo "could not install chromium: install it, then run make test again"; exit 1; }
+
 ## Install what the tests need and run them.
-test: dev redis-server
+test: dev redis-server chromium
 	$(BIN)/python -m pytest -q
 
 ## The vLLM backend's integration tests, on vLLM's CPU build, in an

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sys
 from typing import TYPE_CHECKING
 
@@ -127,14 +128,23 @@ def _serve_command(args: argparse.Namespace, *, demo: bool) -> int:
 
     configure_logging(policy.observability.log_format)
     on_ready = None
+    environ = dict(os.environ)
     if demo:
+        # The dashboard reads /admin/stats, which needs the admin token: the
+        # demo makes one up for this run unless one is set.
+        name = policy.server.admin_token_env
+        token = environ.get(name) if name else None
+        if name and not token:
+            token = environ[name] = secrets.token_urlsafe(16)
+
         def on_ready(url: str) -> None:
-            print(demo_banner(url, _served_model(policy)), flush=True)
+            print(demo_banner(url, _served_model(policy), token), flush=True)
 
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(serve(
-                policy, args.host, args.port, on_ready=on_ready, policy_path=args.config
+                policy, args.host, args.port, on_ready=on_ready, policy_path=args.config,
+                environ=environ,
             ))
     except (BackendNotImplemented, KeyRingError) as exc:
         print(f"qosgate: {exc}", file=sys.stderr)
@@ -157,10 +167,15 @@ def _served_model(policy: PolicyConfig) -> str:
     return backend.model
 
 
-def demo_banner(url: str, model: str) -> str:
+def demo_banner(url: str, model: str, admin_token: str | None = None) -> str:
+    base = url.removesuffix("/v1")
+    dashboard = (
+        f"dashboard: {base}/dashboard#token={admin_token}\nmetrics:   {base}/metrics\n"
+        if admin_token else f"metrics: {base}/metrics\n"
+    )
     return f"""qosgate demo: the example policy on a simulated GPU, at {url}
 (keys: {DEMO_KEY}, demo-standard-key, demo-batch-key; Ctrl-C stops)
-
+{dashboard}
 curl:
   curl -N {url}/chat/completions \\
     -H 'Authorization: Bearer {DEMO_KEY}' -H 'Content-Type: application/json' \\

@@ -409,6 +409,9 @@ def test_demo_banner_has_working_examples() -> None:
 
     ring = KeyRing.from_policy(load_policy(ROOT / "policies" / "example.yaml"), {})
     assert ring.identify({"Authorization": f"Bearer {DEMO_KEY}"}).tier == "interactive"
+    with_admin = demo_banner("http://127.0.0.1:8080/v1", "sim-llama3-8b", "tok123")
+    assert "http://127.0.0.1:8080/dashboard#token=tok123" in with_admin
+    assert "http://127.0.0.1:8080/metrics" in with_admin
 
 
 # --------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import importlib.resources
 import logging
 import os
 import time
@@ -130,6 +131,7 @@ def build_app(
     app.router.add_get("/admin/quotas", _admin_quotas)
     app.router.add_get("/admin/stats", _admin_stats)
     app.router.add_post("/admin/reload", _admin_reload)
+    app.router.add_get("/dashboard", _dashboard)
     app.router.add_get("/metrics", _metrics)
     return app
 
@@ -327,6 +329,27 @@ def reload_policy(app: web.Application) -> dict[str, Any]:
         "tiers": sorted(policy.tiers),
         "tenants": len(policy.tenants),
     }
+
+
+_DASHBOARD: bytes | None = None
+
+
+async def _dashboard(request: web.Request) -> web.Response:
+    """The live page. It carries no data: the browser reads /admin/stats with
+    the admin token, given once as `/dashboard#token=...` (a fragment never
+    reaches a server or its logs) or typed into the page."""
+    global _DASHBOARD
+    if _DASHBOARD is None:
+        _DASHBOARD = (
+            importlib.resources.files("qosgate.http").joinpath("static/dashboard.html").read_bytes()
+        )
+    return web.Response(
+        body=_DASHBOARD,
+        content_type="text/html",
+        charset="utf-8",
+        headers={"Cache-Control": "no-cache", "Content-Security-Policy": "default-src 'self'; "
+                 "script-src 'unsafe-inline'; style-src 'unsafe-inline'"},
+    )
 
 
 async def _admin_reload(request: web.Request) -> web.Response:

@@ -1,0 +1,132 @@
+"""/dashboard in a real headless browser (Debian's chromium, driven by
+Playwright): the page loads offline, its charts change while load runs, and
+a screenshot is saved as a test artifact (test-artifacts/dashboard.png)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from playwright.async_api import async_playwright
+
+from qosgate.backends.base import Chunk, GenerationJob
+from tests.http_support import (
+    ALICE_KEY,
+    ENV,
+    MODEL,
+    POLICY_YAML,
+    ScriptedBackend,
+    live_app,
+    make_policy,
+)
+
+ADMIN = "dashboard-token"
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+POLICY = POLICY_YAML.replace("server:\n", "server:\n  admin_token_env: QG_TEST_ADMIN\n", 1).replace(
+    '    api_keys: ["sha256:', "    quotas: {tokens_per_minute: 2000}\n    api_keys: [\"sha256:", 1
+)
+
+
+def chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        raise RuntimeError("chromium is not installed; `make test` installs it (apt-get install chromium)")
+    return path
+
+
+@pytest.fixture
+def admin_env(monkeypatch):
+    monkeypatch.setitem(ENV, "QG_TEST_ADMIN", ADMIN)
+
+
+async def chart(page, canvas_id: str) -> str:
+    return await page.evaluate(f"document.getElementById('{canvas_id}').toDataURL()")
+
+
+async def test_the_dashboard_shows_the_load_as_it_runs(admin_env):
+    gate = asyncio.Event()
+
+    async def held(job: GenerationJob) -> AsyncIterator[Chunk]:
+        await gate.wait()
+        yield Chunk(text="ok", tokens=1, finish_reason="stop")
+
+    backend = ScriptedBackend(held, free_slots=2)
+    async with live_app(make_policy(POLICY), backend) as live, aiohttp.ClientSession() as http, \
+            async_playwright() as pw:
+        browser = await pw.chromium.launch(
+            executable_path=chromium(), headless=True, args=["--no-sandbox"]
+        )
+        # The test reads the page's state with evaluated JS, which the page's
+        # own Content-Security-Policy forbids; the second test runs it under
+        # that policy.
+        context = await browser.new_context(
+            viewport={"width": 1400, "height": 1000}, bypass_csp=True
+        )
+        page = await context.new_page()
+        # Everything the page needs comes from qosgate itself.
+        outside = []
+        page.on("request", lambda r: None if r.url.startswith(live.url) else outside.append(r.url))
+        await page.goto(f"{live.url}/dashboard#token={ADMIN}")
+        await page.wait_for_function("window.qosgate && window.qosgate.updates >= 1", timeout=15000)
+        assert "token=" not in page.url  # the token leaves the address bar
+        idle_queue = await chart(page, "queue-chart")
+
+        async def call() -> int:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 4}
+            async with http.post(live.url + "/v1/chat/completions", json=body,
+                                 headers={"Authorization": f"Bearer {ALICE_KEY}"}) as r:
+                return r.status
+
+        calls = [asyncio.create_task(call()) for _ in range(6)]
+        # Two run (held by the backend), four wait: the page must show them.
+        await page.wait_for_function(
+            "window.qosgate.last && window.qosgate.last.tiers.interactive.queued === 4",
+            timeout=15000,
+        )
+        await page.wait_for_function(
+            "window.qosgate.series.queue.interactive.includes(4)", timeout=15000
+        )
+        busy_queue = await chart(page, "queue-chart")
+        assert busy_queue != idle_queue
+        legend = await page.inner_text("#queue-legend")
+        assert "interactive 4" in legend
+
+        gate.set()
+        assert await asyncio.gather(*calls) == [200] * 6
+        await page.wait_for_function(
+            "(window.qosgate.last.requests.interactive || {}).completed === 6", timeout=15000
+        )
+        await page.wait_for_function(
+            "document.querySelector('#ttft-table tbody').innerText.includes('ms')", timeout=15000
+        )
+        ttft = await page.inner_text("#ttft-table")
+        assert "interactive" in ttft and "500 ms" in ttft
+        quotas = await page.inner_text("#quota-table")
+        assert "alice" in quotas and "tokens_per_minute" in quotas and "2000" in quotas
+        outcome_legend = await page.inner_text("#outcome-legend")
+        assert "completed" in outcome_legend
+
+        ARTIFACTS.mkdir(exist_ok=True)
+        shot = ARTIFACTS / "dashboard.png"
+        await page.screenshot(path=str(shot), full_page=True)
+        assert shot.stat().st_size > 10_000
+        assert outside == []
+        await browser.close()
+
+
+async def test_without_the_token_the_page_says_so(admin_env):
+    async with live_app(make_policy(POLICY)) as live, async_playwright() as pw:
+        browser = await pw.chromium.launch(
+            executable_path=chromium(), headless=True, args=["--no-sandbox"]
+        )
+        page = await browser.new_page()
+        await page.goto(f"{live.url}/dashboard")
+        # Under the page's own Content-Security-Policy, its script runs.
+        await page.wait_for_selector("#token-form:not([hidden])", timeout=15000)
+        assert "admin token" in (await page.inner_text("#status")).lower()
+        await browser.close()
