@@ -42,3 +42,21 @@ def test_the_dockerfile_serves_a_policy_on_all_interfaces():
     assert "COPY policies /etc/qosgate" in dockerfile
     assert "QOSGATE_POLICY=/etc/qosgate/example.yaml" in dockerfile
     assert (ROOT / "policies" / "example.yaml").is_file()
+
+
+async def test_the_multi_tenant_load_script_runs_against_the_demo_policy():
+    policy = load_policy(ROOT / "policies" / "example.yaml")
+    fast = policy.backend.model_copy(update={"speed": 50.0})
+    async with live_app(policy.model_copy(update={"backend": fast})) as live:
+        env = {**os.environ, "QOSGATE_URL": f"{live.url}/v1"}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(ROOT / "examples" / "multi_tenant_load.py"),
+            "--seconds", "2", "--scale", "2",
+            env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+    assert proc.returncode == 0, err.decode()
+    lines = out.decode().splitlines()
+    assert len(lines) == 4
+    assert all("completed" in line for line in lines)
+    assert sum(int(line.split("completed")[1].split()[0]) for line in lines) > 0

@@ -1,0 +1,93 @@
+"""docker/: the Grafana dashboard and the Prometheus alert rules query only
+metrics qosgate exports (checked against a live /metrics), the compose file's
+mounts exist, and the compose policy is valid."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import aiohttp
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from qosgate.config.loader import load_policy
+from tests.http_support import ALICE_KEY, MODEL, live_app
+
+DOCKER = Path(__file__).resolve().parent.parent / "docker"
+METRIC = re.compile(r"\bqosgate_[a-z0-9_]+\b")
+
+
+def dashboard_exprs() -> list[str]:
+    dash = json.loads((DOCKER / "grafana" / "dashboards" / "qosgate.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 12
+    return exprs
+
+
+def alert_exprs() -> list[str]:
+    rules = yaml.safe_load((DOCKER / "prometheus" / "alerts.yml").read_text())
+    exprs = [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    assert {r["alert"] for g in rules["groups"] for r in g["rules"]} >= {
+        "QosgateSloBurn", "QosgateStarvation", "QosgateQueueGrowing"
+    }
+    return exprs
+
+
+async def exported_sample_names() -> set[str]:
+    """Every sample name /metrics has once a request has gone through."""
+    async with live_app() as live, aiohttp.ClientSession() as http:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        async with http.post(live.url + "/v1/chat/completions", json=body,
+                             headers={"Authorization": f"Bearer {ALICE_KEY}"}) as r:
+            assert r.status == 200
+        async with http.get(live.url + "/metrics") as r:
+            text = await r.text()
+    names = set()
+    suffixes = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",), "gauge": ("",)}
+    for family in text_string_to_metric_families(text):
+        # A declared family counts even before its first labelled series (a
+        # counter of SLO misses before the first miss).
+        names.update(family.name + s for s in suffixes.get(family.type, ()))
+        names.update(s.name for s in family.samples)
+    return names
+
+
+async def test_grafana_and_alerts_query_only_metrics_that_exist():
+    exported = await exported_sample_names()
+    for expr in dashboard_exprs() + alert_exprs():
+        used = set(METRIC.findall(expr))
+        assert used, expr
+        missing = used - exported
+        assert not missing, f"{expr!r} queries {sorted(missing)}, which /metrics does not export"
+
+
+def test_every_design_metric_is_on_the_dashboard():
+    shown = {m for e in dashboard_exprs() for m in METRIC.findall(e)}
+    base = {re.sub(r"_(bucket|sum|count|total)$", "", m) for m in shown}
+    design = {
+        "qosgate_queue_depth", "qosgate_queue_tokens", "qosgate_oldest_wait_seconds",
+        "qosgate_queue_wait_seconds", "qosgate_requests", "qosgate_ttft_seconds",
+        "qosgate_tpot_seconds", "qosgate_e2e_seconds", "qosgate_slo_attained", "qosgate_slo_missed",
+        "qosgate_batch_size", "qosgate_batch_wait_seconds", "qosgate_tokens",
+        "qosgate_quota_remaining_tokens", "qosgate_backend_inflight", "qosgate_backend_capacity",
+    }  # fmt: skip
+    assert design <= base, sorted(design - base)
+
+
+def test_compose_wires_what_exists():
+    compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
+    services = compose["services"]
+    assert {"qosgate", "redis", "prometheus", "grafana"} <= set(services)
+    for service in services.values():
+        for volume in service.get("volumes", []):
+            source = volume.split(":", 1)[0]
+            if source.startswith("."):
+                assert (DOCKER / source).exists(), f"{source} is mounted but missing"
+    build = services["qosgate"]["build"]
+    assert (DOCKER / build["context"] / build["dockerfile"]).exists()
+    scrape = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text())
+    assert scrape["scrape_configs"][0]["static_configs"][0]["targets"] == ["qosgate:8080"]
+    policy = load_policy(DOCKER / "policy.yaml")
+    assert policy.quota_store.kind == "redis" and policy.quota_store.url.startswith("redis://redis:")
