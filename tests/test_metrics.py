@@ -183,3 +183,21 @@ async def test_admin_stats_has_what_the_dashboard_draws(monkeypatch):
     alice = stats["quotas"]["alice"]["limits"]["tokens_per_minute"]
     assert alice["limit"] == 5000 and 0 < alice["used"] < 5000
     assert stats["ready"] is True and "free_slots" in stats["backend"]
+
+
+async def test_prompts_are_logged_only_when_enabled():
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "secret words"}],
+            "max_tokens": 2}
+    for enabled in (False, True):
+        text = POLICY_YAML + f"observability:\n  log_prompts: {str(enabled).lower()}\n"
+        with capture_logs() as logs:
+            async with live_app(make_policy(text)) as live, aiohttp.ClientSession() as http:
+                async with http.post(live.url + "/v1/chat/completions", json=body,
+                                     headers={"Authorization": f"Bearer {ALICE_KEY}"}) as r:
+                    assert r.status == 200
+        logged = [e for e in logs if "secret words" in str(e)]
+        if enabled:
+            assert len(logged) == 1 and logged[0]["event"] == "prompt"
+            assert logged[0]["prompt"] == body["messages"]
+        else:
+            assert logged == []

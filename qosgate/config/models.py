@@ -43,6 +43,9 @@ class ObservabilityConfig(StrictModel):
     """auto: console on a terminal, JSON lines otherwise (production)."""
     log_requests: bool = True
     """One log line per finished request (id, tenant, tier, outcome, waits, TTFT, tokens)."""
+    log_prompts: bool = False
+    """Also log each request's prompt (messages or prompt text) when it
+    arrives; off by default, as prompts are the tenants' data."""
     metrics_tenant_labels: bool = True
     """Label per-tenant metrics with the tenant; off: one `all` series, for
     fleets with very many tenants."""

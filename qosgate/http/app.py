@@ -54,6 +54,7 @@ from .ratelimit import ratelimit_headers
 from .validation import MAX_PRIORITY_OFFSET, Endpoint, parse_json, validate_body
 
 log = logging.getLogger("qosgate.http")
+_prompt_log = structlog.get_logger("qosgate.prompts")
 
 # Typed request keys are recent in aiohttp; a plain string works everywhere.
 REQUEST_ID: Any = (
@@ -505,6 +506,12 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
         include_usage=parsed.include_usage,
     )
     session = request.headers.get(SESSION_HEADER)
+    if state.policy.observability.log_prompts:
+        _prompt_log.info(
+            "prompt",
+            endpoint=endpoint,
+            prompt=body.get("messages") if endpoint == "chat" else body.get("prompt"),
+        )
     reservation = None
     try:
         decision = await gateway.quotas.reserve(
