@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from qosgate.config.loader import load_policy
 from tests.http_support import ALICE_KEY, MODEL, live_app
+from tests.test_metrics import DESIGN_METRICS
 
 DOCKER = Path(__file__).resolve().parent.parent / "docker"
 METRIC = re.compile(r"\bqosgate_[a-z0-9_]+\b")
@@ -66,13 +67,7 @@ async def test_grafana_and_alerts_query_only_metrics_that_exist():
 def test_every_design_metric_is_on_the_dashboard():
     shown = {m for e in dashboard_exprs() for m in METRIC.findall(e)}
     base = {re.sub(r"_(bucket|sum|count|total)$", "", m) for m in shown}
-    design = {
-        "qosgate_queue_depth", "qosgate_queue_tokens", "qosgate_oldest_wait_seconds",
-        "qosgate_queue_wait_seconds", "qosgate_requests", "qosgate_ttft_seconds",
-        "qosgate_tpot_seconds", "qosgate_e2e_seconds", "qosgate_slo_attained", "qosgate_slo_missed",
-        "qosgate_batch_size", "qosgate_batch_wait_seconds", "qosgate_tokens",
-        "qosgate_quota_remaining_tokens", "qosgate_backend_inflight", "qosgate_backend_capacity",
-    }  # fmt: skip
+    design = DESIGN_METRICS
     assert design <= base, sorted(design - base)
 
 
