@@ -79,7 +79,7 @@ class Gateway:
         """Reserves at the door (the HTTP layer asks it) and settles here."""
         self.observer = observer if observer is not None else Observer(policy)
         """Metrics and the request log, fed at each event of a request."""
-        self.observer.metrics.watch(self._levels)
+        self.observer.metrics.watch(self.snapshot)
         self._scheduler = Scheduler(policy, drain_rate_hint=drain_rate_hint)
         self._loop: asyncio.AbstractEventLoop | None = None
         # Requests admitted and not yet finished.
@@ -121,7 +121,7 @@ class Gateway:
 
     # -- reload --------------------------------------------------------------
 
-    RELOADABLE_EXCEPT = ("scheduler", "backend", "server", "quota_store", "observability")
+    RESTART_ONLY = ("scheduler", "backend", "server", "quota_store", "observability")
     """Sections a reload cannot change (a restart can)."""
 
     def reload(self, policy: PolicyConfig) -> None:
@@ -129,7 +129,7 @@ class Gateway:
         (no await between). Queued and running requests are unaffected.
         Raises PolicyReloadRefused, naming the section, if the new policy
         changes one that needs a restart; the old policy then stays."""
-        for section in self.RELOADABLE_EXCEPT:
+        for section in self.RESTART_ONLY:
             if getattr(policy, section) != getattr(self._policy, section):
                 raise PolicyReloadRefused(
                     f"{section}: changed, and changing it needs a restart "
@@ -369,10 +369,6 @@ class Gateway:
                 self._settle(stream._reservation, charged, served=usage is not None)
             self.observer.finished(stream.request, usage)
         self._wake()
-
-    def _levels(self) -> dict:
-        """Queue and backend levels, for the metrics at scrape time."""
-        return self.snapshot()
 
     def _settle(self, reservation: Reservation | None, charged: int, *, served: bool) -> None:
         if reservation is not None:
