@@ -34,6 +34,23 @@ class ServerConfig(StrictModel):
     """Environment variable holding the token for /admin endpoints (unset: admin disabled)."""
     trusted_header_secret_env: str | None = None
     """Environment variable holding the shared secret that makes X-Tenant-Id trusted."""
+    shutdown_grace_s: NonNegativeFloat = 25.0
+    """After SIGTERM, how long running requests may go on before they are ended
+    (queued ones get 503 at once). Below Kubernetes' default 30 s termination
+    grace, so the pod exits before it is killed."""
+    idle_timeout_s: PositiveFloat = 75.0
+    """A connection that sends no complete request for this long is closed: a
+    keep-alive connection left idle, or a client trickling its headers."""
+    body_timeout_s: PositiveFloat = 30.0
+    """The whole request body must arrive within this time of the handler
+    asking for it, or the request gets 408."""
+    client_stall_timeout_s: PositiveFloat = 60.0
+    """A streaming client that reads nothing for this long (the socket's send
+    buffer stays full) is dropped and its request cancelled, so a stalled
+    reader cannot hold a backend slot."""
+    auth_failures_per_minute: Annotated[int, Field(ge=0)] = 30
+    """Failed authentications one client address may make per minute before
+    its requests get 429 without being checked (0: no limit)."""
 
 
 class ObservabilityConfig(StrictModel):
