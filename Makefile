@@ -3,7 +3,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 POLICY ?= policies/example.yaml
 
-.PHONY: demo test test-vllm install dev bench clean redis-server chromium
+.PHONY: demo test test-vllm install dev bench soak clean redis-server chromium
 
 # Root installs system packages itself; anyone else through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -65,6 +65,12 @@ test-vllm: $(VLLM_VENV)/.installed redis-server
 ## Run the benchmark scenarios that need no server and refresh their JSON.
 bench: install
 	$(BIN)/python benchmarks/run_all.py
+
+## Reliability under load (docs/RELIABILITY.md): 10,000 requests queued at
+## once, then a 10-minute soak at 80% of capacity (about 15 minutes in all).
+soak: install
+	$(BIN)/python benchmarks/reliability.py load --requests 10000
+	$(BIN)/python benchmarks/reliability.py soak --minutes 10 --load 0.8
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache

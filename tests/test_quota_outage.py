@@ -8,6 +8,7 @@ the same port.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import pytest
@@ -106,10 +107,13 @@ async def test_fail_closed_refuses_with_retry_after_and_recovers(own_redis_serve
 
 
 async def test_a_gateway_failing_closed_answers_503_then_recovers(own_redis_server):
+    """Only the tenant with quotas is refused while Redis is down (bob, without,
+    is served throughout), and afterwards Redis holds exactly what alice's
+    served requests were billed: the refused one reserved nothing."""
     import aiohttp
 
     from qosgate.backends import build_backend
-    from tests.http_support import ALICE_KEY, MODEL, POLICY_YAML, live_app
+    from tests.http_support import ALICE_KEY, BOB_KEY, MODEL, POLICY_YAML, live_app
 
     yaml_text = POLICY_YAML.replace(
         "    api_keys: [\"sha256:",
@@ -129,19 +133,40 @@ async def test_a_gateway_failing_closed_answers_503_then_recovers(own_redis_serv
     )
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     headers = {"Authorization": f"Bearer {ALICE_KEY}"}
+    billed = 0
     async with live_app(policy, build_backend(policy.backend), quotas=guard) as live:
         async with aiohttp.ClientSession() as http:
             url = live.url + "/v1/chat/completions"
             async with http.post(url, json=body, headers=headers) as resp:
                 assert resp.status == 200
                 assert int(resp.headers["x-ratelimit-remaining-tokens"]) < 100_000
+                billed += (await resp.json())["usage"]["total_tokens"]
+            # Its settlement reaches Redis before Redis goes.
+            await asyncio.gather(*guard._tasks)
             own_redis_server.stop()
             async with http.post(url, json=body, headers=headers) as resp:
                 assert resp.status == 503
                 assert int(resp.headers["Retry-After"]) >= 1
                 error = (await resp.json())["error"]
                 assert error["code"] == "quota_store_unavailable"
+            bob = {"Authorization": f"Bearer {BOB_KEY}"}
+            async with http.post(url, json=body, headers=bob) as resp:
+                assert resp.status == 200
             own_redis_server.start()
             clock.now += 1.0
             async with http.post(url, json=body, headers=headers) as resp:
                 assert resp.status == 200
+                billed += (await resp.json())["usage"]["total_tokens"]
+    # The gateway has closed, its settlements delivered; read Redis afresh.
+    reader = QuotaGuard(
+        RedisQuotaStore(own_redis_server.url, key_prefix="http-outage:"),
+        policy.quota_store,
+        {t.id: TenantLimits.from_config(t.quotas) for t in policy.tenants},
+        clock=clock,
+    )
+    try:
+        assert {s.kind: s.used for s in await reader.usage("alice")} == {
+            "tokens_per_minute": billed
+        }
+    finally:
+        await reader.close()

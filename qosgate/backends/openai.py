@@ -55,6 +55,8 @@ _ERROR_BODY_BYTES = 64 * 1024
 _MAX_LINE_BYTES = 2 << 20
 _MAX_BODY_BYTES = 64 << 20
 """The largest whole (non-streamed) answer read from an upstream."""
+# What `read_timeout_s` raises (aiohttp before 3.10 has only the broader class).
+_READ_TIMEOUT: type[Exception] = getattr(aiohttp, "SocketTimeoutError", aiohttp.ServerTimeoutError)
 
 
 class _Upstream:
@@ -142,7 +144,12 @@ class OpenAIBackend:
         self._rr = 0
         self._started = False
         self._closed = False
-        self._request_timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
+        # A streamed answer comes a piece at a time, so silence between pieces
+        # means a hung upstream; a whole answer is silent until it is done.
+        self._stream_timeout = aiohttp.ClientTimeout(
+            total=cfg.timeout_s, sock_read=cfg.read_timeout_s
+        )
+        self._whole_timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
         self._health_timeout = aiohttp.ClientTimeout(total=min(cfg.timeout_s, _HEALTH_TIMEOUT_S))
         self._count: Callable[[str, dict[str, Any]], int] = estimate_prompt_tokens
 
@@ -338,7 +345,7 @@ class OpenAIBackend:
                     url,
                     json=self._request_body(job),
                     headers=headers,
-                    timeout=self._request_timeout,
+                    timeout=self._stream_timeout if job.streamed else self._whole_timeout,
                 )
             except aiohttp.ClientConnectionError as exc:
                 # ServerTimeoutError is a connection error too, but a slow
@@ -401,6 +408,10 @@ class OpenAIBackend:
             if isinstance(exc, BackendError):
                 raise
             # Before OSError, which TimeoutError is.
+            if isinstance(exc, _READ_TIMEOUT):
+                raise BackendError(
+                    f"upstream {upstream.url} sent nothing for {self._cfg.read_timeout_s:g}s"
+                ) from exc
             if isinstance(exc, TimeoutError):
                 raise BackendError(
                     f"upstream {upstream.url} timed out after {self._cfg.timeout_s:g}s"

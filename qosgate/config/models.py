@@ -319,7 +319,15 @@ class OpenAIBackendConfig(StrictModel):
     health_interval_s: Annotated[float, Field(gt=0)] = 5.0
     """Seconds between health checks."""
     timeout_s: Annotated[float, Field(gt=0)] = 600.0
-    """Upstream request timeout."""
+    """Upstream request timeout: the most one request may take, start to end."""
+    read_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    """A streamed request whose upstream sends nothing for this long (no
+    headers, or no next byte of the stream) fails as a backend error (502), so
+    a hung upstream does not hold the request until `timeout_s`. It is reset by
+    every read, so a long stream that keeps coming is never cut by it; keep it
+    above the upstreams' longest time to first token. A request the client
+    reads whole is asked of the upstream whole, which sends nothing until it is
+    done: `timeout_s` alone bounds those."""
     tokenizer: str | None = None
     """Path of the served model's Hugging Face tokenizer.json, to count prompt
     tokens exactly (quotas reserve them); unset: about 4 characters a token."""

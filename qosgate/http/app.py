@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import hmac
 import importlib.resources
 import logging
 import os
+import socket
+import struct
 import time
 import traceback
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import structlog
@@ -33,11 +36,13 @@ from qosgate.core.request import Outcome
 from qosgate.observability.metrics import stats_view
 from qosgate.quotas import QuotaStoreDown
 from qosgate.runtime.errors import (
+    AuthThrottled,
     BadRequest,
     GatewayError,
     PayloadTooLarge,
     QuotaExceeded,
     QuotaStoreUnavailable,
+    RequestTimeout,
     Unauthorized,
 )
 from qosgate.runtime.gate import Gateway, RequestStream
@@ -49,11 +54,12 @@ from .errors import (
     error_payload,
     error_response,
 )
-from .identity import Identity, KeyRing
+from .identity import AuthFailureLimiter, Identity, KeyRing
 from .ratelimit import ratelimit_headers
 from .validation import MAX_PRIORITY_OFFSET, Endpoint, parse_json, validate_body
 
 log = logging.getLogger("qosgate.http")
+_T = TypeVar("_T")
 _prompt_log = structlog.get_logger("qosgate.prompts")
 
 # Typed request keys are recent in aiohttp; a plain string works everywhere.
@@ -94,6 +100,10 @@ class AppState:
     """Where `env:` keys are read from (again on reload)."""
     policy_path: str | None = None
     """The policy file, re-read on reload."""
+    auth_failures: AuthFailureLimiter = dataclasses.field(
+        default_factory=lambda: AuthFailureLimiter(0)
+    )
+    """Failed authentications per client address (API keys and admin token)."""
 
 
 STATE = web.AppKey("qosgate.state", AppState)
@@ -120,10 +130,12 @@ def build_app(
         admin_token=_admin_token(policy, environ),
         environ=environ,
         policy_path=policy_path,
+        auth_failures=AuthFailureLimiter(policy.server.auth_failures_per_minute),
     )
     # Every response the tenant gets, streamed or not, error or not, carries
     # its quota as it stood once checked.
     app.on_response_prepare.append(_add_ratelimit_headers)
+    app.on_response_prepare.append(_close_when_draining)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/v1/models", _models)
@@ -134,6 +146,7 @@ def build_app(
     app.router.add_post("/admin/reload", _admin_reload)
     app.router.add_get("/dashboard", _dashboard)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/openapi.json", _openapi)
     return app
 
 
@@ -141,6 +154,15 @@ def _admin_token(policy: PolicyConfig, environ: Mapping[str, str]) -> str | None
     name = policy.server.admin_token_env
     token = environ.get(name) if name else None
     return token or None
+
+
+async def _close_when_draining(request: web.Request, response: web.StreamResponse) -> None:
+    # A keep-alive client of a stopping gateway must reconnect (to another
+    # replica) for its next request.
+    if request.app[STATE].gateway.draining:
+        response.force_close()
+        # This hook runs after aiohttp wrote the Connection header.
+        response.headers["Connection"] = "close"
 
 
 async def _add_ratelimit_headers(request: web.Request, response: web.StreamResponse) -> None:
@@ -166,6 +188,10 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
     except GatewayError as exc:
         _count_refusal(request, exc.outcome)
         response = error_response(exc)
+        if isinstance(exc, RequestTimeout):
+            # The rest of the body may still come; read as a next request it
+            # would be garbage.
+            response.force_close()
     except web.HTTPException as exc:
         if exc.status >= 400:
             _count_refusal(request, Outcome.BAD_REQUEST)
@@ -255,18 +281,47 @@ async def _healthz(request: web.Request) -> web.Response:
 
 
 async def _readyz(request: web.Request) -> web.Response:
-    if request.app[STATE].gateway.ready():
+    gateway = request.app[STATE].gateway
+    if gateway.ready():
         return web.json_response({"status": "ready"})
+    if gateway.draining:
+        message, code = "The gateway is shutting down.", "shutting_down"
+    else:
+        message, code = "The backend is not ready.", "not_ready"
     return web.json_response(
-        error_payload("The backend is not ready.", "server_error", "not_ready", None),
+        error_payload(message, "server_error", code, None),
         status=503,
         headers={"Retry-After": "1"},
     )
 
 
+def _authenticated(request: web.Request, check: Callable[[], _T]) -> _T:
+    """Runs `check` (which raises Unauthorized on bad credentials) unless the
+    client's address has failed too often already; counts its failures."""
+    limiter = request.app[STATE].auth_failures
+    address = request.remote or "unknown"
+    now = asyncio.get_running_loop().time()
+    wait = limiter.retry_after(address, now)
+    if wait is not None:
+        raise AuthThrottled(
+            "Too many failed authentications from this address; try again later.",
+            retry_after_s=wait,
+        )
+    try:
+        return check()
+    except Unauthorized:
+        limiter.failed(address, now)
+        raise
+
+
+def _identify(request: web.Request) -> Identity:
+    keyring = request.app[STATE].keyring
+    return _authenticated(request, lambda: keyring.identify(request.headers))
+
+
 async def _models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    state.keyring.identify(request.headers)
+    _identify(request)
     return web.json_response(
         {
             "object": "list",
@@ -278,11 +333,28 @@ async def _models(request: web.Request) -> web.Response:
     )
 
 
+async def _openapi(request: web.Request) -> web.Response:
+    """The OpenAPI description of this surface. No key, so that tools can
+    read it first; it does name the served models (docs/HTTP.md)."""
+    from .openapi import build_openapi
+
+    state = request.app[STATE]
+    return web.json_response(
+        build_openapi(
+            state.gateway.backend.models, max_body_bytes=state.policy.server.max_body_bytes
+        )
+    )
+
+
 # --------------------------------------------------------------------------
 # Admin
 
 
 def _check_admin(request: web.Request) -> None:
+    _authenticated(request, lambda: _check_admin_token(request))
+
+
+def _check_admin_token(request: web.Request) -> None:
     token = request.app[STATE].admin_token
     if token is None:
         raise RouteNotFound(
@@ -291,8 +363,11 @@ def _check_admin(request: web.Request) -> None:
         )
     given = request.headers.get("Authorization", "")
     scheme, _, value = given.partition(" ")
+    # Digests of equal length are compared, so not even the token's length
+    # shows in the time a wrong guess takes.
     if scheme.lower() != "bearer" or not hmac.compare_digest(
-        value.strip().encode("utf-8", "surrogateescape"), token.encode()
+        hashlib.sha256(value.strip().encode("utf-8", "surrogateescape")).digest(),
+        hashlib.sha256(token.encode()).digest(),
     ):
         raise Unauthorized("The admin endpoints need the admin token as a Bearer token.")
 
@@ -449,8 +524,16 @@ async def _read_json(request: web.Request) -> Any:
         # it); a declared non-JSON one is a client bug worth naming.
         if mime != "application/json" and not mime.endswith("+json"):
             raise UnsupportedMediaType(mime[:100])
+    timeout_s = request.app[STATE].policy.server.body_timeout_s
     try:
-        raw = await request.read()
+        # A client trickling its body would otherwise hold the handler (and
+        # the connection) for as long as it likes.
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise RequestTimeout(
+            f"The request body did not arrive within {timeout_s:g} s."
+        ) from None
     except HttpProcessingError as exc:
         # A broken chunked encoding or a body shorter than its Content-Length:
         # the client's fault, not a bug of ours.
@@ -473,7 +556,7 @@ class _Call:
 async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     state = request.app[STATE]
     # Identity first: an unauthenticated client does not get its body parsed.
-    identity: Identity = state.keyring.identify(request.headers)
+    identity = _identify(request)
     request[TIER] = identity.tier
     structlog.contextvars.bind_contextvars(tenant=identity.tenant, tier=identity.tier)
     raw = await _read_json(request)
@@ -715,6 +798,7 @@ async def _stream_response(
     )
     tally = _Tally()
     head, tail = _text_event_parts(call)
+    stall_s = request.app[STATE].policy.server.client_stall_timeout_s
     # Events are held until the stream may have to wait for its next chunk, then
     # go out in one write (one system call) rather than one each: an upstream's
     # events mostly arrive several to a read.
@@ -733,7 +817,7 @@ async def _stream_response(
             if pending and chunk.finish_reason is None and not stream.ready():
                 data = b"".join(pending)
                 pending.clear()
-                await response.write(data)
+                await _write(request, response, data, stall_s)
             try:
                 chunk = await chunks.__anext__()
             except StopAsyncIteration:
@@ -751,7 +835,12 @@ async def _stream_response(
         pending.append(_DONE_EVENT)
         data = b"".join(pending)
         pending.clear()
-        await response.write_eof(data)
+        await _write(request, response, data, stall_s, last=True)
+    except _ClientStalled:
+        # Cancelled, not failed: the client is as good as gone, and what ran
+        # for it is charged; its backend slot goes to the queue.
+        await stream.aclose()
+        _drop_stalled(request, stall_s)
     except ConnectionError:
         # The client went away mid-stream (aiohttp's write errors are
         # ConnectionResetError): end the request as cancelled.
@@ -759,7 +848,7 @@ async def _stream_response(
     except GatewayError as exc:
         await stream.aclose()
         # Headers are gone; the status can only travel inside the stream.
-        await _send_error_event(response, exc.body(), pending)
+        await _send_error_event(request, response, exc.body(), pending, stall_s)
     except asyncio.CancelledError:
         await stream.aclose()
         raise
@@ -772,6 +861,7 @@ async def _stream_response(
             "".join(traceback.format_tb(exc.__traceback__)),
         )
         await _send_error_event(
+            request,
             response,
             error_payload(
                 "The server had an error processing your request.",
@@ -780,15 +870,86 @@ async def _stream_response(
                 None,
             ),
             pending,
+            stall_s,
         )
     return response
 
 
+class _ClientStalled(Exception):
+    """The client took none of a write for `server.client_stall_timeout_s`."""
+
+
+_WRITE_SLACK = 4096
+"""Bytes aiohttp may add to a write: chunk framing, and the headers it sends
+along with the first one."""
+
+
+async def _write(
+    request: web.Request,
+    response: web.StreamResponse,
+    data: bytes,
+    stall_s: float,
+    *,
+    last: bool = False,
+) -> None:
+    """Send `data` (and end the body, if `last`). aiohttp's write waits while
+    the socket's buffers are full, which is what keeps a slow reader from
+    making the gateway pull the backend ahead and buffer its output; bounding
+    that wait keeps a reader that stopped from holding its backend slot."""
+    transport = request.transport
+    if (
+        not last
+        and transport is not None
+        and not request.protocol.writing_paused
+        and transport.get_write_buffer_size() + len(data) + _WRITE_SLACK
+        <= transport.get_write_buffer_limits()[1]
+    ):
+        # This write cannot wait: the transport stays below its high-water
+        # mark, so aiohttp has nothing to drain. Most writes are like this,
+        # and skip the timer (a few microseconds each, per token).
+        await response.write(data)
+        return
+    try:
+        async with asyncio.timeout(stall_s):
+            if last:
+                await response.write_eof(data)
+            else:
+                await response.write(data)
+    except TimeoutError:
+        raise _ClientStalled from None
+
+
+def _drop_stalled(request: web.Request, stall_s: float) -> None:
+    """Hang up on a stalled client at once, with a reset: a graceful close
+    would leave the kernel holding what is still buffered for a reader that
+    takes nothing, for as long as TCP keeps probing it."""
+    log.warning(
+        "request %s: the client read nothing for %gs; dropped", request[REQUEST_ID], stall_s
+    )
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass  # the socket refused the option: a plain abort then
+    transport.abort()
+
+
 async def _send_error_event(
-    response: web.StreamResponse, payload: dict[str, Any], pending: list[bytes]
+    request: web.Request,
+    response: web.StreamResponse,
+    payload: dict[str, Any],
+    pending: list[bytes],
+    stall_s: float,
 ) -> None:
     """The error as the stream's last event, after the events not yet sent."""
     try:
-        await response.write_eof(b"".join([*pending, _event(payload)]))
+        data = b"".join([*pending, _event(payload)])
+        await _write(request, response, data, stall_s, last=True)
+    except _ClientStalled:
+        _drop_stalled(request, stall_s)
     except ConnectionError:
         pass

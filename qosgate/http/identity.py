@@ -156,3 +156,54 @@ class KeyRing:
         if self._default_tier is None:
             raise Unauthorized(message)
         return Identity(tenant, self._default_tier)
+
+
+class AuthFailureLimiter:
+    """How many failed authentications each client address has left.
+
+    Each address has a bucket of `per_minute` failures that refills at
+    `per_minute` a minute; an address whose bucket is empty is refused before
+    its credentials are looked at, so keys cannot be guessed at line rate.
+    Sans-I/O: the caller passes `now` (the event loop's clock).
+
+    At most `max_addresses` are remembered, least recently failed forgotten
+    first: a flood from many addresses costs bounded memory, and an address
+    forgotten only gets its full allowance back.
+    """
+
+    def __init__(self, per_minute: int, *, max_addresses: int = 10_000) -> None:
+        self._capacity = float(per_minute)
+        self._rate = per_minute / 60.0
+        self._max = max_addresses
+        # address -> (failures left, as of time); dicts keep insertion order,
+        # re-inserted on every failure, so the first key is the stalest.
+        self._left: dict[str, tuple[float, float]] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self._capacity > 0
+
+    def _level(self, address: str, now: float) -> float:
+        entry = self._left.get(address)
+        if entry is None:
+            return self._capacity
+        left, at = entry
+        return min(self._capacity, left + (now - at) * self._rate)
+
+    def retry_after(self, address: str, now: float) -> float | None:
+        """Seconds until `address` may try again, or None if it may now."""
+        if not self.enabled:
+            return None
+        level = self._level(address, now)
+        if level >= 1.0:
+            return None
+        return (1.0 - level) / self._rate
+
+    def failed(self, address: str, now: float) -> None:
+        if not self.enabled:
+            return
+        level = max(0.0, self._level(address, now) - 1.0)
+        self._left.pop(address, None)
+        self._left[address] = (level, now)
+        if len(self._left) > self._max:
+            del self._left[next(iter(self._left))]

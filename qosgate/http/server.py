@@ -14,14 +14,16 @@ from qosgate.backends.base import BackendError
 from qosgate.config.models import PolicyConfig
 from qosgate.quotas import QuotaGuard
 from qosgate.runtime.errors import GatewayError
+from qosgate.runtime.gate import Gateway
 
 from .app import build_app, reload_policy
 
 log = logging.getLogger(__name__)
 
-SHUTDOWN_GRACE_S = 10.0
-"""How long in-flight requests may run on after a stop signal before they are
-cancelled (each still ends with an outcome: cancelled)."""
+_LINGER_S = 1.0
+_FLUSH_S = 5.0
+"""After the grace, how long handlers get to write the error that ends their
+stream before their connections are closed under them."""
 
 
 def api_url(host: str, port: int) -> str:
@@ -40,20 +42,22 @@ async def serve(
     stop: asyncio.Event | None = None,
     quotas: QuotaGuard | None = None,
     policy_path: str | None = None,
+    gateway: Gateway | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM (or `stop` is set). `on_ready` gets the API
     URL once the socket listens (port 0 resolved), and replaces the default
     one-line announcement. `quotas` replaces the guard the policy would build
-    (a benchmark's instrumented store)."""
+    (a benchmark's instrumented store); `gateway`, not yet started, the one
+    the policy would build (a test's, over a scripted backend)."""
     from qosgate.backends import build_backend
-    from qosgate.runtime.gate import Gateway
 
     host = host if host is not None else policy.server.host
     port = port if port is not None else policy.server.port
     stop = stop if stop is not None else asyncio.Event()
 
-    backend = build_backend(policy.backend)
-    gateway = Gateway(policy, backend, quotas=quotas)
+    if gateway is None:
+        gateway = Gateway(policy, build_backend(policy.backend), quotas=quotas)
+    backend = gateway.backend
     await gateway.start()
     # A backend that loads in the background (the vLLM engine) and fails to
     # start stops the server: an unready gateway that can never become ready
@@ -79,7 +83,17 @@ async def serve(
         # Without handler cancellation aiohttp lets a handler run on after its
         # client disconnects, so a queued request would keep its place.
         runner = web.AppRunner(
-            app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S, access_log=None
+            app,
+            handler_cancellation=True,
+            shutdown_timeout=_FLUSH_S,
+            access_log=None,
+            # From the connection's start as well as between requests, so it
+            # also bounds a client that trickles its headers (slowloris).
+            keepalive_timeout=policy.server.idle_timeout_s,
+            # After an answer given before the body was read (413, 408), how
+            # long the rest may still come in: bounded, so a client trickling
+            # a body cannot hold the connection after its 408.
+            lingering_time=_LINGER_S,
         )
         await runner.setup()
         site = web.TCPSite(runner, host, port)
@@ -115,13 +129,36 @@ async def serve(
     finally:
         for sig in handled:
             loop.remove_signal_handler(sig)
-        # Stop listening and let in-flight requests finish (up to the grace),
-        # then end whatever the gateway still holds.
         if watcher is not None:
             watcher.cancel()
-        if runner is not None:
-            await runner.cleanup()
-        await gateway.close()
+        await _stop(runner, gateway, policy.server.shutdown_grace_s)
     if failed:
         error = failed[0]
         raise error if isinstance(error, BackendError) else BackendError(str(error))
+
+
+async def _stop(runner: web.AppRunner | None, gateway: Gateway, grace_s: float) -> None:
+    """The graceful stop: nothing taken is dropped without an answer.
+
+    Stop listening (a load balancer's next connection goes elsewhere), answer
+    what is queued with 503 and Retry-After, let running requests finish for
+    up to `grace_s`, then end the rest (their streams get an error event) and
+    close the connections.
+    """
+    if runner is not None:
+        for site in list(runner.sites):
+            await site.stop()
+    snapshot = gateway.snapshot()
+    queued = snapshot["queued"]
+    log.info(
+        "stopping: %d queued requests answered 503, %d running get up to %gs",
+        queued,
+        snapshot["running"],
+        grace_s,
+    )
+    left = await gateway.drain(grace_s)
+    if left:
+        log.warning("%d requests still running after the %gs grace are ended", left, grace_s)
+    await gateway.close()
+    if runner is not None:
+        await runner.cleanup()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Iterable
 from typing import Annotated, Any, Literal
 
@@ -56,7 +57,11 @@ def _type_name(value: Any) -> str:
 
 def _integer(minimum: int) -> Callable[[Any], int]:
     def check(value: Any) -> int:
-        # JSON true is an int to Python; 1.0 is not an integer to OpenAI either.
+        # JSON has one number type: `2.0` is the integer 2 to every JSON Schema
+        # reader (our OpenAPI document included), so it is taken as 2. JSON
+        # true is an int to Python, but not a number to JSON.
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
             raise _fail("int_type", f"expected an integer, but got {_type_name(value)}")
         if value < minimum:
@@ -229,8 +234,15 @@ def _message(error: dict[str, Any], param: str | None) -> str:
     return f"Invalid value for '{param}': {error['msg']}."
 
 
+_INTEGER_FIELDS = ("max_tokens", "max_completion_tokens", "n", "priority")
+
+
 def validate_body(endpoint: Endpoint, body: Any, served_models: Iterable[str]) -> _Body:
-    """Raises BadRequest naming the field, or ModelNotFound."""
+    """Raises BadRequest naming the field, or ModelNotFound.
+
+    Integer fields written as whole floats (`"n": 1.0`) are rewritten in
+    `body` as integers: the body goes on to the backend, and a backend with a
+    stricter reader (serde's u32) would refuse what the gateway took."""
     if not isinstance(body, dict):
         raise BadRequest(
             f"The request body must be a JSON object, not {_type_name(body)}.", param=None
@@ -251,6 +263,9 @@ def validate_body(endpoint: Endpoint, body: Any, served_models: Iterable[str]) -
     # that does not say): let the backend judge the name.
     if models and parsed.model not in models:
         raise ModelNotFound(parsed.model)
+    for name in _INTEGER_FIELDS:
+        if name in type(parsed).model_fields and isinstance(body.get(name), float):
+            body[name] = getattr(parsed, name)
     return parsed
 
 
@@ -267,13 +282,46 @@ def _finite(text: str) -> float:
     return value
 
 
+# An escape of a UTF-16 surrogate (\uD800 to \uDFFF): only these can put a
+# surrogate into a parsed string, raw UTF-8 cannot encode one. A client that
+# escapes all non-ASCII sends each emoji as a pair of them, which json.loads
+# joins into one character; only the scan after it tells a lone one apart.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    # Iterative: the value may be nested nearly as deep as the recursion limit.
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+    return False
+
+
 def parse_json(raw: bytes) -> Any:
     """The body as JSON, or BadRequest. Hostile input (invalid UTF-8, NaN,
     numbers with thousands of digits, nesting deep enough to exhaust the
-    parser's recursion) all land here as a 400, never as a crash."""
+    parser's recursion, escapes of unpaired surrogates) all land here as a
+    400, never as a crash."""
     try:
         text = raw.decode("utf-8")
-        return json.loads(text, parse_constant=_no_constants, parse_float=_finite)
+        value = json.loads(text, parse_constant=_no_constants, parse_float=_finite)
+        # A lone surrogate is valid JSON but not Unicode: the body could not
+        # be encoded again for an upstream backend (a 502 and a traceback),
+        # nor a reply that echoes the string (the model name, where the
+        # backend lists no models: a 500).
+        if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(value):
+            raise ValueError("a string holds an unpaired UTF-16 surrogate escape")
+        return value
     except RecursionError:
         raise BadRequest("The JSON body of your request is nested too deeply.") from None
     except ValueError as exc:

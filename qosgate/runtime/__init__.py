@@ -1,6 +1,7 @@
 """The async layer: the gateway (submit -> stream) around the scheduling core."""
 
 from qosgate.runtime.errors import (
+    AuthThrottled,
     BackendFailed,
     BackendUnavailableError,
     BadRequest,
@@ -12,11 +13,13 @@ from qosgate.runtime.errors import (
     QueueFull,
     QuotaExceeded,
     QuotaStoreUnavailable,
+    RequestTimeout,
     Unauthorized,
 )
 from qosgate.runtime.gate import Gateway, PolicyReloadRefused, RequestStream
 
 __all__ = [
+    "AuthThrottled",
     "BackendFailed",
     "BackendUnavailableError",
     "BadRequest",
@@ -31,5 +34,6 @@ __all__ = [
     "QuotaExceeded",
     "QuotaStoreUnavailable",
     "RequestStream",
+    "RequestTimeout",
     "Unauthorized",
 ]

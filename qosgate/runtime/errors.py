@@ -134,6 +134,25 @@ class Unauthorized(GatewayError):
     type = "authentication_error"
 
 
+class AuthThrottled(GatewayError):
+    """The client's address failed authentication too often: refused unchecked
+    until its allowance refills (Retry-After), so keys cannot be guessed fast."""
+
+    status = 429
+    outcome = Outcome.UNAUTHORIZED
+    code = "too_many_authentication_failures"
+    type = "rate_limit_error"
+
+
+class RequestTimeout(GatewayError):
+    """The request body did not arrive within `server.body_timeout_s`."""
+
+    status = 408
+    outcome = Outcome.BAD_REQUEST
+    code = "request_timeout"
+    type = "invalid_request_error"
+
+
 class PayloadTooLarge(GatewayError):
     status = 413
     outcome = Outcome.BAD_REQUEST

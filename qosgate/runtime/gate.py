@@ -93,6 +93,10 @@ class Gateway:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._closed = False
+        # Set by drain(): new requests are refused, running ones go on.
+        self._draining = False
+        # Resolved when the last stream ends while draining.
+        self._idle: asyncio.Future[None] | None = None
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -102,6 +106,32 @@ class Gateway:
         await self._backend.start()
         # Anything submitted before the backend was up can go now.
         self._wake()
+
+    async def drain(self, grace_s: float) -> int:
+        """The first half of a graceful stop. From now on new requests are
+        refused and queued ones end at once, both with GatewayClosing (503 and
+        Retry-After: another replica can take them); running requests may
+        finish for up to `grace_s`. Returns how many were still running then
+        (`close()` ends them)."""
+        self._draining = True
+        closing = GatewayClosing("the gateway is shutting down", retry_after_s=1.0)
+        for stream in list(self._streams.values()):
+            if stream.request.state is not RequestState.RUNNING:
+                stream._end(closing)
+        if not self._streams:
+            return 0
+        self._idle = self._get_loop().create_future()
+        try:
+            async with asyncio.timeout(grace_s):
+                await asyncio.shield(self._idle)
+        except TimeoutError:
+            pass
+        return len(self._streams)
+
+    @property
+    def draining(self) -> bool:
+        """True once drain() has begun: the gateway takes no more requests."""
+        return self._draining or self._closed
 
     async def close(self) -> None:
         """End every request (GatewayClosing, outcome cancelled) and close the backend."""
@@ -156,7 +186,9 @@ class Gateway:
         return self._backend
 
     def ready(self) -> bool:
-        return self._backend.ready()
+        """Whether to send it traffic: the backend is up and no stop has begun
+        (a draining gateway leaves the load balancer's rotation first)."""
+        return not self.draining and self._backend.ready()
 
     def snapshot(self) -> dict:
         loop = self._get_loop()
@@ -193,7 +225,7 @@ class Gateway:
         are caller bugs and raise ValueError. The gateway takes over
         `reservation` (the request's quota): it is refunded if the request is
         refused, and settled when it ends."""
-        if self._closed:
+        if self.draining:
             self._settle(reservation, 0, served=False)
             self.observer.refused(tier, Outcome.CANCELLED)
             raise GatewayClosing("the gateway is shutting down", retry_after_s=1.0)
@@ -368,6 +400,8 @@ class Gateway:
                 charged = sum(usage) if usage is not None else 0
                 self._settle(stream._reservation, charged, served=usage is not None)
             self.observer.finished(stream.request, usage)
+        if self._idle is not None and not self._streams and not self._idle.done():
+            self._idle.set_result(None)
         self._wake()
 
     def _settle(self, reservation: Reservation | None, charged: int, *, served: bool) -> None:

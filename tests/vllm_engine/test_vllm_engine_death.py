@@ -1,5 +1,6 @@
 """An engine that dies turns into 503s with Retry-After and an unready
-gateway: not a hang, not a lost request."""
+gateway: not a hang, not a lost request, and no tokens kept from the
+tenant's quota for work the engine never finished."""
 
 from __future__ import annotations
 
@@ -21,7 +22,13 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 async def live(tiny_model):
     from qosgate.backends import build_backend
 
-    policy = make_policy(policy_yaml(tiny_model))
+    # Gold has quotas, so the refunds can be seen in its (memory) store.
+    yaml_text = policy_yaml(tiny_model).replace(
+        "  - id: g\n    tier: gold\n",
+        "  - id: g\n    tier: gold\n    quotas: {tokens_per_minute: 1000000, max_concurrency: 8}\n",
+    )
+    assert "quotas" in yaml_text
+    policy = make_policy(yaml_text)
     backend = build_backend(policy.backend)
     async with live_app(policy, backend) as app:
         await backend.wait_ready()
@@ -54,3 +61,7 @@ async def test_a_dead_engine_makes_503s_and_an_unready_gateway(live):
             assert (await r.json())["error"]["code"] == "backend_unavailable"
     outcomes = [s.request.outcome.value for s in live.gateway.streams]
     assert outcomes[0] == "backend_error"
+    # Neither the request the engine died under nor the one refused after it
+    # keeps anything of the tenant's quota.
+    used = {s.kind: s.used for s in await live.gateway.quotas.usage("g")}
+    assert used == {"tokens_per_minute": 0, "max_concurrency": 0}

@@ -1,0 +1,609 @@
+"""The OpenAPI 3.1 description of the HTTP surface, served at GET /openapi.json.
+
+It is written by hand rather than derived from the pydantic models: the
+validators in validation.py are plain functions (one error per field, the way
+OpenAI words them), so their rules are restated here as JSON Schema. The
+schemathesis test (tests/test_schemathesis.py) holds the two together by
+sending what this document allows and what it forbids to a live gateway and
+checking every answer against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .validation import MAX_PRIORITY_OFFSET
+
+OPENAPI_VERSION = "3.1.0"
+
+_JSON = "application/json"
+_AUTH_THROTTLED = (
+    "The client's address failed authentication more than "
+    "`server.auth_failures_per_minute` times a minute (`too_many_authentication_failures`): "
+    "refused before its credentials are looked at."
+)
+_REF = "#/components"
+# Some character that Python's str.strip() would keep. Spelled out because
+# `\S` differs between regex dialects (ECMA's counts U+FEFF as a space,
+# Python's does not; Python's counts U+001C-U+001F, ECMA's does not).
+_NOT_ONLY_SPACE = r"[^\t-\r\u001c- \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
+
+
+def _ref(kind: str, name: str) -> dict[str, str]:
+    return {"$ref": f"{_REF}/{kind}/{name}"}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    # Each field the gateway checks accepts JSON null as "not given", except
+    # the booleans (validation.py's _Body).
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {_JSON: {"schema": schema}}
+
+
+def _error(description: str, *, retry_after: bool = False) -> dict[str, Any]:
+    headers: dict[str, Any] = {"x-request-id": _ref("headers", "RequestId")}
+    if retry_after:
+        headers["Retry-After"] = _ref("headers", "RetryAfter")
+    return {
+        "description": description,
+        "headers": headers,
+        "content": _json(_ref("schemas", "Error")),
+    }
+
+
+def _ok(description: str, content: dict[str, Any], **headers: Any) -> dict[str, Any]:
+    return {
+        "description": description,
+        "headers": {"x-request-id": _ref("headers", "RequestId"), **headers},
+        "content": content,
+    }
+
+
+def _model_schema(models: Sequence[str]) -> dict[str, Any]:
+    if models:
+        # Any other name is answered 404 model_not_found.
+        return {"type": "string", "enum": list(models)}
+    # A backend that cannot list its models judges the name itself; the
+    # gateway only refuses an empty or blank one.
+    return {"type": "string", "pattern": _NOT_ONLY_SPACE}
+
+
+def _sampling_properties() -> dict[str, Any]:
+    """The fields both completion bodies share (validation.py's _Body)."""
+    return {
+        "stream": {
+            "type": "boolean",
+            "default": False,
+            "description": (
+                "Answer as text/event-stream: `data: {chunk}` lines, then `data: [DONE]`."
+            ),
+        },
+        "stream_options": _nullable(
+            {
+                "type": "object",
+                "properties": {"include_usage": {"type": "boolean", "default": False}},
+            }
+        ),
+        "max_tokens": _nullable(
+            {
+                "type": "integer",
+                "minimum": 1,
+                "description": "Clamped to the tier's max_tokens; absent: the tier's default.",
+            }
+        ),
+        "n": _nullable(
+            {
+                "type": "integer",
+                "enum": [1],
+                "description": "One generation per request: the gateway schedules and meters one.",
+            }
+        ),
+        "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2}),
+        "top_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
+        "priority": _nullable(
+            {
+                "type": "integer",
+                "minimum": 0,
+                "description": (
+                    "vLLM-style extension: levels below the tenant's tier (never above it); "
+                    f"values past {MAX_PRIORITY_OFFSET} count as {MAX_PRIORITY_OFFSET}."
+                ),
+            }
+        ),
+    }
+
+
+_TEXT_PART = {
+    "type": "object",
+    "required": ["type", "text"],
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+}
+_OTHER_PART = {
+    "type": "object",
+    "required": ["type"],
+    "properties": {"type": {"type": "string", "not": {"const": "text"}}},
+}
+_PARTS = {"type": "array", "items": {"anyOf": [_TEXT_PART, _OTHER_PART]}}
+
+
+def _schemas(models: Sequence[str]) -> dict[str, Any]:
+    usage = {
+        "type": "object",
+        "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+        "properties": {
+            "prompt_tokens": {"type": "integer", "minimum": 0},
+            "completion_tokens": {"type": "integer", "minimum": 0},
+            "total_tokens": {"type": "integer", "minimum": 0},
+        },
+    }
+    completion_head = {
+        "id": {"type": "string"},
+        "created": {"type": "integer"},
+        "model": {"type": "string"},
+        "usage": _ref("schemas", "Usage"),
+    }
+    return {
+        "Error": {
+            "type": "object",
+            "required": ["error"],
+            "additionalProperties": False,
+            "properties": {
+                "error": {
+                    "type": "object",
+                    "required": ["message", "type", "code", "param"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "message": {"type": "string", "minLength": 1},
+                        "type": {"type": "string"},
+                        "code": {"type": ["string", "null"]},
+                        "param": {
+                            "type": ["string", "null"],
+                            "description": "The field at fault, e.g. `messages.0.role`.",
+                        },
+                    },
+                }
+            },
+        },
+        "Message": {
+            # Only an assistant turn (one that carries tool calls) may come without content.
+            "anyOf": [
+                {
+                    "type": "object",
+                    "required": ["role", "content"],
+                    "properties": {
+                        "role": {"enum": ["system", "user", "tool", "developer"]},
+                        "content": {"anyOf": [{"type": "string"}, _PARTS]},
+                    },
+                },
+                {
+                    "type": "object",
+                    "required": ["role"],
+                    "properties": {
+                        "role": {"const": "assistant"},
+                        "content": {"anyOf": [{"type": "string"}, _PARTS, {"type": "null"}]},
+                    },
+                },
+            ]
+        },
+        "ChatCompletionRequest": {
+            "type": "object",
+            "description": "Fields not listed pass through to the backend unchecked.",
+            "required": ["model", "messages"],
+            "properties": {
+                "model": _model_schema(models),
+                "messages": {"type": "array", "minItems": 1, "items": _ref("schemas", "Message")},
+                "max_completion_tokens": _nullable(
+                    {
+                        "type": "integer",
+                        "minimum": 1,
+                        "description": "OpenAI's newer name for max_tokens; wins when both are given.",
+                    }
+                ),
+                **_sampling_properties(),
+            },
+        },
+        "CompletionRequest": {
+            "type": "object",
+            "description": "Fields not listed pass through to the backend unchecked.",
+            "required": ["model", "prompt"],
+            "properties": {
+                "model": _model_schema(models),
+                "prompt": {
+                    # One prompt per request; token-id prompts would bypass the
+                    # gateway's prompt-token estimate.
+                    "anyOf": [
+                        {"type": "string"},
+                        {
+                            "type": "array",
+                            "minItems": 1,
+                            "maxItems": 1,
+                            "items": {"type": "string"},
+                        },
+                    ]
+                },
+                **_sampling_properties(),
+            },
+        },
+        "Usage": usage,
+        "Event": {
+            # Before OpenAPI 3.2's itemSchema, a text/event-stream schema
+            # describes one event.
+            "type": "object",
+            "description": "One server-sent event of a streamed completion.",
+            "required": ["data"],
+            "properties": {
+                "data": {
+                    "type": "string",
+                    "description": (
+                        "A chunk (`chat.completion.chunk` or `text_completion`), the last one "
+                        "with `usage`; an error as OpenAI's error object when the backend fails "
+                        "mid-stream; then `[DONE]`."
+                    ),
+                    "anyOf": [
+                        {"const": "[DONE]"},
+                        {"pattern": r"^\{.*\}$", "contentMediaType": _JSON},
+                    ],
+                }
+            },
+        },
+        "ChatCompletion": {
+            "type": "object",
+            "required": ["id", "object", "created", "model", "choices", "usage"],
+            "properties": {
+                **completion_head,
+                "object": {"const": "chat.completion"},
+                "choices": {
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": 1,
+                    "items": {
+                        "type": "object",
+                        "required": ["index", "message", "finish_reason"],
+                        "properties": {
+                            "index": {"const": 0},
+                            "message": {
+                                "type": "object",
+                                "required": ["role"],
+                                "properties": {
+                                    "role": {"const": "assistant"},
+                                    "content": {"type": ["string", "null"]},
+                                },
+                            },
+                            "logprobs": {"type": "null"},
+                            "finish_reason": {"type": "string"},
+                        },
+                    },
+                },
+            },
+        },
+        "Completion": {
+            "type": "object",
+            "required": ["id", "object", "created", "model", "choices", "usage"],
+            "properties": {
+                **completion_head,
+                "object": {"const": "text_completion"},
+                "choices": {
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": 1,
+                    "items": {
+                        "type": "object",
+                        "required": ["index", "text", "finish_reason"],
+                        "properties": {
+                            "index": {"const": 0},
+                            "text": {"type": "string"},
+                            "logprobs": {"type": "null"},
+                            "finish_reason": {"type": "string"},
+                        },
+                    },
+                },
+            },
+        },
+        "ModelList": {
+            "type": "object",
+            "required": ["object", "data"],
+            "properties": {
+                "object": {"const": "list"},
+                "data": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["id", "object", "created", "owned_by"],
+                        "properties": {
+                            "id": {"type": "string"},
+                            "object": {"const": "model"},
+                            "created": {"type": "integer"},
+                            "owned_by": {"type": "string"},
+                        },
+                    },
+                },
+            },
+        },
+        "Status": {
+            "type": "object",
+            "required": ["status"],
+            "properties": {"status": {"type": "string"}},
+        },
+        "QuotaUse": {
+            "type": "object",
+            "description": "Each tenant of the policy: its tier and each of its limits.",
+            "additionalProperties": {
+                "type": "object",
+                "required": ["tier", "limits"],
+                "properties": {
+                    "tier": {"type": "string"},
+                    "limits": {
+                        "type": "object",
+                        "additionalProperties": {
+                            "type": "object",
+                            "required": ["limit", "used", "remaining", "reset_s"],
+                            "properties": {
+                                "limit": {"type": "number"},
+                                "used": {"type": "number"},
+                                "remaining": {"type": "number"},
+                                "reset_s": {"type": "number"},
+                            },
+                        },
+                    },
+                },
+            },
+        },
+        "Stats": {
+            "type": "object",
+            "required": ["time", "ready", "scheduler", "backend", "tiers", "quotas"],
+            "properties": {
+                "time": {"type": "number"},
+                "ready": {"type": "boolean"},
+                "scheduler": {"type": "object"},
+                "backend": {"type": "object"},
+                "tiers": {"type": "object", "additionalProperties": {"type": "object"}},
+                "requests": {"type": "object"},
+                "slo": {"type": "object"},
+                "ttft": {"type": "object"},
+                "batches": {"type": "object"},
+                "quotas": _ref("schemas", "QuotaUse"),
+            },
+        },
+        "Quotas": {
+            "type": "object",
+            "required": ["store", "tenants"],
+            "properties": {
+                "store": {
+                    "type": "object",
+                    "required": ["kind", "on_error", "reachable"],
+                    "properties": {
+                        "kind": {"type": "string"},
+                        "on_error": {"type": "string"},
+                        "reachable": {"type": "boolean"},
+                    },
+                },
+                "tenants": _ref("schemas", "QuotaUse"),
+            },
+        },
+        "Reloaded": {
+            "type": "object",
+            "required": ["status", "path", "tiers", "tenants"],
+            "properties": {
+                "status": {"const": "reloaded"},
+                "path": {"type": "string"},
+                "tiers": {"type": "array", "items": {"type": "string"}},
+                "tenants": {"type": "integer", "minimum": 0},
+            },
+        },
+    }
+
+
+def _completion_operation(
+    summary: str, request_schema: str, response_schema: str, max_body_bytes: int
+) -> dict[str, Any]:
+    ratelimit = {
+        f"x-ratelimit-{what}-{unit}": _ref("headers", "RateLimit")
+        for what in ("limit", "remaining", "reset")
+        for unit in ("tokens", "requests")
+    }
+    return {
+        "summary": summary,
+        "security": [{"apiKey": []}, {"tenantHeader": [], "gatewaySecret": []}],
+        "parameters": [
+            {
+                "name": "X-Session-Id",
+                "in": "header",
+                "required": False,
+                "description": "Groups a conversation's requests (first 256 characters kept).",
+                "schema": {"type": "string"},
+            }
+        ],
+        "requestBody": {
+            "required": True,
+            "description": (
+                f"At most {max_body_bytes} bytes. A missing Content-Type is read as JSON; "
+                "a declared non-JSON one is answered 415."
+            ),
+            "content": _json(_ref("schemas", request_schema)),
+        },
+        "responses": {
+            "200": _ok(
+                "The completion: one JSON body, or with `stream: true` server-sent events "
+                "(`data: {chunk}` lines ending with `data: [DONE]`; a backend failure after the "
+                "first event ends the stream with an error event).",
+                {
+                    **_json(_ref("schemas", response_schema)),
+                    "text/event-stream": {"schema": _ref("schemas", "Event")},
+                },
+                **ratelimit,
+            ),
+            "400": _error(
+                "Malformed JSON, a wrong type or out-of-range value (`param` names the field), "
+                "a malformed X-Tenant-Id, or a prompt that can never fit the backend."
+            ),
+            "401": _error("Unknown or missing key, or a tenant header without the secret."),
+            "404": _error("The model is not served (`model_not_found`)."),
+            "408": _error(
+                "The body did not arrive within `server.body_timeout_s` (`request_timeout`)."
+            ),
+            "413": _error(f"The body is over {max_body_bytes} bytes."),
+            "415": _error("The body was declared as something other than JSON."),
+            "429": _error(
+                "Over the tenant's quota (`rate_limit_exceeded`; no Retry-After when the "
+                "request alone is larger than the quota), the tier's queue is full "
+                "(`queue_full`), or too many failed authentications (below).\n\n" + _AUTH_THROTTLED,
+                retry_after=True,
+            ),
+            "500": _ref("responses", "InternalError"),
+            "502": _error("The backend failed the request (`backend_error`)."),
+            "503": _error(
+                "Overloaded (`overloaded`), backend unavailable (`backend_unavailable`), "
+                "the gateway stopping (`shutting_down`) or the quota store down with "
+                "fail_closed (`quota_store_unavailable`).",
+                retry_after=True,
+            ),
+            "504": _error("Still queued at the tier's deadline (`queue_timeout`)."),
+        },
+    }
+
+
+def _admin_operation(summary: str, response_schema: str, *, reload: bool = False) -> dict[str, Any]:
+    responses: dict[str, Any] = {
+        "200": _ok(summary, _json(_ref("schemas", response_schema))),
+    }
+    if reload:
+        responses["400"] = _error(
+            "The new policy was refused (`policy_rejected`) with every problem; the running "
+            "policy stays."
+        )
+    responses["401"] = _error("No admin token, or a wrong one, as a Bearer token.")
+    responses["404"] = _error(
+        "The admin endpoints are disabled: `server.admin_token_env` is unset or its variable empty."
+    )
+    responses["429"] = _error(_AUTH_THROTTLED, retry_after=True)
+    responses["500"] = _ref("responses", "InternalError")
+    return {"summary": summary, "security": [{"adminToken": []}], "responses": responses}
+
+
+def _open_get(summary: str, response: dict[str, Any], **more: Any) -> dict[str, Any]:
+    responses = {"200": response, **more, "500": _ref("responses", "InternalError")}
+    return {"get": {"summary": summary, "security": [], "responses": responses}}
+
+
+def build_openapi(models: Sequence[str] = (), *, max_body_bytes: int) -> dict[str, Any]:
+    """The document for a gateway whose backend serves `models` (empty: the
+    backend cannot list them) and which reads bodies up to `max_body_bytes`."""
+    status = _json(_ref("schemas", "Status"))
+    return {
+        "openapi": OPENAPI_VERSION,
+        "info": {
+            "title": "qosgate",
+            "version": "1",
+            "description": (
+                "An OpenAI-compatible QoS gateway for LLM inference. Every error has OpenAI's "
+                'shape: {"error": {"message", "type", "code", "param"}}. A method a path does '
+                "not list is answered 405 with Allow, an unknown path 404."
+            ),
+        },
+        "paths": {
+            "/v1/chat/completions": {
+                "post": _completion_operation(
+                    "Chat completion", "ChatCompletionRequest", "ChatCompletion", max_body_bytes
+                )
+            },
+            "/v1/completions": {
+                "post": _completion_operation(
+                    "Text completion", "CompletionRequest", "Completion", max_body_bytes
+                )
+            },
+            "/v1/models": {
+                "get": {
+                    "summary": "The models the backend serves",
+                    "security": [{"apiKey": []}, {"tenantHeader": [], "gatewaySecret": []}],
+                    "responses": {
+                        "200": _ok("The models.", _json(_ref("schemas", "ModelList"))),
+                        "400": _error("A malformed X-Tenant-Id."),
+                        "401": _error("Unknown or missing key."),
+                        "429": _error(_AUTH_THROTTLED, retry_after=True),
+                        "500": _ref("responses", "InternalError"),
+                    },
+                }
+            },
+            "/healthz": _open_get("Liveness", _ok("The process is alive.", status)),
+            "/readyz": _open_get(
+                "Readiness",
+                _ok("The backend is ready.", status),
+                **{
+                    "503": _error(
+                        "The backend is not ready (`not_ready`) or the gateway is stopping "
+                        "(`shutting_down`).",
+                        retry_after=True,
+                    )
+                },
+            ),
+            "/metrics": _open_get(
+                "Prometheus metrics",
+                _ok("The exposition format.", {"text/plain": {"schema": {"type": "string"}}}),
+            ),
+            "/dashboard": _open_get(
+                "The live dashboard page; it reads /admin/stats with the admin token",
+                _ok("The page.", {"text/html": {"schema": {"type": "string"}}}),
+            ),
+            "/openapi.json": _open_get(
+                "This document", _ok("The OpenAPI document.", _json({"type": "object"}))
+            ),
+            "/admin/stats": {
+                "get": _admin_operation("Queues, backend, outcomes, SLOs and quotas", "Stats")
+            },
+            "/admin/quotas": {"get": _admin_operation("Each tenant's quota use", "Quotas")},
+            "/admin/reload": {
+                "post": _admin_operation(
+                    "Re-read the policy file (as SIGHUP does)", "Reloaded", reload=True
+                )
+            },
+        },
+        "components": {
+            "securitySchemes": {
+                "apiKey": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "A tenant's API key.",
+                },
+                "tenantHeader": {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": "X-Tenant-Id",
+                    "description": "The tenant, from a front gateway that authenticated it.",
+                },
+                "gatewaySecret": {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": "X-Gateway-Secret",
+                    "description": "The front gateway's shared secret; required with X-Tenant-Id.",
+                },
+                "adminToken": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "The token in the variable `server.admin_token_env` names.",
+                },
+            },
+            "headers": {
+                "RequestId": {
+                    "required": True,
+                    "description": "The request's id, as logged.",
+                    "schema": {"type": "string"},
+                },
+                "RetryAfter": {
+                    "description": "Whole seconds after which a retry may succeed (at least 1).",
+                    "schema": {"type": "integer", "minimum": 1},
+                },
+                "RateLimit": {
+                    "description": "OpenAI's rate-limit headers, for a tenant with quotas.",
+                    "schema": {"type": "string"},
+                },
+            },
+            "responses": {
+                "InternalError": _error("A bug in the gateway (`internal_error`)."),
+            },
+            "schemas": _schemas(models),
+        },
+    }
