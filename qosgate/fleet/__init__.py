@@ -1,0 +1,19 @@
+"""Distributed mode: a shared per-tier work queue that gateway replicas fill
+and engine nodes drain under leases (memory and Redis stores)."""
+
+from .model import FleetTier, FleetTiers, Lease, WorkItem, boost, effective_level, pick_tier
+from .store import ItemStatus, MemoryWorkQueue, WorkQueue, WorkQueueError
+
+__all__ = [
+    "FleetTier",
+    "FleetTiers",
+    "ItemStatus",
+    "Lease",
+    "MemoryWorkQueue",
+    "WorkItem",
+    "WorkQueue",
+    "WorkQueueError",
+    "boost",
+    "effective_level",
+    "pick_tier",
+]

@@ -1,0 +1,140 @@
+"""Distributed mode, sans I/O: what a shared work queue holds and which tier
+an engine node takes from next.
+
+Gateway replicas put requests into one queue per tier in a shared store;
+engine nodes pull the globally most urgent work when they have room. The
+rule for "most urgent" lives here, once, so that the memory store, the Redis
+store's Lua and the tests all answer to the same definition.
+
+Across tiers: the lowest effective level goes first, where a tier's level is
+its priority less the ageing boost its oldest queued item has earned (one
+level per `aging.interval_ms`, at most `aging.max_boost`). Equal levels go to
+the lower base priority, so an aged item overtakes a fresher, more important
+tier only once it is strictly ahead of it; then to the older head; then to
+the tier name, so that the choice never depends on iteration order.
+
+Within a tier, this first increment is FIFO by arrival (ties by item id).
+Weighted fairness between tenants of a tier (VTC, as the in-process
+scheduler does it) comes in a later increment.
+
+This deliberately differs from the in-process scheduler (qosgate/core),
+which ages only `on_timeout: delay` tiers and only after their queue budget,
+floors levels at 0, and breaks level ties by the older head first: the fleet
+queue has no admission budget yet, so it ages from arrival.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from qosgate.config.models import PolicyConfig
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    """One request waiting for, or held by, an engine node."""
+
+    id: str
+    tier: str
+    tenant: str
+    arrival: float
+    """Wall-clock seconds when the gateway first queued it; kept across
+    re-queues so that a lost lease does not send the item to the back."""
+    payload: bytes
+    attempt: int = 0
+    """How many leases of this item ended without completing it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A node's claim on an item until `expires_at` unless renewed."""
+
+    item: WorkItem
+    node: str
+    token: int
+    """Fencing token, increasing per store: after a lease is lost and the item
+    re-leased, only the newer token can complete or renew it."""
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class FleetTier:
+    name: str
+    priority: int
+
+
+@dataclass(frozen=True, slots=True)
+class FleetTiers:
+    """The inputs of the tier choice. `tiers` is in (priority, name) order,
+    the order ties are settled in, so both stores iterate it as given."""
+
+    tiers: tuple[FleetTier, ...]
+    interval_s: float
+    max_boost: int
+
+    def __post_init__(self) -> None:
+        if not self.tiers:
+            raise ValueError("at least one tier")
+        if len({t.name for t in self.tiers}) != len(self.tiers):
+            raise ValueError("duplicate tier name")
+        if self.interval_s <= 0 or self.max_boost < 0:
+            raise ValueError("aging interval must be > 0 and max_boost >= 0")
+        ordered = tuple(sorted(self.tiers, key=lambda t: (t.priority, t.name)))
+        object.__setattr__(self, "tiers", ordered)
+
+    @classmethod
+    def of(cls, priorities: Mapping[str, int], *, interval_s: float, max_boost: int) -> FleetTiers:
+        return cls(
+            tuple(FleetTier(name, p) for name, p in priorities.items()), interval_s, max_boost
+        )
+
+    @classmethod
+    def from_config(cls, policy: PolicyConfig) -> FleetTiers:
+        sched = policy.scheduler
+        interval_s = sched.aging.interval_ms / 1000.0
+        if sched.policy == "fcfs":
+            # One FIFO: equal priorities and no ageing leave only the head's age.
+            return cls.of(dict.fromkeys(policy.tiers, 0), interval_s=interval_s, max_boost=0)
+        max_boost = sched.aging.max_boost if sched.policy == "qos" else 0
+        return cls.of(
+            {name: tier.priority for name, tier in policy.tiers.items()},
+            interval_s=interval_s,
+            max_boost=max_boost,
+        )
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tiers)
+
+    def __contains__(self, name: object) -> bool:
+        return any(t.name == name for t in self.tiers)
+
+
+def boost(oldest_arrival: float, now: float, interval_s: float, max_boost: int) -> int:
+    """Levels a tier has climbed by `now` because of its oldest item's wait."""
+    if max_boost <= 0 or now <= oldest_arrival:
+        # A replica's clock a little ahead of ours must not make a wait negative.
+        return 0
+    levels = math.floor((now - oldest_arrival) / interval_s)
+    return min(max_boost, levels)
+
+
+def effective_level(priority: int, oldest_arrival: float, now: float, tiers: FleetTiers) -> int:
+    return priority - boost(oldest_arrival, now, tiers.interval_s, tiers.max_boost)
+
+
+def pick_tier(tiers: FleetTiers, oldest: Mapping[str, float], now: float) -> str | None:
+    """The tier to take the next item from, given each non-empty tier's oldest
+    arrival; None when every tier is empty. Mirrored by `_PICK` in
+    redis_store.py: change both together."""
+    best: str | None = None
+    best_key: tuple[int, int, float] | None = None
+    for tier in tiers.tiers:
+        head = oldest.get(tier.name)
+        if head is None:
+            continue
+        key = (effective_level(tier.priority, head, now, tiers), tier.priority, head)
+        if best_key is None or key < best_key:
+            best, best_key = tier.name, key
+    return best

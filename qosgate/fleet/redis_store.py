@@ -1,0 +1,299 @@
+"""The fleet work queue in Redis: many gateways enqueue, many engine nodes claim.
+
+Claim (reclaim expired leases, pick a tier, lease), renew, complete, release
+and enqueue are each one Lua script, so two nodes can never lease one item
+and a stale holder can never complete an item someone else now holds. The
+scripts do only that; everything else (building items, depth, status) is
+plain commands.
+
+Keys, all under `{<prefix>}fleet:` (the braces put them in one cluster slot,
+which the scripts need since they touch every tier):
+  q:<tier>  sorted set, item id -> arrival
+  tier, tenant, arrival, attempt, payload   hashes, item id -> field
+  holder, node   hashes, item id -> fencing token / node of the live lease
+  expiry    sorted set, item id -> lease end
+  done      set of completed ids (what refuses a duplicate enqueue)
+  token     counter of fencing tokens
+Arrivals and lease ends go in and out as Python's `repr` of the float, never
+through a Lua number: Redis writes Lua numbers with 14 significant digits,
+which would move a wall-clock time by up to a tenth of a millisecond and make
+this store disagree with the memory one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from .model import FleetTiers, Lease, WorkItem
+from .store import ItemStatus, WorkQueue, WorkQueueError
+
+_FIELDS = (
+    "tier",
+    "tenant",
+    "arrival",
+    "attempt",
+    "payload",
+    "holder",
+    "node",
+    "expiry",
+    "done",
+    "token",
+)
+# The prelude's K_* constants and `KEYS[10 + i]` for tier i's queue assume this.
+assert len(_FIELDS) == 10
+
+# Every script gets the same KEYS (the fields above, then one queue per tier
+# in FleetTiers order) and, from ARGV[_TIER_ARGS], the tier count and names.
+_PRELUDE = """
+local K_TIER, K_TENANT, K_ARRIVAL, K_ATTEMPT, K_PAYLOAD = 1, 2, 3, 4, 5
+local K_HOLDER, K_NODE, K_EXPIRY, K_DONE, K_TOKEN = 6, 7, 8, 9, 10
+local function tier_args(at)
+  local n = tonumber(ARGV[at])
+  local names, qkey = {}, {}
+  for i = 1, n do
+    names[i] = ARGV[at + i]
+    qkey[names[i]] = KEYS[10 + i]
+  end
+  return n, names, qkey, at + n + 1
+end
+local function requeue(id, qkey)
+  redis.call('HDEL', KEYS[K_HOLDER], id)
+  redis.call('HDEL', KEYS[K_NODE], id)
+  redis.call('ZREM', KEYS[K_EXPIRY], id)
+  redis.call('HINCRBY', KEYS[K_ATTEMPT], id, 1)
+  local tier = redis.call('HGET', KEYS[K_TIER], id)
+  redis.call('ZADD', qkey[tier], redis.call('HGET', KEYS[K_ARRIVAL], id), id)
+end
+local function holds(id, token)
+  return redis.call('HGET', KEYS[K_HOLDER], id) == token
+end
+"""
+
+# ARGV: id, tier, tenant, arrival, payload, attempt, then the tier args.
+_ENQUEUE = (
+    _PRELUDE
+    + """
+local id = ARGV[1]
+local _, _, qkey = tier_args(7)
+if redis.call('HEXISTS', KEYS[K_TIER], id) == 1
+    or redis.call('SISMEMBER', KEYS[K_DONE], id) == 1 then
+  return 0
+end
+redis.call('HSET', KEYS[K_TIER], id, ARGV[2])
+redis.call('HSET', KEYS[K_TENANT], id, ARGV[3])
+redis.call('HSET', KEYS[K_ARRIVAL], id, ARGV[4])
+redis.call('HSET', KEYS[K_PAYLOAD], id, ARGV[5])
+redis.call('HSET', KEYS[K_ATTEMPT], id, ARGV[6])
+redis.call('ZADD', qkey[ARGV[2]], ARGV[4], id)
+return 1
+"""
+)
+
+# ARGV: now, node, max_items, expires_at, interval_s, max_boost, then the tier
+# args, then one priority per tier. Returns one [id, tier, tenant, arrival,
+# payload, attempt, token] per lease.
+# The tier choice is model.pick_tier: change both together.
+_CLAIM = (
+    _PRELUDE
+    + """
+local now = tonumber(ARGV[1])
+local node = ARGV[2]
+local max_items = tonumber(ARGV[3])
+local expires_at = ARGV[4]
+local interval = tonumber(ARGV[5])
+local max_boost = tonumber(ARGV[6])
+local n, names, qkey, at = tier_args(7)
+local prio = {}
+for i = 1, n do prio[i] = tonumber(ARGV[at + i - 1]) end
+
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[K_EXPIRY], '-inf', ARGV[1])) do
+  requeue(id, qkey)
+end
+
+local out = {}
+while #out < max_items do
+  local best, best_level, best_prio, best_head, best_id
+  for i = 1, n do
+    local head = redis.call('ZRANGE', qkey[names[i]], 0, 0)
+    if head[1] then
+      local arrival = tonumber(redis.call('HGET', KEYS[K_ARRIVAL], head[1]))
+      local boost = 0
+      if max_boost > 0 and now > arrival then
+        boost = math.floor((now - arrival) / interval)
+        if boost > max_boost then boost = max_boost end
+      end
+      local level = prio[i] - boost
+      if best == nil or level < best_level
+          or (level == best_level and (prio[i] < best_prio
+              or (prio[i] == best_prio and arrival < best_head))) then
+        best, best_level, best_prio, best_head, best_id = i, level, prio[i], arrival, head[1]
+      end
+    end
+  end
+  if best == nil then break end
+  local id = best_id
+  redis.call('ZREM', qkey[names[best]], id)
+  local token = redis.call('INCR', KEYS[K_TOKEN])
+  redis.call('HSET', KEYS[K_HOLDER], id, token)
+  redis.call('HSET', KEYS[K_NODE], id, node)
+  redis.call('ZADD', KEYS[K_EXPIRY], expires_at, id)
+  out[#out + 1] = {id, names[best], redis.call('HGET', KEYS[K_TENANT], id),
+                   redis.call('HGET', KEYS[K_ARRIVAL], id),
+                   redis.call('HGET', KEYS[K_PAYLOAD], id),
+                   redis.call('HGET', KEYS[K_ATTEMPT], id), token}
+end
+return out
+"""
+)
+
+# ARGV: id, token, expires_at, then the tier args.
+_RENEW = (
+    _PRELUDE
+    + """
+if not holds(ARGV[1], ARGV[2]) then return 0 end
+redis.call('ZADD', KEYS[K_EXPIRY], 'XX', ARGV[3], ARGV[1])
+return 1
+"""
+)
+
+# ARGV: id, token, then the tier args.
+_COMPLETE = (
+    _PRELUDE
+    + """
+local id = ARGV[1]
+if not holds(id, ARGV[2]) then return 0 end
+for _, k in ipairs({K_TIER, K_TENANT, K_ARRIVAL, K_ATTEMPT, K_PAYLOAD, K_HOLDER, K_NODE}) do
+  redis.call('HDEL', KEYS[k], id)
+end
+redis.call('ZREM', KEYS[K_EXPIRY], id)
+redis.call('SADD', KEYS[K_DONE], id)
+return 1
+"""
+)
+
+# ARGV: id, token, then the tier args.
+_RELEASE = (
+    _PRELUDE
+    + """
+local _, _, qkey = tier_args(3)
+if not holds(ARGV[1], ARGV[2]) then return 0 end
+requeue(ARGV[1], qkey)
+return 1
+"""
+)
+
+
+class RedisWorkQueue(WorkQueue):
+    """Queues in Redis, shared by every gateway and engine node pointed at it."""
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        tiers: FleetTiers,
+        *,
+        key_prefix: str = "qosgate:",
+        socket_timeout_s: float = 0.5,
+        client: aioredis.Redis | None = None,
+    ) -> None:
+        super().__init__(tiers)
+        if client is None:
+            client = aioredis.Redis.from_url(
+                url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
+            )
+        self._redis = client
+        base = f"{{{key_prefix}}}fleet:"
+        self._field = {name: base + name for name in _FIELDS}
+        self._queue = {tier: f"{base}q:{tier}" for tier in tiers.names()}
+        self._keys = [self._field[name] for name in _FIELDS]
+        self._keys += [self._queue[tier] for tier in tiers.names()]
+        self._tier_args = [len(tiers.tiers), *tiers.names()]
+        self._enqueue = self._redis.register_script(_ENQUEUE)
+        self._claim = self._redis.register_script(_CLAIM)
+        self._renew = self._redis.register_script(_RENEW)
+        self._complete = self._redis.register_script(_COMPLETE)
+        self._release = self._redis.register_script(_RELEASE)
+
+    async def _guard(self, call: Any) -> Any:
+        try:
+            return await call
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise WorkQueueError(f"redis unreachable: {exc}") from exc
+        except RedisError as exc:
+            raise WorkQueueError(f"redis failed: {exc}") from exc
+
+    async def _run(self, script: Any, args: list[Any]) -> Any:
+        return await self._guard(script(keys=self._keys, args=args))
+
+    async def enqueue(self, item: WorkItem) -> None:
+        self._check_tier(item)
+        args = [item.id, item.tier, item.tenant, repr(item.arrival), item.payload, item.attempt]
+        if not await self._run(self._enqueue, [*args, *self._tier_args]):
+            raise ValueError(f"duplicate work item id {item.id!r}")
+
+    async def claim(self, node: str, max_items: int, now: float, lease_s: float) -> list[Lease]:
+        expires_at = now + lease_s
+        args: list[Any] = [
+            repr(now), node, max_items, repr(expires_at),
+            repr(self.tiers.interval_s), self.tiers.max_boost,
+            *self._tier_args, *(t.priority for t in self.tiers.tiers),
+        ]  # fmt: skip
+        rows = await self._run(self._claim, args)
+        leases = []
+        for item_id, tier, tenant, arrival, payload, attempt, token in rows:
+            item = WorkItem(
+                id=item_id.decode(),
+                tier=tier.decode(),
+                tenant=tenant.decode(),
+                arrival=float(arrival),
+                payload=bytes(payload),
+                attempt=int(attempt),
+            )
+            leases.append(Lease(item, node, int(token), expires_at))
+        return leases
+
+    async def renew(self, lease: Lease, now: float, lease_s: float) -> Lease | None:
+        expires_at = now + lease_s
+        args = [lease.item.id, lease.token, repr(expires_at), *self._tier_args]
+        if not await self._run(self._renew, args):
+            return None
+        return Lease(lease.item, lease.node, lease.token, expires_at)
+
+    async def complete(self, lease: Lease) -> bool:
+        args = [lease.item.id, lease.token, *self._tier_args]
+        return bool(await self._run(self._complete, args))
+
+    async def release(self, lease: Lease) -> bool:
+        args = [lease.item.id, lease.token, *self._tier_args]
+        return bool(await self._run(self._release, args))
+
+    async def depth(self) -> dict[str, int]:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for key in self._queue.values():
+                pipe.zcard(key)
+            counts = await self._guard(pipe.execute())
+        return dict(zip(self._queue, map(int, counts)))
+
+    async def leased(self) -> int:
+        return int(await self._guard(self._redis.hlen(self._field["holder"])))
+
+    async def status(self, item_id: str) -> ItemStatus | None:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hexists(self._field["holder"], item_id)
+            pipe.hexists(self._field["tier"], item_id)
+            pipe.sismember(self._field["done"], item_id)
+            held, known, done = await self._guard(pipe.execute())
+        if held:
+            return "leased"
+        if known:
+            return "queued"
+        return "completed" if done else None
+
+    async def close(self) -> None:
+        await self._redis.aclose()

@@ -1,0 +1,306 @@
+"""One conformance suite for every WorkQueue: memory and a real Redis.
+
+Every test takes the queue from the `queue` fixture, which runs it once per
+kind; time is passed in (`now`), so nothing sleeps. A differential test then
+drives both stores with the same random operations and asserts they answer
+alike and that every item is, after every step, exactly one of queued,
+leased or completed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import uuid
+
+import pytest
+
+from qosgate.config.models import PolicyConfig
+from qosgate.fleet import FleetTiers, Lease, MemoryWorkQueue, WorkItem, WorkQueue, pick_tier
+from qosgate.fleet.redis_store import RedisWorkQueue
+
+T0 = 1_700_000_000.0
+LEASE = 10.0
+INTERVAL = 2.0
+TIERS = FleetTiers.of({"gold": 0, "silver": 1, "bronze": 3}, interval_s=INTERVAL, max_boost=2)
+
+
+def make_queue(kind: str, request, tiers: FleetTiers = TIERS) -> WorkQueue:
+    if kind == "memory":
+        return MemoryWorkQueue(tiers)
+    server = request.getfixturevalue("redis_server")
+    return RedisWorkQueue(server.url, tiers, key_prefix=f"test-{uuid.uuid4().hex[:8]}:")
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def queue(request):
+    store = make_queue(request.param, request)
+    yield store
+    await store.close()
+
+
+def item(id: str, tier: str, arrival: float, tenant: str = "t", payload: bytes = b"") -> WorkItem:
+    return WorkItem(
+        id=id, tier=tier, tenant=tenant, arrival=arrival, payload=payload or id.encode()
+    )
+
+
+async def ids(queue: WorkQueue, now: float, max_items: int = 10, node: str = "n1") -> list[str]:
+    return [lease.item.id for lease in await queue.claim(node, max_items, now, LEASE)]
+
+
+# -- the tier choice, pure ----------------------------------------------------
+
+
+def test_pick_tier_ages_one_level_per_interval_up_to_max_boost():
+    # silver (1) waiting 3.999 s has climbed one level: tied with fresh gold,
+    # and a tie goes to the lower base priority.
+    assert pick_tier(TIERS, {"gold": T0 + 3.999, "silver": T0}, T0 + 3.999) == "gold"
+    assert pick_tier(TIERS, {"gold": T0 + 4.0, "silver": T0}, T0 + 4.0) == "silver"
+    # bronze (3) can climb only two levels: to silver's level, never past it.
+    assert pick_tier(TIERS, {"silver": T0 + 1e6, "bronze": T0}, T0 + 1e6) == "silver"
+    assert pick_tier(TIERS, {}, T0) is None
+    # Same level and base priority: the older head.
+    equal = FleetTiers.of({"a": 1, "b": 1}, interval_s=1.0, max_boost=0)
+    assert pick_tier(equal, {"a": T0 + 1, "b": T0}, T0 + 5) == "b"
+    # A head from a clock slightly ahead does not age backwards.
+    assert pick_tier(TIERS, {"gold": T0 + 5, "silver": T0 + 5}, T0) == "gold"
+
+
+def test_fleet_tiers_from_config_follow_the_scheduling_policy():
+    tiers = {"gold": {"priority": 0}, "bronze": {"priority": 2}}
+    aging = {"interval_ms": 500, "max_boost": 3}
+    qos = FleetTiers.from_config(
+        PolicyConfig.model_validate({"tiers": tiers, "scheduler": {"aging": aging}})
+    )
+    assert [(t.name, t.priority) for t in qos.tiers] == [("gold", 0), ("bronze", 2)]
+    assert (qos.interval_s, qos.max_boost) == (0.5, 3)
+    strict = FleetTiers.from_config(
+        PolicyConfig.model_validate(
+            {"tiers": tiers, "scheduler": {"policy": "strict", "aging": aging}}
+        )
+    )
+    assert strict.max_boost == 0
+    fcfs = FleetTiers.from_config(
+        PolicyConfig.model_validate({"tiers": tiers, "scheduler": {"policy": "fcfs"}})
+    )
+    assert {t.priority for t in fcfs.tiers} == {0} and fcfs.max_boost == 0
+
+
+# -- ordering -----------------------------------------------------------------
+
+
+async def test_claims_follow_priority_across_tiers(queue):
+    await queue.enqueue(item("b", "bronze", T0))
+    await queue.enqueue(item("s", "silver", T0 + 0.1))
+    await queue.enqueue(item("g", "gold", T0 + 0.2))
+    assert await ids(queue, T0 + 0.3) == ["g", "s", "b"]
+
+
+async def test_an_aged_item_overtakes_fresh_higher_tier_work_exactly_at_its_boost(queue):
+    await queue.enqueue(item("old-silver", "silver", T0))
+    await queue.enqueue(item("g1", "gold", T0 + 3.999))
+    # One level up: tied with gold, which keeps its place.
+    assert await ids(queue, T0 + 3.999, 1) == ["g1"]
+    await queue.enqueue(item("g2", "gold", T0 + 4.0))
+    # Two levels up: strictly ahead of gold.
+    assert await ids(queue, T0 + 4.0, 1) == ["old-silver"]
+    assert await ids(queue, T0 + 4.0) == ["g2"]
+
+
+async def test_boost_stops_at_max_boost(queue):
+    await queue.enqueue(item("old-bronze", "bronze", T0))
+    await queue.enqueue(item("s", "silver", T0 + 1000))
+    assert await ids(queue, T0 + 1000) == ["s", "old-bronze"]
+
+
+async def test_the_tier_is_picked_again_for_every_item_of_a_claim(queue):
+    await queue.enqueue(item("s-old", "silver", T0))
+    await queue.enqueue(item("s-new", "silver", T0 + 10))
+    await queue.enqueue(item("g", "gold", T0 + 10))
+    # Once s-old is taken, silver's head is fresh again and gold comes first.
+    assert await ids(queue, T0 + 10) == ["s-old", "g", "s-new"]
+
+
+async def test_fifo_by_arrival_within_a_tier_then_by_id(queue):
+    await queue.enqueue(item("third", "gold", T0 + 2))
+    await queue.enqueue(item("first", "gold", T0))
+    await queue.enqueue(item("b-second", "gold", T0 + 1))
+    await queue.enqueue(item("a-second", "gold", T0 + 1))
+    assert await ids(queue, T0 + 3) == ["first", "a-second", "b-second", "third"]
+
+
+async def test_claim_hands_back_the_item_and_a_lease(queue):
+    work = WorkItem("r1", "silver", "acme", T0 + 0.123456789, b"\x00\xffbody")
+    await queue.enqueue(work)
+    assert await queue.claim("n1", 0, T0 + 1, LEASE) == []
+    [lease] = await queue.claim("n1", 5, T0 + 1, LEASE)
+    assert lease == Lease(work, "n1", lease.token, T0 + 1 + LEASE)
+    assert await queue.depth() == {"gold": 0, "silver": 0, "bronze": 0}
+    assert await queue.leased() == 1
+    assert await queue.status("r1") == "leased"
+    assert await queue.status("never") is None
+
+
+# -- leases -------------------------------------------------------------------
+
+
+async def test_an_expired_lease_returns_at_its_arrival_and_the_old_holder_is_fenced(queue):
+    await queue.enqueue(item("a", "gold", T0))
+    [stale] = await queue.claim("dead", 1, T0, LEASE)
+    await queue.enqueue(item("b", "gold", T0 + 5))
+    # Not yet expired: nothing for another node but b.
+    assert await ids(queue, T0 + LEASE - 0.001, 1, "live") == ["b"]
+    [fresh] = await queue.claim("live", 1, T0 + LEASE, LEASE)
+    assert fresh.item == dataclasses.replace(stale.item, attempt=1)
+    assert fresh.item.arrival == T0 and fresh.node == "live"
+    assert fresh.token > stale.token
+    assert await queue.complete(stale) is False
+    assert await queue.renew(stale, T0 + LEASE, LEASE) is None
+    assert await queue.release(stale) is False
+    assert await queue.status("a") == "leased"
+    assert await queue.complete(fresh) is True
+
+
+async def test_an_expired_lease_nobody_reclaimed_yet_can_still_complete(queue):
+    await queue.enqueue(item("a", "gold", T0))
+    [lease] = await queue.claim("slow", 1, T0, LEASE)
+    # Past its end, but no claim has taken it back: the holder still holds it.
+    late = await queue.renew(lease, T0 + LEASE + 1, LEASE)
+    assert late is not None and late.expires_at == T0 + 2 * LEASE + 1
+    assert await queue.complete(late) is True
+    assert await ids(queue, T0 + 2 * LEASE) == []
+
+
+async def test_renew_keeps_the_lease(queue):
+    await queue.enqueue(item("a", "gold", T0))
+    [lease] = await queue.claim("n1", 1, T0, LEASE)
+    renewed = await queue.renew(lease, T0 + 8, LEASE)
+    assert renewed == Lease(lease.item, "n1", lease.token, T0 + 8 + LEASE)
+    assert await ids(queue, T0 + 15, 1, "n2") == []
+    assert await queue.leased() == 1
+    assert await queue.complete(renewed) is True
+    # Past the renewed end, had it not completed, it would have gone back.
+    assert await ids(queue, T0 + 30) == []
+
+
+async def test_complete_is_true_exactly_once(queue):
+    await queue.enqueue(item("a", "gold", T0))
+    [lease] = await queue.claim("n1", 1, T0, LEASE)
+    assert await queue.complete(lease) is True
+    assert await queue.complete(lease) is False
+    assert await queue.renew(lease, T0 + 1, LEASE) is None
+    assert await queue.release(lease) is False
+    assert await queue.status("a") == "completed"
+    assert await queue.leased() == 0
+    assert sum((await queue.depth()).values()) == 0
+
+
+async def test_release_gives_the_item_back_at_once_at_its_arrival(queue):
+    await queue.enqueue(item("a", "silver", T0))
+    await queue.enqueue(item("b", "silver", T0 + 1))
+    [lease] = await queue.claim("leaving", 1, T0 + 2, LEASE)
+    assert lease.item.id == "a"
+    assert await queue.release(lease) is True
+    assert await queue.status("a") == "queued"
+    assert await queue.depth() == {"gold": 0, "silver": 2, "bronze": 0}
+    assert await queue.leased() == 0
+    [again] = await queue.claim("other", 1, T0 + 2, LEASE)
+    assert (again.item.id, again.item.arrival, again.item.attempt) == ("a", T0, 1)
+    assert await queue.release(lease) is False
+    assert await queue.complete(lease) is False
+
+
+async def test_duplicate_ids_are_refused_whatever_state_the_first_is_in(queue):
+    await queue.enqueue(item("a", "gold", T0))
+    with pytest.raises(ValueError, match="duplicate"):
+        await queue.enqueue(item("a", "silver", T0 + 1))
+    [lease] = await queue.claim("n1", 1, T0, LEASE)
+    with pytest.raises(ValueError, match="duplicate"):
+        await queue.enqueue(item("a", "gold", T0))
+    assert await queue.complete(lease)
+    with pytest.raises(ValueError, match="duplicate"):
+        await queue.enqueue(item("a", "gold", T0))
+    with pytest.raises(ValueError, match="unknown tier"):
+        await queue.enqueue(item("x", "platinum", T0))
+    assert await queue.depth() == {"gold": 0, "silver": 0, "bronze": 0}
+
+
+# -- both stores, same random operations ---------------------------------------
+
+
+async def test_stores_agree_on_random_operations_and_lose_nothing(request):
+    rng = random.Random(20240611)
+    tiers = FleetTiers.of(
+        {"gold": 0, "silver": 1, "bronze": 2, "batch": 5}, interval_s=0.75, max_boost=3
+    )
+    stores = [make_queue("memory", request, tiers), make_queue("redis", request, tiers)]
+    now = T0 + 0.1
+    enqueued: list[str] = []
+    completed: set[str] = set()
+    # Every lease ever handed out, per store, stale ones included.
+    leases: list[tuple[Lease, Lease]] = []
+
+    async def both(method: str, *args):
+        results = []
+        for store in stores:
+            try:
+                results.append(await getattr(store, method)(*args))
+            except ValueError as exc:
+                results.append(("ValueError", str(exc)))
+        assert results[0] == results[1], results
+        return results
+
+    try:
+        for step in range(300):
+            roll = rng.random()
+            if roll < 0.3:
+                fresh = rng.random() > 0.1 or not enqueued
+                item_id = f"r{len(enqueued)}" if fresh else rng.choice(enqueued)
+                work = WorkItem(
+                    id=item_id,
+                    tier=rng.choice(tiers.names()),
+                    tenant=rng.choice(["a", "b"]),
+                    arrival=now - rng.uniform(-0.2, 4.0),
+                    payload=rng.randbytes(rng.randrange(0, 8)),
+                )
+                await both("enqueue", work)
+                if fresh:
+                    enqueued.append(item_id)
+            elif roll < 0.55:
+                node = rng.choice(["n1", "n2", "n3"])
+                max_items, lease_s = rng.randrange(0, 4), rng.choice([0.5, 1.0, 2.5])
+                got = await both("claim", node, max_items, now, lease_s)
+                leases += zip(got[0], got[1])
+            elif roll < 0.85 and leases:
+                pair = rng.choice(leases)
+                action = rng.choice(["renew", "complete", "complete", "release"])
+                if action == "renew":
+                    lease_s = rng.choice([0.5, 2.0])
+                    got = [await s.renew(pair[i], now, lease_s) for i, s in enumerate(stores)]
+                    assert got[0] == got[1]
+                    if got[0] is not None:
+                        leases.append((got[0], got[1]))
+                elif action == "complete":
+                    got = [await s.complete(pair[i]) for i, s in enumerate(stores)]
+                    assert got[0] == got[1]
+                    if got[0]:
+                        assert pair[0].item.id not in completed, "completed twice"
+                        completed.add(pair[0].item.id)
+                else:
+                    got = [await s.release(pair[i]) for i, s in enumerate(stores)]
+                    assert got[0] == got[1]
+            else:
+                now += rng.choice([0.0, 0.25, 0.5, 0.75, 1.0, 2.0])
+
+            depth, leased = await both("depth"), await both("leased")
+            for store in stores:
+                statuses = [await store.status(i) for i in enqueued]
+                assert None not in statuses, f"step {step}: an item was lost"
+                assert statuses.count("queued") == sum(depth[0].values())
+                assert statuses.count("leased") == leased[0]
+                assert {i for i, s in zip(enqueued, statuses) if s == "completed"} == completed
+        assert completed and leases, "the run exercised too little"
+    finally:
+        for store in stores:
+            await store.close()
