@@ -210,3 +210,52 @@ async def hang_after_one(job: GenerationJob) -> AsyncIterator[Chunk]:
     yield Chunk(text="first ", tokens=1)
     await asyncio.Event().wait()  # until the consumer closes us
     yield Chunk(text="never", tokens=1, finish_reason="stop")
+
+
+class Served:
+    """`qosgate serve` itself (its timeouts and its stop are what some tests
+    test) in a task of the test's loop, on a free loopback port. Setting
+    `stop` stops it as SIGTERM would; leaving the block does that and waits."""
+
+    WAIT_S = 10.0
+
+    def __init__(
+        self,
+        policy: PolicyConfig,
+        *,
+        gateway: Gateway | None = None,
+        environ: dict[str, str] | None = None,
+    ) -> None:
+        self.policy = policy
+        self.gateway = gateway
+        self.environ = environ or ENV
+        self.stop = asyncio.Event()
+        self.host = "127.0.0.1"
+        self.port = 0
+        self.url = ""
+        """Base URL of the server (no /v1)."""
+        self.task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Served:
+        from qosgate.http.server import serve
+
+        listening = asyncio.Event()
+
+        def ready(api_url: str) -> None:
+            self.url = api_url.removesuffix("/v1")
+            self.port = int(self.url.rsplit(":", 1)[1])
+            listening.set()
+
+        self.task = asyncio.create_task(serve(
+            self.policy, self.host, 0, environ=self.environ, on_ready=ready, stop=self.stop,
+            gateway=self.gateway,
+        ))  # fmt: skip
+        async with asyncio.timeout(self.WAIT_S):
+            await listening.wait()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.stop.set()
+        assert self.task is not None
+        async with asyncio.timeout(self.WAIT_S):
+            await self.task

@@ -16,13 +16,13 @@ import pytest
 from structlog.testing import capture_logs
 
 from qosgate.http.identity import AuthFailureLimiter
-from qosgate.http.server import serve
 from tests.http_support import (
     ALICE_KEY,
     ENV,
     MODEL,
     POLICY_YAML,
     ScriptedBackend,
+    Served,
     fail_after_one,
     live_app,
     make_policy,
@@ -86,85 +86,47 @@ def chat(content: str = "hi", **fields) -> dict:
 
 async def test_failed_authentications_are_limited_per_address():
     env = {**ENV, "QG_ADMIN": ADMIN}
-    async with aiohttp.ClientSession() as http:
-        from aiohttp.test_utils import TestServer
-
-        from qosgate.backends import build_backend
-        from qosgate.http.app import build_app
-        from qosgate.runtime.gate import Gateway
-
-        policy = limited_policy(3)
-        gateway = Gateway(policy, build_backend(policy.backend))
-        await gateway.start()
-        server = TestServer(build_app(gateway, policy, environ=env))
-        await server.start_server()
-        url = str(server.make_url("")).rstrip("/")
-        try:
-            good = {"Authorization": f"Bearer {ALICE_KEY}"}
-            # A good key costs nothing.
-            for _ in range(5):
-                async with http.post(url + "/v1/chat/completions", json=chat(),
-                                     headers=good) as r:  # fmt: skip
-                    assert r.status == 200
-            # Wrong API keys and a wrong admin token share the address's allowance.
-            wrong = [
-                ("POST", "/v1/chat/completions", {"Authorization": "Bearer guess-1"}),
-                ("GET", "/v1/models", {"Authorization": "Bearer guess-2"}),
-                ("GET", "/admin/stats", {"Authorization": "Bearer guess-3"}),
-            ]
-            for method, path, headers in wrong:
-                async with http.request(method, url + path, json=chat(), headers=headers) as r:
-                    assert r.status == 401
-            # Now even the right key is refused unchecked, with when to retry.
+    async with live_app(limited_policy(3), environ=env) as live, aiohttp.ClientSession() as http:
+        url = live.url
+        good = {"Authorization": f"Bearer {ALICE_KEY}"}
+        # A good key costs nothing.
+        for _ in range(5):
             async with http.post(url + "/v1/chat/completions", json=chat(), headers=good) as r:
-                assert r.status == 429
-                body = await r.json()
-                assert body["error"]["code"] == "too_many_authentication_failures"
-                assert 0 < int(r.headers["Retry-After"]) <= 20
-            async with http.get(url + "/admin/stats",
-                                headers={"Authorization": f"Bearer {ADMIN}"}) as r:  # fmt: skip
-                assert r.status == 429
-            # Refusals are counted as unauthorized requests.
-            async with http.get(url + "/metrics") as r:
-                metrics = await r.text()
-            assert re.search(
-                r'qosgate_requests_total\{outcome="unauthorized",tier="none"\} 3.0', metrics
-            ), metrics
-        finally:
-            await server.close()
-            await gateway.close()
+                assert r.status == 200
+        # Wrong API keys and a wrong admin token share the address's allowance.
+        wrong = [
+            ("POST", "/v1/chat/completions", {"Authorization": "Bearer guess-1"}),
+            ("GET", "/v1/models", {"Authorization": "Bearer guess-2"}),
+            ("GET", "/admin/stats", {"Authorization": "Bearer guess-3"}),
+        ]
+        for method, path, headers in wrong:
+            async with http.request(method, url + path, json=chat(), headers=headers) as r:
+                assert r.status == 401
+        # Now even the right key is refused unchecked, with when to retry.
+        async with http.post(url + "/v1/chat/completions", json=chat(), headers=good) as r:
+            assert r.status == 429
+            body = await r.json()
+            assert body["error"]["code"] == "too_many_authentication_failures"
+            assert 0 < int(r.headers["Retry-After"]) <= 20
+        async with http.get(url + "/admin/stats",
+                            headers={"Authorization": f"Bearer {ADMIN}"}) as r:  # fmt: skip
+            assert r.status == 429
+        # Refusals are counted as unauthorized requests.
+        async with http.get(url + "/metrics") as r:
+            metrics = await r.text()
+        assert re.search(
+            r'qosgate_requests_total\{outcome="unauthorized",tier="none"\} 3.0', metrics
+        ), metrics
 
 
 # -- slow clients and odd headers, against `serve` itself ------------------------
 
 
-class Served:
-    """`qosgate serve`'s own server (its timeouts are what is tested)."""
+class RawServed(Served):
+    """`qosgate serve` with extra `server:` settings, spoken to byte by byte."""
 
     def __init__(self, extra: str) -> None:
-        self.policy = limited_policy(0, extra)
-        self.stop = asyncio.Event()
-        self.host = "127.0.0.1"
-        self.port = 0
-
-    async def __aenter__(self) -> Served:
-        listening = asyncio.Event()
-
-        def ready(url: str) -> None:
-            self.port = int(url.rsplit(":", 1)[1].split("/")[0])
-            listening.set()
-
-        self.task = asyncio.create_task(
-            serve(self.policy, self.host, 0, environ=ENV, on_ready=ready, stop=self.stop)
-        )
-        async with asyncio.timeout(WAIT_S):
-            await listening.wait()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.stop.set()
-        async with asyncio.timeout(WAIT_S):
-            await self.task
+        super().__init__(limited_policy(0, extra))
 
     async def raw(self, data: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         reader, writer = await asyncio.open_connection(self.host, self.port)
@@ -175,7 +137,7 @@ class Served:
     async def works(self) -> None:
         """A normal request still completes."""
         async with aiohttp.ClientSession() as http, http.post(
-            f"http://{self.host}:{self.port}/v1/chat/completions",
+            self.url + "/v1/chat/completions",
             json=chat(),
             headers={"Authorization": f"Bearer {ALICE_KEY}"},
         ) as r:
@@ -183,7 +145,7 @@ class Served:
 
 
 async def test_a_client_trickling_its_headers_is_disconnected():
-    async with Served("  idle_timeout_s: 0.3\n") as s:
+    async with RawServed("  idle_timeout_s: 0.3\n") as s:
         loop = asyncio.get_running_loop()
         started = loop.time()
         reader, writer = await s.raw(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
@@ -202,7 +164,7 @@ async def test_a_client_trickling_its_headers_is_disconnected():
 
 
 async def test_a_body_that_does_not_arrive_gets_408_and_the_connection_closes():
-    async with Served("  body_timeout_s: 0.3\n") as s:
+    async with RawServed("  body_timeout_s: 0.3\n") as s:
         head = (
             "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
             f"Authorization: Bearer {ALICE_KEY}\r\nContent-Type: application/json\r\n"
@@ -242,7 +204,7 @@ async def test_a_body_that_does_not_arrive_gets_408_and_the_connection_closes():
     ],
 )
 async def test_malformed_and_oversized_headers_get_a_4xx(name: str, request_bytes: bytes):
-    async with Served("") as s:
+    async with RawServed("") as s:
         reader, writer = await s.raw(request_bytes)
         async with asyncio.timeout(WAIT_S):
             response = await reader.read()

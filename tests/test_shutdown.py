@@ -15,12 +15,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from qosgate.config.models import QuotaStoreConfig
 from qosgate.core.request import Outcome
-from qosgate.http.server import serve
 from qosgate.quotas import MemoryQuotaStore, QuotaGuard
 from tests.fake_backend import FakeBackend
-from tests.http_support import ALICE_KEY, ENV, POLICY_YAML, RecordingGateway, make_policy
+from tests.http_support import ALICE_KEY, POLICY_YAML, RecordingGateway, Served, make_policy
 
 WAIT_S = 10.0
 """Bound on any one wait: a hang fails the test instead of stalling it."""
@@ -46,52 +44,28 @@ def body(stream: bool, max_tokens: int = 10) -> dict:
 HEADERS = {"Authorization": f"Bearer {ALICE_KEY}"}
 
 
-class Harness:
-    """`serve()` in a task, over a FakeBackend with two slots, and a quota
-    store the test can read after the gateway is gone."""
+class Harness(Served):
+    """`qosgate serve` over a FakeBackend with two slots, and a quota store
+    the test can read after the gateway is gone."""
 
     def __init__(self, grace_s: float) -> None:
-        self.policy = policy_with(grace_s)
+        policy = policy_with(grace_s)
         self.backend = FakeBackend(slots=2)
         self.store = MemoryQuotaStore()
-        self.gateway = RecordingGateway(
-            self.policy,
-            self.backend,
-            quotas=QuotaGuard.from_policy(self.policy, store=self.store),
+        self.recording = RecordingGateway(
+            policy, self.backend, quotas=QuotaGuard.from_policy(policy, store=self.store)
         )
-        self.stop = asyncio.Event()
-        self.url = ""
-        self._listening = asyncio.Event()
-        self.task: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> Harness:
-        def ready(url: str) -> None:
-            self.url = url.removesuffix("/v1")
-            self._listening.set()
-
-        self.task = asyncio.create_task(
-            serve(self.policy, "127.0.0.1", 0, environ=ENV, on_ready=ready, stop=self.stop,
-                  gateway=self.gateway)
-        )  # fmt: skip
-        async with asyncio.timeout(WAIT_S):
-            await self._listening.wait()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.stop.set()
-        assert self.task is not None
-        async with asyncio.timeout(WAIT_S):
-            await self.task
+        super().__init__(policy, gateway=self.recording)
 
     async def admitted(self, n: int) -> None:
         """Until the gateway has admitted `n` requests."""
         async with asyncio.timeout(WAIT_S):
-            while len(self.gateway.streams) < n:
-                self.gateway.submitted.clear()
-                await self.gateway.submitted.wait()
+            while len(self.recording.streams) < n:
+                self.recording.submitted.clear()
+                await self.recording.submitted.wait()
 
     async def tokens_used(self) -> int:
-        guard = QuotaGuard(self.store, QuotaStoreConfig(), self.gateway.quotas._limits)
+        guard = QuotaGuard.from_policy(self.policy, store=self.store)
         (state,) = await guard.usage("alice")
         return state.used
 
@@ -148,10 +122,10 @@ async def test_stop_answers_queued_503_lets_running_finish_and_settles_everythin
         async with asyncio.timeout(WAIT_S):
             await h.task
 
-    outcomes = sorted(s.request.outcome for s in h.gateway.streams)
+    outcomes = sorted(s.request.outcome for s in h.recording.streams)
     assert outcomes == sorted([Outcome.COMPLETED] * 2 + [Outcome.CANCELLED] * 3)
     # The three queued were refunded; the two served paid prompt + output.
-    prompt = h.gateway.streams[0].request.prompt_tokens
+    prompt = h.recording.streams[0].request.prompt_tokens
     assert await h.tokens_used() == 2 * (prompt + 5)
     assert h.backend.closed
 
@@ -170,7 +144,7 @@ async def test_streams_still_running_after_the_grace_end_with_an_error_event():
         assert events[-1]["error"]["code"] == "shutting_down"
         async with asyncio.timeout(WAIT_S):
             await h.task
-    (stream,) = h.gateway.streams
+    (stream,) = h.recording.streams
     assert stream.request.outcome is Outcome.CANCELLED
     assert rid in h.backend.aborted
     # What ran is paid for: the prompt and the two tokens sent.

@@ -55,6 +55,7 @@ from .errors import (
     error_response,
 )
 from .identity import AuthFailureLimiter, Identity, KeyRing
+from .openapi import build_openapi
 from .ratelimit import ratelimit_headers
 from .validation import MAX_PRIORITY_OFFSET, Endpoint, parse_json, validate_body
 
@@ -335,9 +336,8 @@ async def _models(request: web.Request) -> web.Response:
 
 async def _openapi(request: web.Request) -> web.Response:
     """The OpenAPI description of this surface. No key, so that tools can
-    read it first; it does name the served models (docs/HTTP.md)."""
-    from .openapi import build_openapi
-
+    read it first; it does name the served models (docs/HTTP.md). Built per
+    call: an openai backend learns its models from its upstreams as it runs."""
     state = request.app[STATE]
     return web.json_response(
         build_openapi(

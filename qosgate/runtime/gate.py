@@ -114,10 +114,10 @@ class Gateway:
         finish for up to `grace_s`. Returns how many were still running then
         (`close()` ends them)."""
         self._draining = True
-        closing = GatewayClosing("the gateway is shutting down", retry_after_s=1.0)
         for stream in list(self._streams.values()):
             if stream.request.state is not RequestState.RUNNING:
-                stream._end(closing)
+                # One error each: each consumer raises its own, with its own traceback.
+                stream._end(GatewayClosing("the gateway is shutting down", retry_after_s=1.0))
         if not self._streams:
             return 0
         self._idle = self._get_loop().create_future()
