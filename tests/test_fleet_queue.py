@@ -9,6 +9,7 @@ leased or completed.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
 import uuid
@@ -16,7 +17,15 @@ import uuid
 import pytest
 
 from qosgate.config.models import PolicyConfig
-from qosgate.fleet import FleetTiers, Lease, MemoryWorkQueue, WorkItem, WorkQueue, pick_tier
+from qosgate.fleet import (
+    FleetTiers,
+    Lease,
+    MemoryWorkQueue,
+    WorkItem,
+    WorkQueue,
+    WorkQueueFull,
+    pick_tier,
+)
 from qosgate.fleet.redis_store import RedisWorkQueue
 
 T0 = 1_700_000_000.0
@@ -25,11 +34,11 @@ INTERVAL = 2.0
 TIERS = FleetTiers.of({"gold": 0, "silver": 1, "bronze": 3}, interval_s=INTERVAL, max_boost=2)
 
 
-def make_queue(kind: str, request, tiers: FleetTiers = TIERS) -> WorkQueue:
+def make_queue(kind: str, request, tiers: FleetTiers = TIERS, **kw) -> WorkQueue:
     if kind == "memory":
-        return MemoryWorkQueue(tiers)
+        return MemoryWorkQueue(tiers, **kw)
     server = request.getfixturevalue("redis_server")
-    return RedisWorkQueue(server.url, tiers, key_prefix=f"test-{uuid.uuid4().hex[:8]}:")
+    return RedisWorkQueue(server.url, tiers, key_prefix=f"test-{uuid.uuid4().hex[:8]}:", **kw)
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -226,6 +235,98 @@ async def test_duplicate_ids_are_refused_whatever_state_the_first_is_in(queue):
     assert await queue.depth() == {"gold": 0, "silver": 0, "bronze": 0}
 
 
+async def test_a_tier_at_its_cap_refuses_more_and_other_tiers_do_not_care(queue):
+    await queue.enqueue(item("a", "gold", T0), max_queued=2)
+    await queue.enqueue(item("b", "gold", T0 + 1), max_queued=2)
+    with pytest.raises(WorkQueueFull):
+        await queue.enqueue(item("c", "gold", T0 + 2), max_queued=2)
+    await queue.enqueue(item("d", "silver", T0 + 2), max_queued=2)
+    assert await queue.status("c") is None
+    # A leased item no longer counts against its tier's queue.
+    await queue.claim("n1", 1, T0 + 3, LEASE)
+    await queue.enqueue(item("c", "gold", T0 + 4), max_queued=2)
+    assert await queue.depth() == {"gold": 2, "silver": 1, "bronze": 0}
+
+
+async def test_cancel_takes_an_item_out_wherever_it_is(queue):
+    for name, at in (("q", T0), ("l", T0 - 1), ("c", T0 - 2)):
+        await queue.enqueue(item(name, "silver", at))
+    done, held = await queue.claim("n1", 2, T0, LEASE)
+    assert (done.item.id, held.item.id) == ("c", "l")
+    assert await queue.complete(done)
+    assert await queue.cancel("q", T0 + 1) == "queued"
+    assert await queue.cancel("l", T0 + 1) == "leased"
+    assert await queue.cancel("c", T0 + 1) == "completed"
+    assert await queue.cancel("never", T0 + 1) is None
+    assert [await queue.status(i) for i in "qlc"] == ["completed"] * 3
+    # The holder of a cancelled item can neither keep nor complete it, and it
+    # does not come back when the lease runs out.
+    assert await queue.renew(held, T0 + 1, LEASE) is None
+    assert await queue.complete(held) is False
+    assert await queue.claim("n2", 5, T0 + 2 * LEASE, LEASE) == []
+    assert await queue.leased() == 0
+    assert await queue.cancel("q", T0 + 2) == "completed"
+    with pytest.raises(ValueError, match="duplicate"):
+        await queue.enqueue(item("q", "silver", T0))
+
+
+async def test_next_expiry_is_the_first_live_lease_end(queue):
+    assert await queue.next_expiry() is None
+    await queue.enqueue(item("a", "gold", T0))
+    await queue.enqueue(item("b", "gold", T0 + 1))
+    first, second = await queue.claim("n1", 2, T0 + 0.25, LEASE)
+    await queue.renew(first, T0 + 3, LEASE)
+    assert await queue.next_expiry() == T0 + 0.25 + LEASE
+    await queue.complete(second)
+    assert await queue.next_expiry() == T0 + 3 + LEASE
+    await queue.release(first)
+    assert await queue.next_expiry() is None
+
+
+async def test_ended_ids_are_forgotten_after_the_retention(request, queue):
+    store = make_queue(type(queue).name, request, done_retention_s=100.0)
+    try:
+        await store.enqueue(item("a", "gold", T0))
+        await store.enqueue(item("b", "gold", T0))
+        [lease] = await store.claim("n1", 1, T0, LEASE)
+        assert await store.complete(lease)
+        assert await store.cancel("b", T0 + 50) == "queued"
+        await store.claim("n1", 1, T0 + LEASE + 99, LEASE)
+        assert [await store.status(i) for i in "ab"] == ["completed", "completed"]
+        await store.claim("n1", 1, T0 + LEASE + 101, LEASE)
+        assert await store.status("a") is None
+        assert await store.status("b") == "completed"
+        await store.enqueue(item("a", "gold", T0 + 200))
+        assert await store.status("a") == "queued"
+    finally:
+        await store.close()
+
+
+async def test_complete_publishes_its_reply_only_when_it_completes(queue):
+    channel = f"reply-{uuid.uuid4().hex[:6]}"
+    listener = None
+    if isinstance(queue, RedisWorkQueue):
+        listener = queue.redis.pubsub()
+        await listener.subscribe(channel, queue.wake_channel)
+    await queue.enqueue(item("a", "gold", T0))
+    [lease] = await queue.claim("n1", 1, T0, LEASE)
+    assert await queue.complete(lease, (channel, b"done:a")) is True
+    assert await queue.complete(lease, (channel, b"again")) is False
+    if isinstance(queue, MemoryWorkQueue):
+        assert queue.published == [(channel, b"done:a")]
+        assert queue.wakes == 1
+        return
+    assert listener is not None
+    got = []
+    async with asyncio.timeout(5):
+        while len(got) < 2:
+            message = await listener.get_message(timeout=5.0)
+            if message is not None and message["type"] == "message":
+                got.append((message["channel"].decode(), message["data"]))
+    assert got == [(queue.wake_channel, b"1"), (channel, b"done:a")]
+    await listener.aclose()
+
+
 # -- both stores, same random operations ---------------------------------------
 
 
@@ -272,6 +373,12 @@ async def test_stores_agree_on_random_operations_and_lose_nothing(request):
                 max_items, lease_s = rng.randrange(0, 4), rng.choice([0.5, 1.0, 2.5])
                 got = await both("claim", node, max_items, now, lease_s)
                 leases += zip(got[0], got[1])
+            elif roll < 0.6 and enqueued:
+                target = rng.choice(enqueued)
+                [was, _] = await both("cancel", target, now)
+                if was in ("queued", "leased"):
+                    assert target not in completed, "ended twice"
+                    completed.add(target)
             elif roll < 0.85 and leases:
                 pair = rng.choice(leases)
                 action = rng.choice(["renew", "complete", "complete", "release"])
@@ -294,6 +401,7 @@ async def test_stores_agree_on_random_operations_and_lose_nothing(request):
                 now += rng.choice([0.0, 0.25, 0.5, 0.75, 1.0, 2.0])
 
             depth, leased = await both("depth"), await both("leased")
+            await both("next_expiry")
             for store in stores:
                 statuses = [await store.status(i) for i in enqueued]
                 assert None not in statuses, f"step {step}: an item was lost"

@@ -360,6 +360,34 @@ BackendConfig = Annotated[
 ]
 
 
+class FleetConfig(StrictModel):
+    """Distributed mode: gateway replicas and engine nodes sharing one work
+    queue in Redis. Without this section qosgate runs on one node, with no Redis."""
+
+    role: Literal["gateway", "engine"]
+    """gateway: take requests over HTTP and queue them for the fleet; engine:
+    run the `backend` and pull the most urgent work when it has room."""
+    url: str = "redis://127.0.0.1:6379/0"
+    """Redis URL of the shared queue (it may be the quota store's)."""
+    key_prefix: str = "qosgate:"
+    """Namespace of the fleet's keys and channels; every member must agree."""
+    node_id: str | None = None
+    """This member's name in leases and reply channels (default: host and pid).
+    Two live members must never share one."""
+    lease_s: PositiveFloat = 5.0
+    """How long an engine node's claim on a request lasts unless renewed (it
+    renews every third of this): how soon a dead node's work runs elsewhere."""
+    timeout_ms: PositiveInt = 2_000
+    """How long one Redis call may take before the fleet store counts as down."""
+
+    @field_validator("node_id")
+    @classmethod
+    def _node_name(cls, value: str | None) -> str | None:
+        if value is not None and not _NAME.match(value):
+            raise ValueError("must be 1-64 letters, digits, '_', '.', '-'")
+        return value
+
+
 class PolicyConfig(StrictModel):
     """The whole policy file."""
 
@@ -381,6 +409,8 @@ class PolicyConfig(StrictModel):
     """Where quota counters live."""
     observability: ObservabilityConfig = ObservabilityConfig()
     """Logs and metrics."""
+    fleet: FleetConfig | None = None
+    """Distributed mode (None: one node, the default)."""
 
     @field_validator("tiers")
     @classmethod

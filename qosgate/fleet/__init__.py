@@ -2,7 +2,7 @@
 and engine nodes drain under leases (memory and Redis stores)."""
 
 from .model import FleetTier, FleetTiers, Lease, WorkItem, boost, effective_level, pick_tier
-from .store import ItemStatus, MemoryWorkQueue, WorkQueue, WorkQueueError
+from .store import ItemStatus, MemoryWorkQueue, WorkQueue, WorkQueueError, WorkQueueFull
 
 __all__ = [
     "FleetTier",
@@ -13,6 +13,7 @@ __all__ = [
     "WorkItem",
     "WorkQueue",
     "WorkQueueError",
+    "WorkQueueFull",
     "boost",
     "effective_level",
     "pick_tier",

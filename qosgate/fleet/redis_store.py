@@ -12,7 +12,8 @@ which the scripts need since they touch every tier):
   tier, tenant, arrival, attempt, payload   hashes, item id -> field
   holder, node   hashes, item id -> fencing token / node of the live lease
   expiry    sorted set, item id -> lease end
-  done      set of completed ids (what refuses a duplicate enqueue)
+  done      sorted set of ended ids -> when (what refuses a duplicate
+            enqueue), trimmed to the retention at each claim
   token     counter of fencing tokens
 Arrivals and lease ends go in and out as Python's `repr` of the float, never
 through a Lua number: Redis writes Lua numbers with 14 significant digits,
@@ -30,7 +31,9 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .model import FleetTiers, Lease, WorkItem
-from .store import ItemStatus, WorkQueue, WorkQueueError
+from .store import ItemStatus, WorkQueue, WorkQueueError, WorkQueueFull
+
+_CANCELLED: dict[int, ItemStatus | None] = {0: None, 1: "queued", 2: "leased", 3: "completed"}
 
 _FIELDS = (
     "tier",
@@ -69,20 +72,31 @@ local function requeue(id, qkey)
   local tier = redis.call('HGET', KEYS[K_TIER], id)
   redis.call('ZADD', qkey[tier], redis.call('HGET', KEYS[K_ARRIVAL], id), id)
 end
+local function forget(id)
+  for _, k in ipairs({K_TIER, K_TENANT, K_ARRIVAL, K_ATTEMPT, K_PAYLOAD, K_HOLDER, K_NODE}) do
+    redis.call('HDEL', KEYS[k], id)
+  end
+  redis.call('ZREM', KEYS[K_EXPIRY], id)
+end
 local function holds(id, token)
   return redis.call('HGET', KEYS[K_HOLDER], id) == token
 end
 """
 
-# ARGV: id, tier, tenant, arrival, payload, attempt, then the tier args.
+# ARGV: id, tier, tenant, arrival, payload, attempt, max_queued (0: no cap),
+# wake channel, then the tier args. Returns 1, 0 (duplicate) or -1 (full).
 _ENQUEUE = (
     _PRELUDE
     + """
 local id = ARGV[1]
-local _, _, qkey = tier_args(7)
+local _, _, qkey = tier_args(9)
 if redis.call('HEXISTS', KEYS[K_TIER], id) == 1
-    or redis.call('SISMEMBER', KEYS[K_DONE], id) == 1 then
+    or redis.call('ZSCORE', KEYS[K_DONE], id) then
   return 0
+end
+local cap = tonumber(ARGV[7])
+if cap > 0 and redis.call('ZCARD', qkey[ARGV[2]]) >= cap then
+  return -1
 end
 redis.call('HSET', KEYS[K_TIER], id, ARGV[2])
 redis.call('HSET', KEYS[K_TENANT], id, ARGV[3])
@@ -90,12 +104,13 @@ redis.call('HSET', KEYS[K_ARRIVAL], id, ARGV[4])
 redis.call('HSET', KEYS[K_PAYLOAD], id, ARGV[5])
 redis.call('HSET', KEYS[K_ATTEMPT], id, ARGV[6])
 redis.call('ZADD', qkey[ARGV[2]], ARGV[4], id)
+redis.call('PUBLISH', ARGV[8], '1')
 return 1
 """
 )
 
-# ARGV: now, node, max_items, expires_at, interval_s, max_boost, then the tier
-# args, then one priority per tier. Returns one [id, tier, tenant, arrival,
+# ARGV: now, node, max_items, expires_at, interval_s, max_boost, done horizon,
+# then the tier args, then one priority per tier. Returns one [id, tier, tenant, arrival,
 # payload, attempt, token] per lease.
 # The tier choice is model.pick_tier: change both together.
 _CLAIM = (
@@ -107,7 +122,8 @@ local max_items = tonumber(ARGV[3])
 local expires_at = ARGV[4]
 local interval = tonumber(ARGV[5])
 local max_boost = tonumber(ARGV[6])
-local n, names, qkey, at = tier_args(7)
+redis.call('ZREMRANGEBYSCORE', KEYS[K_DONE], '-inf', '(' .. ARGV[7])
+local n, names, qkey, at = tier_args(8)
 local prio = {}
 for i = 1, n do prio[i] = tonumber(ARGV[at + i - 1]) end
 
@@ -161,18 +177,38 @@ return 1
 """
 )
 
-# ARGV: id, token, then the tier args.
+# ARGV: id, token, reply channel ('' for none), reply message, then the tier args.
 _COMPLETE = (
     _PRELUDE
     + """
 local id = ARGV[1]
 if not holds(id, ARGV[2]) then return 0 end
-for _, k in ipairs({K_TIER, K_TENANT, K_ARRIVAL, K_ATTEMPT, K_PAYLOAD, K_HOLDER, K_NODE}) do
-  redis.call('HDEL', KEYS[k], id)
-end
-redis.call('ZREM', KEYS[K_EXPIRY], id)
-redis.call('SADD', KEYS[K_DONE], id)
+local ended = redis.call('ZSCORE', KEYS[K_EXPIRY], id)
+forget(id)
+redis.call('ZADD', KEYS[K_DONE], ended, id)
+if ARGV[3] ~= '' then redis.call('PUBLISH', ARGV[3], ARGV[4]) end
 return 1
+"""
+)
+
+# ARGV: id, now, then the tier args. Returns 1 (was queued), 2 (leased),
+# 3 (completed) or 0 (unknown).
+_CANCEL = (
+    _PRELUDE
+    + """
+local id = ARGV[1]
+local _, _, qkey = tier_args(3)
+local tier = redis.call('HGET', KEYS[K_TIER], id)
+if tier then
+  local was = 1
+  if redis.call('HEXISTS', KEYS[K_HOLDER], id) == 1 then was = 2 end
+  redis.call('ZREM', qkey[tier], id)
+  forget(id)
+  redis.call('ZADD', KEYS[K_DONE], ARGV[2], id)
+  return was
+end
+if redis.call('ZSCORE', KEYS[K_DONE], id) then return 3 end
+return 0
 """
 )
 
@@ -201,14 +237,19 @@ class RedisWorkQueue(WorkQueue):
         key_prefix: str = "qosgate:",
         socket_timeout_s: float = 0.5,
         client: aioredis.Redis | None = None,
+        done_retention_s: float = 86_400.0,
     ) -> None:
-        super().__init__(tiers)
+        super().__init__(tiers, done_retention_s=done_retention_s)
         if client is None:
             client = aioredis.Redis.from_url(
                 url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
             )
         self._redis = client
         base = f"{{{key_prefix}}}fleet:"
+        self.base = base
+        """What every fleet key and channel name starts with."""
+        self.wake_channel = base + "wake"
+        """Published on every enqueue: idle engine nodes claim on it."""
         self._field = {name: base + name for name in _FIELDS}
         self._queue = {tier: f"{base}q:{tier}" for tier in tiers.names()}
         self._keys = [self._field[name] for name in _FIELDS]
@@ -219,6 +260,12 @@ class RedisWorkQueue(WorkQueue):
         self._renew = self._redis.register_script(_RENEW)
         self._complete = self._redis.register_script(_COMPLETE)
         self._release = self._redis.register_script(_RELEASE)
+        self._cancel = self._redis.register_script(_CANCEL)
+
+    @property
+    def redis(self) -> aioredis.Redis:
+        """The client, for the fleet's pub/sub (which shares its pool)."""
+        return self._redis
 
     async def _guard(self, call: Any) -> Any:
         try:
@@ -231,18 +278,32 @@ class RedisWorkQueue(WorkQueue):
     async def _run(self, script: Any, args: list[Any]) -> Any:
         return await self._guard(script(keys=self._keys, args=args))
 
-    async def enqueue(self, item: WorkItem) -> None:
+    async def enqueue(self, item: WorkItem, *, max_queued: int | None = None) -> None:
         self._check_tier(item)
-        args = [item.id, item.tier, item.tenant, repr(item.arrival), item.payload, item.attempt]
-        if not await self._run(self._enqueue, [*args, *self._tier_args]):
+        args = [
+            item.id, item.tier, item.tenant, repr(item.arrival), item.payload, item.attempt,
+            max_queued or 0, self.wake_channel,
+        ]  # fmt: skip
+        result = await self._run(self._enqueue, [*args, *self._tier_args])
+        if result == 0:
             raise ValueError(f"duplicate work item id {item.id!r}")
+        if result < 0:
+            raise WorkQueueFull(f"tier {item.tier!r} holds {max_queued} queued items")
+
+    async def cancel(self, item_id: str, now: float) -> ItemStatus | None:
+        was = await self._run(self._cancel, [item_id, repr(now), *self._tier_args])
+        return _CANCELLED[int(was)]
+
+    async def next_expiry(self) -> float | None:
+        first = await self._guard(self._redis.zrange(self._field["expiry"], 0, 0, withscores=True))
+        return float(first[0][1]) if first else None
 
     async def claim(self, node: str, max_items: int, now: float, lease_s: float) -> list[Lease]:
         expires_at = now + lease_s
         args: list[Any] = [
             repr(now), node, max_items, repr(expires_at),
             repr(self.tiers.interval_s), self.tiers.max_boost,
-            *self._tier_args, *(t.priority for t in self.tiers.tiers),
+            repr(now - self.done_retention_s), *self._tier_args, *(t.priority for t in self.tiers.tiers),
         ]  # fmt: skip
         rows = await self._run(self._claim, args)
         leases = []
@@ -265,8 +326,9 @@ class RedisWorkQueue(WorkQueue):
             return None
         return Lease(lease.item, lease.node, lease.token, expires_at)
 
-    async def complete(self, lease: Lease) -> bool:
-        args = [lease.item.id, lease.token, *self._tier_args]
+    async def complete(self, lease: Lease, reply: tuple[str, bytes] | None = None) -> bool:
+        channel, message = reply if reply is not None else ("", b"")
+        args = [lease.item.id, lease.token, channel, message, *self._tier_args]
         return bool(await self._run(self._complete, args))
 
     async def release(self, lease: Lease) -> bool:
@@ -287,13 +349,13 @@ class RedisWorkQueue(WorkQueue):
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hexists(self._field["holder"], item_id)
             pipe.hexists(self._field["tier"], item_id)
-            pipe.sismember(self._field["done"], item_id)
+            pipe.zscore(self._field["done"], item_id)
             held, known, done = await self._guard(pipe.execute())
         if held:
             return "leased"
         if known:
             return "queued"
-        return "completed" if done else None
+        return "completed" if done is not None else None
 
     async def close(self) -> None:
         await self._redis.aclose()

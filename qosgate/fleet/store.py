@@ -17,6 +17,10 @@ class WorkQueueError(Exception):
     """The store could not be reached or did not answer in time."""
 
 
+class WorkQueueFull(Exception):
+    """The item's tier already holds as many queued items as it may."""
+
+
 class WorkQueue(ABC):
     """Per-tier queues shared by gateway replicas and engine nodes.
 
@@ -32,17 +36,29 @@ class WorkQueue(ABC):
 
     name: str = ""
 
-    def __init__(self, tiers: FleetTiers) -> None:
+    def __init__(self, tiers: FleetTiers, *, done_retention_s: float = 86_400.0) -> None:
         self.tiers = tiers
+        self.done_retention_s = done_retention_s
+        """How long an ended item's id is remembered (refusing a duplicate
+        enqueue) after its last lease ran out or it was cancelled."""
 
     def _check_tier(self, item: WorkItem) -> None:
         if item.tier not in self.tiers:
             raise ValueError(f"unknown tier {item.tier!r}")
 
     @abstractmethod
-    async def enqueue(self, item: WorkItem) -> None:
-        """Queue `item`; ValueError if its id was ever enqueued here (queued,
-        leased or completed), so nothing runs twice."""
+    async def enqueue(self, item: WorkItem, *, max_queued: int | None = None) -> None:
+        """Queue `item`; ValueError if its id was enqueued here before (queued,
+        leased or ended within `done_retention_s`), so nothing runs twice;
+        WorkQueueFull if its tier already holds `max_queued` queued items.
+        Wakes idle engine nodes."""
+
+    @abstractmethod
+    async def cancel(self, item_id: str, now: float) -> ItemStatus | None:
+        """End an item wherever it is (its client went away, or its queue
+        budget ran out): out of its queue, or its lease voided so that the
+        holder's renew and complete fail. Returns where it was; an item that
+        had already completed stays completed."""
 
     @abstractmethod
     async def claim(self, node: str, max_items: int, now: float, lease_s: float) -> list[Lease]:
@@ -56,8 +72,15 @@ class WorkQueue(ABC):
         by a `claim` after expiring, released, or completed)."""
 
     @abstractmethod
-    async def complete(self, lease: Lease) -> bool:
-        """End the item for good: True exactly once, for the current holder."""
+    async def complete(self, lease: Lease, reply: tuple[str, bytes] | None = None) -> bool:
+        """End the item for good: True exactly once, for the current holder.
+        With `reply` (channel, message), the message is published in the same
+        step, so the gateway hears of the end if and only if it happened."""
+
+    @abstractmethod
+    async def next_expiry(self) -> float | None:
+        """When the first live lease runs out (None: no leases): when a
+        claim would next find work to take back from a silent node."""
 
     @abstractmethod
     async def release(self, lease: Lease) -> bool:
@@ -93,27 +116,49 @@ class MemoryWorkQueue(WorkQueue):
 
     name = "memory"
 
-    def __init__(self, tiers: FleetTiers) -> None:
-        super().__init__(tiers)
+    def __init__(self, tiers: FleetTiers, *, done_retention_s: float = 86_400.0) -> None:
+        super().__init__(tiers, done_retention_s=done_retention_s)
         # Heaps of (arrival, id, item): the same order as a Redis sorted set
         # scored by arrival, whose ties go by member.
         self._queues: dict[str, list[tuple[float, str, WorkItem]]] = {
             name: [] for name in tiers.names()
         }
         self._held: dict[str, _Held] = {}
-        self._completed: set[str] = set()
-        self._queued: set[str] = set()
+        # Ended ids -> when they ended (as the Redis store scores them).
+        self._completed: dict[str, float] = {}
+        self._queued: dict[str, WorkItem] = {}
         self._tokens = itertools.count(1)
+        self.published: list[tuple[str, bytes]] = []
+        """Replies `complete` published, in order (Redis publishes them)."""
+        self.wakes = 0
+        """Enqueues that would have woken idle engine nodes."""
 
-    async def enqueue(self, item: WorkItem) -> None:
+    async def enqueue(self, item: WorkItem, *, max_queued: int | None = None) -> None:
         self._check_tier(item)
         if item.id in self._queued or item.id in self._held or item.id in self._completed:
             raise ValueError(f"duplicate work item id {item.id!r}")
+        if max_queued is not None and len(self._queues[item.tier]) >= max_queued:
+            raise WorkQueueFull(f"tier {item.tier!r} holds {max_queued} queued items")
         self._push(item)
+        self.wakes += 1
+
+    async def cancel(self, item_id: str, now: float) -> ItemStatus | None:
+        item = self._queued.pop(item_id, None)
+        if item is not None:
+            queue = self._queues[item.tier]
+            queue.remove((item.arrival, item.id, item))
+            heapq.heapify(queue)
+            self._completed[item_id] = now
+            return "queued"
+        held = self._held.pop(item_id, None)
+        if held is not None:
+            self._completed[item_id] = now
+            return "leased"
+        return "completed" if item_id in self._completed else None
 
     def _push(self, item: WorkItem) -> None:
         heapq.heappush(self._queues[item.tier], (item.arrival, item.id, item))
-        self._queued.add(item.id)
+        self._queued[item.id] = item
 
     def _requeue(self, held: _Held) -> None:
         del self._held[held.item.id]
@@ -122,6 +167,9 @@ class MemoryWorkQueue(WorkQueue):
     async def claim(self, node: str, max_items: int, now: float, lease_s: float) -> list[Lease]:
         for held in [h for h in self._held.values() if h.expires_at <= now]:
             self._requeue(held)
+        horizon = now - self.done_retention_s
+        for item_id in [i for i, at in self._completed.items() if at < horizon]:
+            del self._completed[item_id]
         leases: list[Lease] = []
         expires_at = now + lease_s
         while len(leases) < max_items:
@@ -130,7 +178,7 @@ class MemoryWorkQueue(WorkQueue):
             if tier is None:
                 break
             _, _, item = heapq.heappop(self._queues[tier])
-            self._queued.discard(item.id)
+            del self._queued[item.id]
             token = next(self._tokens)
             self._held[item.id] = _Held(item, node, token, expires_at)
             leases.append(Lease(item, node, token, expires_at))
@@ -147,13 +195,18 @@ class MemoryWorkQueue(WorkQueue):
         held.expires_at = now + lease_s
         return Lease(held.item, held.node, held.token, held.expires_at)
 
-    async def complete(self, lease: Lease) -> bool:
+    async def complete(self, lease: Lease, reply: tuple[str, bytes] | None = None) -> bool:
         held = self._current(lease)
         if held is None:
             return False
         del self._held[held.item.id]
-        self._completed.add(held.item.id)
+        self._completed[held.item.id] = held.expires_at
+        if reply is not None:
+            self.published.append(reply)
         return True
+
+    async def next_expiry(self) -> float | None:
+        return min((h.expires_at for h in self._held.values()), default=None)
 
     async def release(self, lease: Lease) -> bool:
         held = self._current(lease)
