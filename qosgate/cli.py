@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench", help="load-test an OpenAI-compatible endpoint with a bench scenario (real clock)"
     )
-    bench.add_argument("url", help="API base URL, e.g. http://127.0.0.1:8080/v1")
+    bench.add_argument("url", help="API base URL, e.g. http://127.0.0.1:8080/v1; a comma-separated "
+                       "list spreads requests round-robin over several replicas")
     bench.add_argument("scenario", help="bench scenario YAML (kind: bench)")
     bench.add_argument("--json", dest="json_path", default=None, help="write results JSON here")
     bench.add_argument("--plot", dest="plot_path", default=None,
@@ -53,6 +54,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="listen address (default: the policy's server.host)")
     serve.add_argument("--port", type=int, default=None,
                        help="TCP port (default: the policy's server.port)")
+    serve.add_argument("--role", choices=("gateway", "engine"), default=None,
+                       help="distributed mode: this process's fleet.role (overrides the policy's)")
+    serve.add_argument("--node-id", default=None,
+                       help="distributed mode: this process's fleet.node_id")
 
     demo = sub.add_parser("demo", help="serve the example policy on the simulated GPU")
     demo.add_argument("--config", default="policies/example.yaml")
@@ -124,6 +129,22 @@ def _serve_command(args: argparse.Namespace, *, demo: bool) -> int:
     except ConfigError as exc:
         print(f"qosgate: invalid policy\n{exc}", file=sys.stderr)
         return 2
+    role, node_id = getattr(args, "role", None), getattr(args, "node_id", None)
+    if role is not None or node_id is not None:
+        if policy.fleet is None:
+            print("qosgate: --role and --node-id need a `fleet:` section in the policy",
+                  file=sys.stderr)
+            return 2
+        try:
+            fleet = policy.fleet.model_validate({
+                **policy.fleet.model_dump(),
+                **({"role": role} if role else {}),
+                **({"node_id": node_id} if node_id else {}),
+            })  # fmt: skip
+        except ValueError as exc:
+            print(f"qosgate: --node-id: {exc}", file=sys.stderr)
+            return 2
+        policy = policy.model_copy(update={"fleet": fleet})
     from qosgate.observability import configure_logging
 
     configure_logging(policy.observability.log_format)

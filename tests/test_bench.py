@@ -20,7 +20,7 @@ import yaml
 from aiohttp import web
 from http_support import ALICE_KEY, BOB_KEY, MODEL, live_app
 
-from qosgate.bench.commands import api_base
+from qosgate.bench.commands import BenchUsageError, api_base, api_bases
 from qosgate.bench.plan import plan_open, sweep_pool
 from qosgate.bench.pool import split_open, split_users
 from qosgate.bench.report import Record, build_bench_report
@@ -90,6 +90,7 @@ async def test_open_loop_against_the_gateway_counts_every_request(tmp_path: Path
     result = json.loads(out.read_text())
     assert result["scenario"] == "mini-open" and result["mode"] == "open"
     assert result["url"] == live.url + "/v1"
+    assert result["urls"] == [live.url + "/v1"]
     run = result["policies"]["gw"]
     for tier in ("interactive", "batch"):
         for key in TIER_KEYS:
@@ -125,6 +126,8 @@ class Upstream:
         self.active = 0
         self.max_active = 0
         self.seen: dict[str, int] = {}
+        self.rids: list[int] = []
+        """The request number of each request received (from its prompt's "[rid] ")."""
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -144,6 +147,8 @@ class Upstream:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        prompt = body["messages"][0]["content"]
+        self.rids.append(int(prompt[1 : prompt.index("]")]))
         action = self.script[self.count % len(self.script)]
         self.count += 1
         self.seen[action] = self.seen.get(action, 0) + 1
@@ -249,6 +254,49 @@ async def test_sweep_gives_one_row_per_concurrency_level(
     assert plot.stat().st_size > 0
 
 
+async def test_several_urls_split_requests_round_robin_by_request_number(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("QG_BENCH_TEST_KEY", "k")
+    path = write(tmp_path, fake_scenario())
+    planned = len(plan_open(load_bench_scenario(path)))
+    assert planned >= 10
+    out = tmp_path / "out.json"
+    async with Upstream(("ok",)) as first, Upstream(("ok",)) as second:
+        # Two workers: the split must follow the request number, not which
+        # worker happened to send it.
+        rc = await bench(f"{first.url},{second.url}/", str(path), "--json", str(out),
+                         "--workers", "2")
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["urls"] == [first.url, second.url]
+    assert result["url"] == f"{first.url},{second.url}"
+    assert result["policies"]["run"]["totals"]["completed"] == planned
+    assert sorted(first.rids) == list(range(0, planned, 2))
+    assert sorted(second.rids) == list(range(1, planned, 2))
+
+
+async def test_a_sweep_over_several_urls_splits_every_level(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("QG_BENCH_TEST_KEY", "k")
+    data = fake_scenario(mode="sweep", stream=False, sweep={"concurrency": [1, 3], "requests": 9})
+    del data["duration_s"]
+    path = write(tmp_path, data)
+    async with (
+        Upstream(("ok",)) as first, Upstream(("ok",)) as second, Upstream(("ok",)) as third
+    ):
+        # The first URL twice: a repeated entry weights its replica.
+        urls = f"{first.url},{second.url},{first.url},{third.url}"
+        rc = await bench(urls, str(path), "--workers", "2")
+    assert rc == 0
+    # Each level numbers its requests 0..8 again; 4 URLs, so first gets n % 4 in (0, 2).
+    per_level = range(9)
+    assert sorted(first.rids) == sorted(2 * [n for n in per_level if n % 4 in (0, 2)])
+    assert sorted(second.rids) == sorted(2 * [n for n in per_level if n % 4 == 1])
+    assert sorted(third.rids) == sorted(2 * [n for n in per_level if n % 4 == 3])
+
+
 # -- bad input -------------------------------------------------------------------------------
 
 
@@ -289,6 +337,33 @@ def test_unset_key_variable_and_bad_url_exit_2(
     assert "URL:" in capsys.readouterr().err
     assert main(["bench", "http://127.0.0.1:9", str(path), "--workers", "0"]) == 2
     assert "--workers" in capsys.readouterr().err
+
+
+def test_a_url_list_names_the_bad_or_empty_entry(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert api_bases("http://a:1") == ["http://a:1/v1"]
+    assert api_bases("http://a:1/v1/, https://b:2/api") == ["http://a:1/v1", "https://b:2/api"]
+    assert api_bases("http://a:1,http://a:1") == ["http://a:1/v1", "http://a:1/v1"]
+    with pytest.raises(BenchUsageError, match=r"^URL: entry 3: expected http\(s\)://host:port"):
+        api_bases("http://a:1,http://b:2,b:3")
+    with pytest.raises(BenchUsageError, match=r"^URL: entry 2: no query or fragment"):
+        api_bases("http://a:1,http://b:2/v1?x=1")
+    for arg in ("http://a:1,,http://b:2", "http://a:1,", ",http://a:1", "http://a:1, ,http://b:2"):
+        number = 1 if arg.startswith(",") else 2
+        with pytest.raises(BenchUsageError, match=rf"^URL: entry {number}: empty"):
+            api_bases(arg)
+    # One URL keeps its old message, without an entry number.
+    with pytest.raises(BenchUsageError, match=r"^URL: expected"):
+        api_bases("ftp://x")
+
+    monkeypatch.setenv("QG_BENCH_TEST_KEY", "k")
+    path = write(tmp_path, fake_scenario())
+    assert main(["bench", "http://127.0.0.1:9/v1,ftp://x", str(path)]) == 2
+    assert ("URL: entry 2: expected http(s)://host:port[/v1], got 'ftp://x'"
+            in capsys.readouterr().err)
+    assert main(["bench", "http://127.0.0.1:9/v1,,http://127.0.0.1:10", str(path)]) == 2
+    assert "URL: entry 2: empty" in capsys.readouterr().err
 
 
 # -- pieces ----------------------------------------------------------------------------------

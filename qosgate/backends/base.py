@@ -30,6 +30,7 @@ class GenerationJob:
     priority: int
     """Engine priority (lower runs first): the tier's, possibly lowered by the client."""
     tenant: str = ""
+    tier: str = ""
     session: str | None = None
     """Session key for affinity (X-Session-Id), if the client sent one."""
 

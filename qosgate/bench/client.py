@@ -87,7 +87,8 @@ class Job:
         self.session = session
         self.text = text
         self.chat = cfg["endpoint"] == "chat"
-        self.url = cfg["url"].rstrip("/") + ("/chat/completions" if self.chat else "/completions")
+        path = "/chat/completions" if self.chat else "/completions"
+        self.urls = [url.rstrip("/") + path for url in cfg["urls"]]
         self.model = cfg["model"]
         self.stream = bool(cfg["stream"])
         self.extra = dict(cfg.get("extra_body") or {})
@@ -139,6 +140,9 @@ class Job:
         rid, _, cls, prompt_tokens, max_tokens = spec
         loop = asyncio.get_running_loop()
         payload = self.body(rid, cls, prompt_tokens, max_tokens)
+        # By request number, not by arrival: every worker and every rerun then
+        # sends the same request to the same replica.
+        url = self.urls[rid % len(self.urls)]
         sent = loop.time()
         first: float | None = None
         status = 0
@@ -149,7 +153,7 @@ class Job:
         itl: list[float] | None = None
         try:
             async with self.session.post(
-                self.url, data=payload, headers=self.headers[cls], timeout=self.timeout
+                url, data=payload, headers=self.headers[cls], timeout=self.timeout
             ) as response:
                 status = response.status
                 if status != 200:

@@ -1,5 +1,9 @@
 """`qosgate bench URL SCENARIO`: drive an OpenAI-compatible endpoint with a bench scenario.
 
+URL may be a comma-separated list (several replicas of one gateway): request
+number n goes to the (n mod count)-th URL, as a round-robin load balancer in
+front of them would send it.
+
 Exit status: 0 when every request has a result (refusals and errors are
 results: they are what is being measured), 1 when requests were lost or a
 load-generator process failed, 2 for an invalid scenario or arguments.
@@ -24,18 +28,36 @@ class BenchUsageError(ValueError):
     """An argument or environment problem; the message names the field."""
 
 
-def api_base(url: str) -> str:
+def api_base(url: str, field: str = "URL") -> str:
     """The API base requests go under: the URL as given (e.g. http://host:8080/v1),
-    with /v1 added when it has no path."""
+    with /v1 added when it has no path. `field` is what an error names."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise BenchUsageError(f"URL: expected http(s)://host:port[/v1], got {url!r}")
+        raise BenchUsageError(f"{field}: expected http(s)://host:port[/v1], got {url!r}")
     if parts.query or parts.fragment:
-        raise BenchUsageError(f"URL: no query or fragment allowed, got {url!r}")
+        raise BenchUsageError(f"{field}: no query or fragment allowed, got {url!r}")
     path = parts.path.rstrip("/")
     if not path:
         path = "/v1"
     return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+def api_bases(arg: str) -> list[str]:
+    """The API bases of a comma-separated URL argument, in order. A URL may be
+    repeated: that weights its replica, as a weighted balancer would."""
+    entries = [entry.strip() for entry in arg.split(",")]
+    if len(entries) == 1:
+        # One URL keeps the messages it always had (no entry number).
+        return [api_base(entries[0])]
+    bases = []
+    for number, entry in enumerate(entries, start=1):
+        field = f"URL: entry {number}"
+        if not entry:
+            # A stray comma would otherwise silently shift every request's replica.
+            raise BenchUsageError(f"{field}: empty (URL is a comma-separated list of "
+                                  f"http(s)://host:port[/v1]), got {arg!r}")
+        bases.append(api_base(entry, field))
+    return bases
 
 
 def resolve_keys(scenario: BenchScenario, environ: dict[str, str] | os._Environ = os.environ) -> list[str | None]:
@@ -55,10 +77,12 @@ def resolve_keys(scenario: BenchScenario, environ: dict[str, str] | os._Environ 
     return keys
 
 
-def job_config(scenario: BenchScenario, url: str, keys: list[str | None], seed: int) -> dict[str, Any]:
-    """What a worker needs to build the requests (plain data: it is pickled)."""
+def job_config(scenario: BenchScenario, urls: str | list[str], keys: list[str | None],
+               seed: int) -> dict[str, Any]:
+    """What a worker needs to build the requests (plain data: it is pickled).
+    `urls`: one API base or several, request n going to urls[n % len(urls)]."""
     return {
-        "url": url,
+        "urls": [urls] if isinstance(urls, str) else list(urls),
         "endpoint": scenario.endpoint,
         "model": scenario.model,
         "stream": scenario.stream,
@@ -157,7 +181,7 @@ def bench_command(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        url = api_base(args.url)
+        urls = api_bases(args.url)
         keys = resolve_keys(scenario)
         if args.workers is not None and args.workers < 1:
             raise BenchUsageError(f"--workers: must be at least 1, got {args.workers}")
@@ -168,11 +192,15 @@ def bench_command(args: argparse.Namespace) -> int:
         return 2
     seed = scenario.seed if args.seed is None else args.seed
     workers = args.workers or max(1, min(DEFAULT_WORKERS, os.cpu_count() or 1))
-    cfg = job_config(scenario, url, keys, seed)
+    cfg = job_config(scenario, urls, keys, seed)
+    # "url" stays one string for readers of single-endpoint results; joined, it
+    # is also an argument that repeats the run.
+    url = ",".join(urls)
     result: dict[str, Any] = {
         "scenario": scenario.name,
         "mode": scenario.mode,
         "url": url,
+        "urls": urls,
         "model": scenario.model,
         "endpoint": scenario.endpoint,
         "stream": scenario.stream,

@@ -55,8 +55,21 @@ async def serve(
     port = port if port is not None else policy.server.port
     stop = stop if stop is not None else asyncio.Event()
 
+    if policy.fleet is not None and policy.fleet.role == "engine":
+        await serve_engine(policy, host, port, on_ready=on_ready, stop=stop)
+        return
     if gateway is None:
-        gateway = Gateway(policy, build_backend(policy.backend), quotas=quotas)
+        backend = build_backend(policy.backend)
+        if policy.fleet is not None:
+            from qosgate.fleet.gateway import FleetBackend
+
+            # The configured backend is what the engine nodes run; here it
+            # only names the models and counts prompt tokens.
+            backend = FleetBackend(
+                policy, policy.fleet, models=backend.models,
+                count_prompt_tokens=backend.count_prompt_tokens,
+            )  # fmt: skip
+        gateway = Gateway(policy, backend, quotas=quotas)
     backend = gateway.backend
     await gateway.start()
     # A backend that loads in the background (the vLLM engine) and fails to
@@ -135,6 +148,70 @@ async def serve(
     if failed:
         error = failed[0]
         raise error if isinstance(error, BackendError) else BackendError(str(error))
+
+
+async def serve_engine(
+    policy: PolicyConfig,
+    host: str,
+    port: int,
+    *,
+    on_ready: Callable[[str], None] | None = None,
+    stop: asyncio.Event,
+) -> None:
+    """An engine node of the fleet (`fleet.role: engine`): the backend, fed
+    from the shared queue, and only /healthz, /readyz and /fleet over HTTP
+    (clients talk to the gateway replicas)."""
+    from qosgate.backends import build_backend
+    from qosgate.fleet.engine import EngineNode
+
+    assert policy.fleet is not None
+    node = EngineNode(policy, policy.fleet, build_backend(policy.backend))
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(_: web.Request) -> web.Response:
+        ready = node.ready()
+        return web.json_response(
+            {"status": "ready" if ready else "not_ready"}, status=200 if ready else 503
+        )
+
+    async def status(_: web.Request) -> web.Response:
+        return web.json_response(node.status())
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/fleet", status)
+    runner = web.AppRunner(app, access_log=None)
+    loop = asyncio.get_running_loop()
+    handled: list[signal.Signals] = []
+    await node.start()
+    try:
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = next(
+            (a[1] for a in runner.addresses if isinstance(a, tuple) and len(a) >= 2), port
+        )
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+                handled.append(sig)
+            except (NotImplementedError, RuntimeError):
+                pass
+        url = f"http://{host}:{bound}"
+        if on_ready is not None:
+            on_ready(url)
+        else:
+            print(f"qosgate: engine node {node.node} pulling fleet work; status at {url}/fleet",
+                  flush=True)
+        await stop.wait()
+    finally:
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+        await node.stop(policy.server.shutdown_grace_s)
+        await runner.cleanup()
 
 
 async def _stop(runner: web.AppRunner | None, gateway: Gateway, grace_s: float) -> None:

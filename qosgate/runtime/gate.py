@@ -260,6 +260,7 @@ class Gateway:
             max_tokens=max_tokens,
             priority=self._scheduler.engine_priority(req),
             tenant=tenant,
+            tier=tier,
             session=session,
         )
         stream = RequestStream(self, req, job, loop, reservation)
@@ -611,6 +612,10 @@ class RequestStream:
 
 
 def _map_backend_error(req: Request, exc: Exception) -> GatewayError:
+    if isinstance(exc, GatewayError):
+        # A backend that queues (the fleet's) ends requests the ways a queue
+        # does: expired, queue full.
+        return exc
     if isinstance(exc, BackendUnavailable):
         return BackendUnavailableError(
             str(exc) or "the backend is unavailable", retry_after_s=exc.retry_after_s

@@ -1,0 +1,351 @@
+"""An engine node: the backend's pump, pulling the fleet's most urgent work.
+
+The node claims work only when its backend has room (free sequence slots as
+the backend reports them, less what it has claimed and not yet started), and
+is woken, never polling, by:
+- a message on the wake channel (every enqueue publishes one);
+- its backend's capacity listener (a sequence finished);
+- a timer at the first lease expiry in the store, while it has room, so a
+  dead node's work is taken back even when nothing else happens.
+
+Each claimed item runs in a task of its own: its output goes back to the
+gateway holding the client, batched per gateway per event-loop turn; the
+last chunk (or the error that ends it) is published by the same Lua step
+that completes the item, so the gateway hears of the end exactly when it
+happened. A renewal timer extends every held lease each third of `lease_s`;
+a lease found lost (cancelled by its gateway, or taken over after this node
+stalled) stops its run. On shutdown the node releases what it has not
+finished, so other nodes take it at once, at its original arrival.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from qosgate.backends.base import Backend, BackendError, BackendUnavailable, Chunk
+from qosgate.config.models import FleetConfig, PolicyConfig
+
+from . import wire
+from .gateway import default_node_id, fleet_store
+from .model import Lease
+from .store import WorkQueueError
+
+log = logging.getLogger(__name__)
+
+
+class _Outbox:
+    """Events for gateways, published once per loop turn per gateway, in order."""
+
+    def __init__(self, redis: Any) -> None:
+        self._redis = redis
+        self._pending: dict[str, list[wire.Event]] = {}
+        self._lock = asyncio.Lock()
+        self._scheduled = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def put(self, channel: str, event: wire.Event) -> None:
+        self._pending.setdefault(channel, []).append(event)
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._spawn)
+
+    def _spawn(self) -> None:
+        self._scheduled = False
+        task = asyncio.get_running_loop().create_task(self.flush())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def flush(self) -> None:
+        """Publish everything put so far; when it returns, all of it is out.
+        Batches go out one at a time under the lock, so order holds."""
+        async with self._lock:
+            pending, self._pending = self._pending, {}
+            if not pending:
+                return
+            try:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for channel, events in pending.items():
+                        pipe.publish(channel, wire.encode_events(events))
+                    await pipe.execute()
+            except (RedisError, OSError) as exc:
+                # Lost output: the requests' own completion (or lease) decides
+                # their end; a stream missing pieces is the price of an outage.
+                log.error("could not publish output to gateways: %r", exc)
+
+
+class EngineNode:
+    """Runs claimed fleet work on `backend`."""
+
+    def __init__(self, policy: PolicyConfig, fleet: FleetConfig, backend: Backend) -> None:
+        self.backend = backend
+        self.node = fleet.node_id or default_node_id()
+        self.store = fleet_store(policy, fleet)
+        self.lease_s = fleet.lease_s
+        self.cancel_channel = f"{self.store.base}cancel"
+        self._outbox = _Outbox(self.store.redis)
+        self._runs: dict[str, asyncio.Task[None]] = {}
+        self._leases: dict[str, Lease] = {}
+        self._unstarted = 0
+        self._claiming: asyncio.Task[None] | None = None
+        self._again = False
+        self._wake_handle: asyncio.Handle | None = None
+        self._expiry_timer: asyncio.TimerHandle | None = None
+        self._renew_timer: asyncio.TimerHandle | None = None
+        self._renewing: asyncio.Task[None] | None = None
+        self._pubsub: Any = None
+        self._listener: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.completed = 0
+        """Items this node completed (for stats and tests)."""
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def start(self) -> None:
+        self.backend.set_capacity_listener(self.wake)
+        await self.backend.start()
+        self._pubsub = self.store.redis.pubsub()
+        await self._pubsub.subscribe(self.store.wake_channel, self.cancel_channel)
+        loop = asyncio.get_running_loop()
+        self._listener = loop.create_task(self._listen(), name="fleet-wake")
+        self._arm_renewal()
+        # Whatever was queued before this node came up.
+        self.wake()
+
+    def ready(self) -> bool:
+        return not self._stopping and self.backend.ready()
+
+    async def stop(self, grace_s: float) -> None:
+        """Take no more work; let running items finish for up to `grace_s`,
+        then give the rest back to the queue for other nodes."""
+        self._stopping = True
+        for handle in (self._wake_handle, self._expiry_timer):
+            if handle is not None:
+                handle.cancel()
+        if self._claiming is not None:
+            with contextlib.suppress(Exception):
+                await self._claiming
+        runs = list(self._runs.values())
+        if runs:
+            await asyncio.wait(runs, timeout=grace_s)
+        for task in list(self._runs.values()):
+            task.cancel()
+        for lease in list(self._leases.values()):
+            with contextlib.suppress(WorkQueueError):
+                await self.store.release(lease)
+        if self._runs:
+            await asyncio.gather(*self._runs.values(), return_exceptions=True)
+        if self._renew_timer is not None:
+            self._renew_timer.cancel()
+        if self._renewing is not None:
+            self._renewing.cancel()
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listener
+        await self._outbox.flush()
+        if self._pubsub is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await self._pubsub.aclose()
+        await self.backend.close()
+        await self.store.close()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "running": len(self._runs),
+            "completed": self.completed,
+            "free_slots": self.backend.capacity().free_slots,
+        }
+
+    # -- claiming ------------------------------------------------------------
+
+    async def _listen(self) -> None:
+        wake_channel = self.store.wake_channel.encode()
+        async for message in self._pubsub.listen():
+            if message.get("type") != "message":
+                continue
+            if message["channel"] == wake_channel:
+                self.wake()
+            else:
+                task = self._runs.get(message["data"].decode(errors="replace"))
+                if task is not None:
+                    task.cancel()
+
+    def _room(self) -> int:
+        if self._stopping or not self.backend.ready():
+            return 0
+        return max(0, self.backend.capacity().free_slots - self._unstarted)
+
+    def wake(self) -> None:
+        """Claim soon if there is room; any number of wakes before it costs one claim."""
+        if self._wake_handle is None and not self._stopping:
+            self._wake_handle = asyncio.get_running_loop().call_soon(self._on_wake)
+
+    def _on_wake(self) -> None:
+        self._wake_handle = None
+        if self._room() <= 0:
+            return
+        if self._claiming is not None:
+            self._again = True
+            return
+        self._claiming = asyncio.get_running_loop().create_task(self._claim())
+
+    async def _claim(self) -> None:
+        try:
+            while True:
+                self._again = False
+                room = self._room()
+                if room <= 0:
+                    return
+                now = time.time()
+                try:
+                    leases = await self.store.claim(self.node, room, now, self.lease_s)
+                except WorkQueueError as exc:
+                    log.error("claim failed: %s", exc)
+                    self._arm_expiry(time.time() + 1.0)
+                    return
+                for lease in leases:
+                    self._start(lease)
+                if len(leases) < room:
+                    # The queues are empty: the next work is a new enqueue
+                    # (a wake) or a lease running out somewhere.
+                    with contextlib.suppress(WorkQueueError):
+                        expiry = await self.store.next_expiry()
+                        if expiry is not None:
+                            self._arm_expiry(expiry)
+                    if not self._again:
+                        return
+        finally:
+            self._claiming = None
+
+    def _arm_expiry(self, at: float) -> None:
+        if self._expiry_timer is not None:
+            self._expiry_timer.cancel()
+        # A hair after the expiry, so that the claim finds it expired.
+        delay = max(0.0, at - time.time()) + 0.01
+        self._expiry_timer = asyncio.get_running_loop().call_later(delay, self._on_expiry)
+
+    def _on_expiry(self) -> None:
+        self._expiry_timer = None
+        self.wake()
+
+    # -- running -------------------------------------------------------------
+
+    def _start(self, lease: Lease) -> None:
+        self._leases[lease.item.id] = lease
+        self._unstarted += 1
+        task = asyncio.get_running_loop().create_task(self._run(lease))
+        self._runs[lease.item.id] = task
+
+    async def _run(self, lease: Lease) -> None:
+        item_id = lease.item.id
+        started = False
+        gen: AsyncIterator[Chunk] | None = None
+        try:
+            try:
+                job, reply_to = wire.decode_job(lease.item.payload)
+            except ValueError as exc:
+                log.error("work item %s: %s; dropped", item_id, exc)
+                await self._complete(lease, None)
+                return
+            try:
+                gen = self.backend.generate(job)
+            except BackendUnavailable as exc:
+                log.warning("work item %s: the backend cannot take it (%s); given back", item_id, exc)
+                await self._give_back(item_id)
+                return
+            except BackendError as exc:
+                await self._end(lease, reply_to, wire.error_event(item_id, lease.token, "backend_error", str(exc)))
+                return
+            finally:
+                self._unstarted -= 1
+                started = True
+            try:
+                async for chunk in gen:
+                    event = wire.chunk_event(item_id, self._token(item_id), chunk)
+                    if chunk.finish_reason is not None:
+                        await self._end(lease, reply_to, event)
+                        return
+                    self._outbox.put(reply_to, event)
+            except BackendUnavailable as exc:
+                log.warning("work item %s: the backend failed (%s); given back", item_id, exc)
+                await self._give_back(item_id)
+                return
+            except BackendError as exc:
+                await self._end(lease, reply_to, wire.error_event(item_id, lease.token, "backend_error", str(exc)))
+                return
+            await self._end(lease, reply_to, wire.error_event(
+                item_id, lease.token, "backend_error", "the backend ended the stream early"
+            ))  # fmt: skip
+        finally:
+            if not started:
+                self._unstarted -= 1
+            if gen is not None:
+                aclose = getattr(gen, "aclose", None)
+                if aclose is not None:
+                    with contextlib.suppress(Exception):
+                        await aclose()
+            self._runs.pop(item_id, None)
+            self._leases.pop(item_id, None)
+            self.wake()
+
+    def _token(self, item_id: str) -> int:
+        return self._leases[item_id].token
+
+    async def _end(self, lease: Lease, reply_to: str, event: wire.Event) -> None:
+        # Everything before the end goes out before it.
+        await self._outbox.flush()
+        await self._complete(lease, (reply_to, wire.encode_events([event])))
+
+    async def _complete(self, lease: Lease, reply: tuple[str, bytes] | None) -> None:
+        current = self._leases.get(lease.item.id, lease)
+        try:
+            if await self.store.complete(current, reply):
+                self.completed += 1
+            else:
+                log.info("work item %s: lease lost before completion", lease.item.id)
+        except WorkQueueError as exc:
+            # Unknown whether it landed; if not, the lease runs out and the
+            # item runs again elsewhere.
+            log.error("work item %s: completion failed: %s", lease.item.id, exc)
+
+    async def _give_back(self, item_id: str) -> None:
+        lease = self._leases.get(item_id)
+        if lease is not None:
+            with contextlib.suppress(WorkQueueError):
+                await self.store.release(lease)
+
+    # -- renewal -------------------------------------------------------------
+
+    def _arm_renewal(self) -> None:
+        self._renew_timer = asyncio.get_running_loop().call_later(self.lease_s / 3, self._on_renew)
+
+    def _on_renew(self) -> None:
+        if self._renewing is None or self._renewing.done():
+            self._renewing = asyncio.get_running_loop().create_task(self._renew())
+        self._arm_renewal()
+
+    async def _renew(self) -> None:
+        now = time.time()
+        for item_id, lease in list(self._leases.items()):
+            try:
+                renewed = await self.store.renew(lease, now, self.lease_s)
+            except WorkQueueError as exc:
+                log.warning("renewal failed: %s", exc)
+                return
+            if item_id not in self._leases:
+                continue
+            if renewed is None:
+                # Cancelled by its gateway, or taken over: stop running it.
+                task = self._runs.get(item_id)
+                if task is not None:
+                    task.cancel()
+            else:
+                self._leases[item_id] = renewed

@@ -1,0 +1,306 @@
+"""A gateway replica's side of the fleet: the `Backend` port over the shared queue.
+
+The replica's own scheduler still does everything at the door (identity,
+quotas, admission, the request's one outcome); it sees this backend as one
+with unbounded room, so it hands every admitted request over at once, and the
+ordering that matters happens in the shared queue, across every replica.
+
+`generate` puts the job in its tier's queue (refused with 429 when the tier's
+`max_queue_len` is reached fleet-wide) and yields what the engine node that
+takes it publishes back on this replica's reply channel. A tier whose
+`on_timeout` is `reject` gets a timer at its queue budget: if the item is
+still queued then, it is taken out and the request ends `expired`. A client
+that goes away takes its item out of the queue, or tells the node running it
+to stop.
+
+When a node dies, its lease runs out and another node runs the item again
+from the start. Events carry the lease's fencing token, so the dead run's
+stragglers are dropped. A client reading the answer whole never sees the
+first run (it is buffered until the end); a streaming client that already
+has output gets the new run's output after what it already has, skipping as
+many tokens as it was sent, which continues its text exactly when decoding is
+deterministic (the simulated GPU; temperature 0 or a fixed seed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from qosgate.backends.base import BackendError, BackendUnavailable, Chunk, GenerationJob
+from qosgate.config.models import FleetConfig, PolicyConfig
+from qosgate.core.scheduler import BackendCapacity
+from qosgate.runtime.errors import Expired, QueueFull
+
+from . import wire
+from .model import FleetTiers, WorkItem
+from .redis_store import RedisWorkQueue
+from .store import WorkQueueError, WorkQueueFull
+
+log = logging.getLogger(__name__)
+
+# The replica's scheduler must never hold work back for lack of room: the
+# fleet's room is the engine nodes', and they take work when they have it.
+_UNBOUNDED = BackendCapacity(1 << 40, 1 << 60, None)
+
+
+def default_node_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"[:64]
+
+
+def fleet_store(policy: PolicyConfig, fleet: FleetConfig) -> RedisWorkQueue:
+    return RedisWorkQueue(
+        fleet.url,
+        FleetTiers.from_config(policy),
+        key_prefix=fleet.key_prefix,
+        socket_timeout_s=fleet.timeout_ms / 1000.0,
+    )
+
+
+@dataclass(slots=True)
+class _Waiting:
+    """One request handed to the fleet, as its events arrive."""
+
+    events: asyncio.Queue[wire.Event] = field(default_factory=asyncio.Queue)
+    ended: bool = False
+    expiry: asyncio.TimerHandle | None = None
+
+
+class FleetBackend:
+    """The `Backend` port of a gateway replica: work goes to the shared queue."""
+
+    def __init__(
+        self,
+        policy: PolicyConfig,
+        fleet: FleetConfig,
+        *,
+        models: tuple[str, ...],
+        count_prompt_tokens: Callable[[str, dict[str, Any]], int],
+    ) -> None:
+        self.models = models
+        self._count = count_prompt_tokens
+        self._policy = policy
+        self.node = fleet.node_id or default_node_id()
+        self.store = fleet_store(policy, fleet)
+        self.reply_channel = f"{self.store.base}reply:{self.node}"
+        self.cancel_channel = f"{self.store.base}cancel"
+        self._waiting: dict[str, _Waiting] = {}
+        self._pubsub: Any = None
+        self._reader: asyncio.Task[None] | None = None
+        self._ready = False
+        self._listener: Callable[[], None] | None = None
+        # Cancellations in flight, so that close() can wait for them.
+        self._chores: set[asyncio.Task[Any]] = set()
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def start(self) -> None:
+        self._pubsub = self.store.redis.pubsub()
+        # Subscribed before any request is queued, so no reply can come first.
+        await self._pubsub.subscribe(self.reply_channel)
+        self._reader = asyncio.get_running_loop().create_task(self._read(), name="fleet-replies")
+        self._ready = True
+        if self._listener is not None:
+            self._listener()
+
+    async def close(self) -> None:
+        self._ready = False
+        for request_id in list(self._waiting):
+            self.abort(request_id)
+        if self._chores:
+            await asyncio.gather(*self._chores, return_exceptions=True)
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        if self._pubsub is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await self._pubsub.aclose()
+        await self.store.close()
+
+    def ready(self) -> bool:
+        return self._ready
+
+    def capacity(self) -> BackendCapacity:
+        return _UNBOUNDED
+
+    def set_capacity_listener(self, listener: Callable[[], None]) -> None:
+        self._listener = listener
+
+    def count_prompt_tokens(self, endpoint: str, body: dict[str, Any]) -> int:
+        return self._count(endpoint, body)
+
+    # -- replies -------------------------------------------------------------
+
+    async def _read(self) -> None:
+        try:
+            async for message in self._pubsub.listen():
+                if message.get("type") != "message":
+                    continue
+                try:
+                    events = wire.decode_events(message["data"])
+                except ValueError:
+                    log.error("dropped a malformed message on %s", self.reply_channel)
+                    continue
+                for event in events:
+                    waiting = self._waiting.get(event[0])
+                    if waiting is not None:
+                        waiting.events.put_nowait(event)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every waiting request must hear of it
+            log.error("lost the fleet's reply channel: %r", exc)
+            self._ready = False
+            for waiting in self._waiting.values():
+                waiting.events.put_nowait(("", 1 << 62, wire.ERROR, ["unavailable", str(exc)]))
+
+    # -- requests ------------------------------------------------------------
+
+    def generate(self, job: GenerationJob) -> AsyncIterator[Chunk]:
+        if not self._ready:
+            raise BackendUnavailable("the fleet's queue is not reachable")
+        if job.request_id in self._waiting:
+            raise BackendError(f"request {job.request_id!r} is already running")
+        waiting = _Waiting()
+        self._waiting[job.request_id] = waiting
+        return self._stream(job, waiting)
+
+    async def _stream(self, job: GenerationJob, waiting: _Waiting) -> AsyncIterator[Chunk]:
+        request_id = job.request_id
+        tier = self._policy.tiers[job.tier]
+        try:
+            item = WorkItem(
+                id=request_id,
+                tier=job.tier,
+                tenant=job.tenant,
+                arrival=time.time(),
+                payload=wire.encode_job(job, self.reply_channel),
+            )
+            try:
+                await self.store.enqueue(item, max_queued=tier.max_queue_len)
+            except WorkQueueFull as exc:
+                waiting.ended = True
+                raise QueueFull(
+                    f"tier {job.tier!r} has {tier.max_queue_len} requests queued in the fleet",
+                    retry_after_s=1.0,
+                ) from exc
+            except WorkQueueError as exc:
+                waiting.ended = True
+                raise BackendUnavailable(f"the fleet's queue is not reachable: {exc}") from exc
+            if tier.on_timeout == "reject":
+                waiting.expiry = asyncio.get_running_loop().call_later(
+                    tier.max_queue_wait_ms / 1000.0, self._expire, request_id, tier.max_queue_wait_ms
+                )
+            async for chunk in self._relay(job, waiting):
+                yield chunk
+        finally:
+            if waiting.expiry is not None:
+                waiting.expiry.cancel()
+            if not waiting.ended:
+                # Closed before its end: the client went away.
+                self._cancel_soon(request_id)
+            self._waiting.pop(request_id, None)
+
+    async def _relay(self, job: GenerationJob, waiting: _Waiting) -> AsyncIterator[Chunk]:
+        token = 0
+        streamed = job.streamed
+        sent = 0  # tokens the consumer has been given
+        skip = 0  # tokens of the current run that repeat what it was given
+        held: list[Chunk] = []  # a whole-answer client's output so far
+        while True:
+            _, event_token, kind, data = await waiting.events.get()
+            if event_token < token:
+                continue  # a dead run's straggler
+            if event_token > token:
+                # A new run (the first, or a re-run after a node was lost).
+                if token:
+                    log.warning("request %s: re-run after its engine node was lost", job.request_id)
+                token = event_token
+                held.clear()
+                skip = sent
+            if kind == wire.ERROR:
+                waiting.ended = True
+                error_kind, message = data
+                if error_kind == "expired":
+                    raise Expired(message)
+                if error_kind == "unavailable":
+                    raise BackendUnavailable(message)
+                raise BackendError(message)
+            chunk = wire.chunk_of(data)
+            if chunk.finish_reason is not None:
+                waiting.ended = True
+            if not streamed:
+                held.append(chunk)
+                if chunk.finish_reason is not None:
+                    for piece in held:
+                        yield piece
+                    return
+                continue
+            if skip:
+                if chunk.tokens <= skip and chunk.finish_reason is None:
+                    skip -= chunk.tokens
+                    continue
+                chunk.tokens -= min(skip, chunk.tokens)
+                skip = 0
+            sent += chunk.tokens
+            yield chunk
+            if chunk.finish_reason is not None:
+                return
+
+    def _expire(self, request_id: str, budget_ms: float) -> None:
+        waiting = self._waiting.get(request_id)
+        if waiting is None or waiting.ended:
+            return
+        waiting.expiry = None
+
+        async def expire() -> None:
+            try:
+                was = await self.store.cancel(request_id, time.time())
+            except WorkQueueError as exc:
+                log.warning("request %s: could not expire it: %s", request_id, exc)
+                return
+            if was == "queued":
+                # Token above any run's: nothing can follow it.
+                waiting.events.put_nowait((request_id, 1 << 62, wire.ERROR, [
+                    "expired", f"queued in the fleet longer than its tier's budget ({budget_ms:.0f} ms)"
+                ]))  # fmt: skip
+
+        self._chore(expire())
+
+    def _cancel_soon(self, request_id: str) -> None:
+        async def cancel() -> None:
+            try:
+                was = await self.store.cancel(request_id, time.time())
+                if was == "leased":
+                    await self.store.redis.publish(self.cancel_channel, request_id)
+            except (WorkQueueError, RedisError, OSError) as exc:
+                # Its lease ends it: the node's renew fails once the gateway
+                # is gone... or it runs to the end for nobody. Say so.
+                log.warning("request %s: could not cancel it in the fleet: %s", request_id, exc)
+
+        self._chore(cancel())
+
+    def _chore(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._chores.add(task)
+        task.add_done_callback(self._chores.discard)
+
+    def abort(self, request_id: str) -> None:
+        waiting = self._waiting.get(request_id)
+        if waiting is None or waiting.ended:
+            return
+        waiting.ended = True
+        self._cancel_soon(request_id)
+        # Whoever reads the stream stops at once.
+        waiting.events.put_nowait(
+            (request_id, 1 << 62, wire.ERROR, ["unavailable", "the request was aborted"])
+        )

@@ -1,0 +1,107 @@
+"""What gateways and engine nodes say to each other through Redis.
+
+A work item's payload is the `GenerationJob` and the channel its gateway
+listens on. Everything an engine node sends back is an event
+`[request id, lease token, kind, data]`, published to that channel in
+batches (a JSON list of events per message): one message per gateway per
+event-loop turn, however many requests produced output in it.
+
+The lease token fences a re-run: when a node dies and another takes the item
+over, its events carry a higher token, and the gateway drops whatever the
+dead node's run still had in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import orjson
+
+from qosgate.backends.base import Chunk, GenerationJob
+
+CHUNK = "c"
+ERROR = "e"
+
+ErrorKind = Literal["backend_error", "unavailable"]
+
+Event = tuple[str, int, str, Any]
+
+
+def encode_job(job: GenerationJob, reply_to: str) -> bytes:
+    return orjson.dumps(
+        {
+            "id": job.request_id,
+            "endpoint": job.endpoint,
+            "body": job.body,
+            "prompt_tokens": job.prompt_tokens,
+            "max_tokens": job.max_tokens,
+            "priority": job.priority,
+            "tenant": job.tenant,
+            "tier": job.tier,
+            "session": job.session,
+            "reply_to": reply_to,
+        }
+    )
+
+
+def decode_job(payload: bytes) -> tuple[GenerationJob, str]:
+    """The job and its gateway's reply channel; ValueError if malformed."""
+    try:
+        data = orjson.loads(payload)
+        job = GenerationJob(
+            request_id=data["id"],
+            endpoint=data["endpoint"],
+            body=data["body"],
+            prompt_tokens=int(data["prompt_tokens"]),
+            max_tokens=int(data["max_tokens"]),
+            priority=int(data["priority"]),
+            tenant=data["tenant"],
+            tier=data["tier"],
+            session=data["session"],
+        )
+        reply_to = data["reply_to"]
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"malformed work item payload: {exc}") from exc
+    if not isinstance(reply_to, str) or job.endpoint not in ("chat", "completions"):
+        raise ValueError("malformed work item payload: reply_to or endpoint")
+    return job, reply_to
+
+
+def chunk_event(request_id: str, token: int, chunk: Chunk) -> Event:
+    data = [chunk.text, chunk.tokens, chunk.finish_reason, chunk.usage, chunk.raw or None]
+    return (request_id, token, CHUNK, data)
+
+
+def error_event(request_id: str, token: int, kind: ErrorKind, message: str) -> Event:
+    return (request_id, token, ERROR, [kind, message])
+
+
+def encode_events(events: list[Event]) -> bytes:
+    return orjson.dumps(events)
+
+
+def decode_events(message: bytes) -> list[Event]:
+    """The events of one message; ValueError if it is not a list of events."""
+    try:
+        events = orjson.loads(message)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"malformed fleet message: {exc}") from exc
+    if not isinstance(events, list):
+        raise ValueError("malformed fleet message: not a list")
+    out: list[Event] = []
+    for event in events:
+        if (
+            not isinstance(event, list)
+            or len(event) != 4
+            or not isinstance(event[0], str)
+            or not isinstance(event[1], int)
+            or event[2] not in (CHUNK, ERROR)
+        ):
+            raise ValueError("malformed fleet message: bad event")
+        out.append((event[0], event[1], event[2], event[3]))
+    return out
+
+
+def chunk_of(data: Any) -> Chunk:
+    text, tokens, finish_reason, usage, raw = data
+    return Chunk(text=text, tokens=tokens, finish_reason=finish_reason, usage=usage, raw=raw or {})
