@@ -270,6 +270,18 @@ async def test_cancel_takes_an_item_out_wherever_it_is(queue):
         await queue.enqueue(item("q", "silver", T0))
 
 
+async def test_cancel_only_queued_leaves_a_running_item_alone(queue):
+    await queue.enqueue(item("l", "gold", T0))
+    await queue.enqueue(item("q", "gold", T0 + 1))
+    [held] = await queue.claim("n1", 1, T0 + 2, LEASE)
+    assert await queue.cancel("l", T0 + 3, only_queued=True) == "leased"
+    assert await queue.status("l") == "leased"
+    assert await queue.renew(held, T0 + 3, LEASE) is not None
+    assert await queue.cancel("q", T0 + 3, only_queued=True) == "queued"
+    assert await queue.status("q") == "completed"
+    assert await queue.complete(held) is True
+
+
 async def test_next_expiry_is_the_first_live_lease_end(queue):
     assert await queue.next_expiry() is None
     await queue.enqueue(item("a", "gold", T0))
@@ -342,11 +354,11 @@ async def test_stores_agree_on_random_operations_and_lose_nothing(request):
     # Every lease ever handed out, per store, stale ones included.
     leases: list[tuple[Lease, Lease]] = []
 
-    async def both(method: str, *args):
+    async def both(method: str, *args, **kwargs):
         results = []
         for store in stores:
             try:
-                results.append(await getattr(store, method)(*args))
+                results.append(await getattr(store, method)(*args, **kwargs))
             except ValueError as exc:
                 results.append(("ValueError", str(exc)))
         assert results[0] == results[1], results
@@ -375,8 +387,9 @@ async def test_stores_agree_on_random_operations_and_lose_nothing(request):
                 leases += zip(got[0], got[1])
             elif roll < 0.6 and enqueued:
                 target = rng.choice(enqueued)
-                [was, _] = await both("cancel", target, now)
-                if was in ("queued", "leased"):
+                only_queued = rng.random() < 0.3
+                [was, _] = await both("cancel", target, now, only_queued=only_queued)
+                if was == "queued" or (was == "leased" and not only_queued):
                     assert target not in completed, "ended twice"
                     completed.add(target)
             elif roll < 0.85 and leases:

@@ -264,7 +264,7 @@ class FleetBackend:
 
         async def expire() -> None:
             try:
-                was = await self.store.cancel(request_id, time.time())
+                was = await self.store.cancel(request_id, time.time(), only_queued=True)
             except WorkQueueError as exc:
                 log.warning("request %s: could not expire it: %s", request_id, exc)
                 return
@@ -283,8 +283,8 @@ class FleetBackend:
                 if was == "leased":
                     await self.store.redis.publish(self.cancel_channel, request_id)
             except (WorkQueueError, RedisError, OSError) as exc:
-                # Its lease ends it: the node's renew fails once the gateway
-                # is gone... or it runs to the end for nobody. Say so.
+                # The node will run it to its end for nobody; its output is
+                # dropped here, and the request has already ended.
                 log.warning("request %s: could not cancel it in the fleet: %s", request_id, exc)
 
         self._chore(cancel())

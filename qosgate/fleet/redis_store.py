@@ -191,17 +191,20 @@ return 1
 """
 )
 
-# ARGV: id, now, then the tier args. Returns 1 (was queued), 2 (leased),
-# 3 (completed) or 0 (unknown).
+# ARGV: id, now, only_queued (1/0), then the tier args. Returns 1 (was
+# queued), 2 (leased), 3 (completed) or 0 (unknown).
 _CANCEL = (
     _PRELUDE
     + """
 local id = ARGV[1]
-local _, _, qkey = tier_args(3)
+local _, _, qkey = tier_args(4)
 local tier = redis.call('HGET', KEYS[K_TIER], id)
 if tier then
   local was = 1
-  if redis.call('HEXISTS', KEYS[K_HOLDER], id) == 1 then was = 2 end
+  if redis.call('HEXISTS', KEYS[K_HOLDER], id) == 1 then
+    if ARGV[3] == '1' then return 2 end
+    was = 2
+  end
   redis.call('ZREM', qkey[tier], id)
   forget(id)
   redis.call('ZADD', KEYS[K_DONE], ARGV[2], id)
@@ -290,8 +293,11 @@ class RedisWorkQueue(WorkQueue):
         if result < 0:
             raise WorkQueueFull(f"tier {item.tier!r} holds {max_queued} queued items")
 
-    async def cancel(self, item_id: str, now: float) -> ItemStatus | None:
-        was = await self._run(self._cancel, [item_id, repr(now), *self._tier_args])
+    async def cancel(
+        self, item_id: str, now: float, *, only_queued: bool = False
+    ) -> ItemStatus | None:
+        args = [item_id, repr(now), 1 if only_queued else 0, *self._tier_args]
+        was = await self._run(self._cancel, args)
         return _CANCELLED[int(was)]
 
     async def next_expiry(self) -> float | None:

@@ -54,11 +54,14 @@ class WorkQueue(ABC):
         Wakes idle engine nodes."""
 
     @abstractmethod
-    async def cancel(self, item_id: str, now: float) -> ItemStatus | None:
-        """End an item wherever it is (its client went away, or its queue
-        budget ran out): out of its queue, or its lease voided so that the
-        holder's renew and complete fail. Returns where it was; an item that
-        had already completed stays completed."""
+    async def cancel(
+        self, item_id: str, now: float, *, only_queued: bool = False
+    ) -> ItemStatus | None:
+        """End an item wherever it is (its client went away): out of its
+        queue, or its lease voided so that the holder's renew and complete
+        fail. With `only_queued` (its queue budget ran out), a leased item is
+        left running. Returns where it was; an item that had already
+        completed stays completed."""
 
     @abstractmethod
     async def claim(self, node: str, max_items: int, now: float, lease_s: float) -> list[Lease]:
@@ -142,7 +145,9 @@ class MemoryWorkQueue(WorkQueue):
         self._push(item)
         self.wakes += 1
 
-    async def cancel(self, item_id: str, now: float) -> ItemStatus | None:
+    async def cancel(
+        self, item_id: str, now: float, *, only_queued: bool = False
+    ) -> ItemStatus | None:
         item = self._queued.pop(item_id, None)
         if item is not None:
             queue = self._queues[item.tier]
@@ -150,9 +155,10 @@ class MemoryWorkQueue(WorkQueue):
             heapq.heapify(queue)
             self._completed[item_id] = now
             return "queued"
-        held = self._held.pop(item_id, None)
-        if held is not None:
-            self._completed[item_id] = now
+        if item_id in self._held:
+            if not only_queued:
+                del self._held[item_id]
+                self._completed[item_id] = now
             return "leased"
         return "completed" if item_id in self._completed else None
 

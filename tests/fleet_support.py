@@ -1,0 +1,195 @@
+"""A fleet on loopback: a real redis-server, gateway replicas and engine nodes,
+each a `qosgate serve` process of its own (so one can be killed with SIGKILL).
+
+Used by tests/test_fleet_e2e.py and benchmarks/fleet.py. A process counts as
+up when it prints its URL line, read from its stdout as it comes (no
+sleeping); its stderr goes to a log file shown when something fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.redis_server import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+START_LIMIT_S = 30.0
+
+KEYS = {
+    "interactive": "fleet-interactive-key",
+    "standard": "fleet-standard-key",
+    "batch": "fleet-batch-key",
+}
+
+
+def policy(
+    *,
+    speed: float,
+    seqs: int,
+    redis_url: str | None,
+    lease_s: float = 2.0,
+    output_median: int | None = None,
+) -> dict[str, Any]:
+    """The fleet benchmark's policy: three tiers as in B3/B8, one tenant per
+    tier; with `redis_url` None, the single-node mode."""
+    backend: dict[str, Any] = {"kind": "sim", "speed": speed, "max_num_seqs": seqs}
+    if output_median is not None:
+        backend["output_median_tokens"] = output_median
+    doc: dict[str, Any] = {
+        "version": 1,
+        "server": {"port": 0, "admin_token_env": None, "auth_failures_per_minute": 0,
+                   "shutdown_grace_s": 5},
+        "backend": backend,
+        "scheduler": {"policy": "qos", "aging": {"interval_ms": 2000, "max_boost": 2}},
+        "tiers": {
+            "interactive": {"priority": 0, "ttft_slo_ms": 500, "max_queue_wait_ms": 1000},
+            "standard": {"priority": 1, "ttft_slo_ms": 2000, "max_queue_wait_ms": 3000},
+            "batch": {"priority": 2, "e2e_slo_ms": 60000, "max_queue_wait_ms": 20000,
+                      "on_timeout": "delay"},
+        },
+        "tenants": [
+            {"id": f"fleet-{tier}", "tier": tier, "api_keys": [f"env:QG_FLEET_{tier.upper()}"]}
+            for tier in KEYS
+        ],
+        "observability": {"log_requests": False},
+    }  # fmt: skip
+    if redis_url is not None:
+        doc["fleet"] = {"role": "gateway", "url": redis_url, "lease_s": lease_s,
+                        "key_prefix": "fleet-test:"}  # fmt: skip
+    return doc
+
+
+def environ() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({f"QG_FLEET_{tier.upper()}": key for tier, key in KEYS.items()})
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+class Proc:
+    """One `qosgate serve` process."""
+
+    def __init__(self, config: Path, name: str, logs: Path, role: str | None) -> None:
+        self.name = name
+        self.log = logs / f"{name}.log"
+        cmd = [sys.executable, "-m", "qosgate.cli", "serve", "--config", str(config)]
+        if role is not None:
+            cmd += ["--role", role, "--node-id", name]
+        self._stderr = self.log.open("wb")
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=environ(), stdout=subprocess.PIPE, stderr=self._stderr
+        )
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, args=(lines,), daemon=True).start()
+        try:
+            line = lines.get(timeout=START_LIMIT_S)
+        except queue.Empty:
+            self.kill()
+            raise RuntimeError(f"{name} did not start:\n{self.tail()}") from None
+        if not line:
+            raise RuntimeError(f"{name} exited at start:\n{self.tail()}")
+        self.url = line.split(" at ", 1)[1].split()[0].removesuffix("/fleet").removesuffix(";")
+        """The API URL (gateway, …/v1) or the status base URL (engine)."""
+
+    def _pump(self, lines: queue.Queue[str]) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            lines.put(raw.decode(errors="replace").strip())
+        lines.put("")
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def get(self, path: str) -> Any:
+        base = self.url.removesuffix("/v1")
+        with urllib.request.urlopen(base + path, timeout=10) as response:
+            return json.loads(response.read())
+
+    def kill(self) -> None:
+        """SIGKILL: no release, no goodbye, as a node lost to the OOM killer."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        code = self.proc.wait(timeout=60)
+        self._stderr.close()
+        return code
+
+
+class Fleet:
+    """Redis, `gateways` replicas and `engines` nodes; or, with `single`, one
+    `qosgate serve` with the simulated GPU in process (no Redis)."""
+
+    def __init__(self, tmp: Path, *, gateways: int = 3, engines: int = 2, single: bool = False,
+                 speed: float, seqs: int, lease_s: float = 2.0,
+                 output_median: int | None = None) -> None:  # fmt: skip
+        self.redis: RedisServer | None = None
+        self.gateways: list[Proc] = []
+        self.engines: list[Proc] = []
+        tmp.mkdir(parents=True, exist_ok=True)
+        try:
+            if single:
+                config = tmp / "single.yaml"
+                config.write_text(yaml.safe_dump(policy(
+                    speed=speed, seqs=seqs, redis_url=None, output_median=output_median
+                )))  # fmt: skip
+                self.gateways.append(Proc(config, "single", tmp, None))
+                return
+            self.redis = RedisServer()
+            self.redis.start()
+            config = tmp / "fleet.yaml"
+            config.write_text(yaml.safe_dump(policy(
+                speed=speed, seqs=seqs, redis_url=self.redis.url, lease_s=lease_s,
+                output_median=output_median,
+            )))  # fmt: skip
+            for index in range(engines):
+                self.engines.append(Proc(config, f"engine-{index + 1}", tmp, "engine"))
+            for index in range(gateways):
+                self.gateways.append(Proc(config, f"gateway-{index + 1}", tmp, "gateway"))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def urls(self) -> str:
+        """The gateways' API URLs, as `qosgate bench` takes them."""
+        return ",".join(g.url for g in self.gateways)
+
+    def outcomes(self) -> dict[str, int]:
+        """Every gateway's `qosgate_requests_total`, summed by outcome."""
+        counts: dict[str, int] = {}
+        for gateway in self.gateways:
+            base = gateway.url.removesuffix("/v1")
+            with urllib.request.urlopen(base + "/metrics", timeout=10) as response:
+                text = response.read().decode()
+            for line in text.splitlines():
+                if line.startswith("qosgate_requests_total{"):
+                    labels, value = line.rsplit(" ", 1)
+                    outcome = labels.split('outcome="', 1)[1].split('"', 1)[0]
+                    counts[outcome] = counts.get(outcome, 0) + int(float(value))
+        return counts
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.tail()}" for p in [*self.engines, *self.gateways])
+
+    def close(self) -> dict[str, int]:
+        codes = {}
+        for proc in [*self.gateways, *self.engines]:
+            codes[proc.name] = proc.stop()
+        if self.redis is not None:
+            self.redis.close()
+        return codes
