@@ -124,6 +124,8 @@ class EngineNode:
     async def stop(self, grace_s: float) -> None:
         """Take no more work; let running items finish for up to `grace_s`,
         then give the rest back to the queue for other nodes."""
+        if self._stopping:
+            return
         self._stopping = True
         for handle in (self._wake_handle, self._expiry_timer):
             if handle is not None:

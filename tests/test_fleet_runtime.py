@@ -1,0 +1,231 @@
+"""The fleet's runtime in one event loop: a gateway replica (the real
+`Gateway` over `FleetBackend`) and engine nodes (`EngineNode` over the
+simulated GPU), talking through a real redis-server.
+
+What a client of a replica sees must be what it would see on one node: the
+answer in full, the request's one outcome, its queue budget, its tier's cap,
+and a disconnect that takes its work out of the fleet. Every wait is on an
+event, bounded by LIMIT_S; nothing sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from qosgate.backends.sim_live import SimBackend, filler_text
+from qosgate.config.models import FleetConfig, PolicyConfig
+from qosgate.core.request import Outcome
+from qosgate.fleet.engine import EngineNode
+from qosgate.fleet.gateway import FleetBackend
+from qosgate.runtime.errors import Expired, QueueFull
+from qosgate.runtime.gate import Gateway, RequestStream
+
+LIMIT_S = 20.0
+
+
+def make_policy(redis_url: str, prefix: str, **tier_overrides: Any) -> PolicyConfig:
+    interactive = {"priority": 0, "max_queue_wait_ms": 60_000, **tier_overrides}
+    return PolicyConfig.model_validate({
+        "backend": {"kind": "sim", "speed": 4.0, "max_num_seqs": 2},
+        "tiers": {
+            "interactive": interactive,
+            "batch": {"priority": 2, "on_timeout": "delay"},
+        },
+        "default_tier": "interactive",
+        "fleet": {"role": "gateway", "url": redis_url, "key_prefix": prefix, "lease_s": 1.0},
+    })  # fmt: skip
+
+
+class Fleet:
+    """One replica and `engines` engine nodes, started and stopped together."""
+
+    def __init__(self, policy: PolicyConfig, engines: int = 1, seqs: int = 2) -> None:
+        assert policy.fleet is not None
+        self.policy = policy
+        self.backend = FleetBackend(
+            policy, policy.fleet.model_copy(update={"node_id": "gw"}),
+            models=("sim-llama3-8b",), count_prompt_tokens=lambda e, b: 8,
+        )  # fmt: skip
+        self.gateway = Gateway(policy, self.backend)
+        engine_cfg = policy.backend.model_copy(update={"max_num_seqs": seqs})
+        self.engines = [
+            EngineNode(
+                policy, policy.fleet.model_copy(update={"node_id": f"e{i}", "role": "engine"}),
+                SimBackend(engine_cfg),
+            )
+            for i in range(engines)
+        ]  # fmt: skip
+
+    async def __aenter__(self) -> Fleet:
+        await self.gateway.start()
+        for engine in self.engines:
+            await engine.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.gateway.close()
+        for engine in self.engines:
+            await engine.stop(0.0)
+
+    def submit(self, tier: str = "interactive", max_tokens: int = 8,
+               stream: bool = True) -> RequestStream:  # fmt: skip
+        return self.gateway.submit(
+            request_id=uuid.uuid4().hex, tenant="t", tier=tier, endpoint="chat",
+            body={"model": "sim-llama3-8b", "messages": [], "max_tokens": max_tokens,
+                  "stream": stream},
+            prompt_tokens=8, max_tokens=max_tokens,
+        )  # fmt: skip
+
+
+@pytest.fixture
+async def prefix() -> AsyncIterator[str]:
+    yield f"t{uuid.uuid4().hex[:8]}:"
+
+
+class Enqueues:
+    """Counts the wakes every enqueue publishes: how a test knows an item is
+    in the shared queue without asking Redis over and over."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self._pubsub = fleet.backend.store.redis.pubsub()
+        self._channel = fleet.backend.store.wake_channel
+
+    async def __aenter__(self) -> Enqueues:
+        await self._pubsub.subscribe(self._channel)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._pubsub.aclose()
+
+    async def wait(self, count: int = 1) -> None:
+        async for message in self._pubsub.listen():
+            if message["type"] == "message":
+                count -= 1
+                if count == 0:
+                    return
+
+
+async def chores(fleet: Fleet) -> None:
+    """The replica's cancellations, which run in tasks of their own."""
+    await asyncio.gather(*list(fleet.backend._chores))
+
+
+async def read_all(stream: RequestStream) -> tuple[str, int]:
+    text, tokens = "", 0
+    async for chunk in stream:
+        text += chunk.text
+        tokens += chunk.tokens
+    return text, tokens
+
+
+async def first_chunk(stream: RequestStream) -> str:
+    async for chunk in stream:
+        return chunk.text
+    raise AssertionError("the stream ended without output")
+
+
+async def test_the_answer_comes_back_whole_streamed_or_not(redis_server, prefix):
+    async with Fleet(make_policy(redis_server.url, prefix), engines=2) as fleet:
+        async with asyncio.timeout(LIMIT_S):
+            streams = [fleet.submit(max_tokens=12, stream=i % 2 == 0) for i in range(6)]
+            answers = await asyncio.gather(*(read_all(s) for s in streams))
+        assert answers == [(filler_text(0, 12), 12)] * 6
+        assert {s.request.outcome for s in streams} == {Outcome.COMPLETED}
+        assert sum(e.completed for e in fleet.engines) == 6
+        assert await fleet.backend.store.leased() == 0
+        assert sum((await fleet.backend.store.depth()).values()) == 0
+
+
+async def test_a_client_gone_while_queued_takes_its_item_out(redis_server, prefix):
+    async with Fleet(make_policy(redis_server.url, prefix), engines=1, seqs=1) as fleet:
+        store = fleet.backend.store
+        async with asyncio.timeout(LIMIT_S), Enqueues(fleet) as enqueues:
+            running = fleet.submit(max_tokens=400)
+            await first_chunk(running)
+            queued = fleet.submit(tier="batch")
+            reader = asyncio.ensure_future(read_all(queued))
+            await enqueues.wait(2)
+            assert (await store.depth())["batch"] == 1
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            assert queued.request.outcome is Outcome.CANCELLED
+            await chores(fleet)
+            assert (await store.depth())["batch"] == 0
+            assert await store.status(queued.request.id) == "completed"
+            await running.aclose()
+        assert fleet.engines[0].completed == 0, "the cancelled items must not have run"
+
+
+async def test_a_client_gone_mid_stream_stops_the_engine(redis_server, prefix):
+    async with Fleet(make_policy(redis_server.url, prefix), engines=1) as fleet:
+        engine = fleet.engines[0]
+        async with asyncio.timeout(LIMIT_S):
+            stream = fleet.submit(max_tokens=5000)
+            await first_chunk(stream)
+            assert engine.status()["running"] == 1
+            await stream.aclose()
+            task = next(iter(engine._runs.values()), None)
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        assert stream.request.outcome is Outcome.CANCELLED
+        assert engine.status()["running"] == 0
+        assert engine.backend.capacity().free_slots == 2
+        assert engine.completed == 0
+
+
+async def test_queue_budget_expires_an_item_no_node_took(redis_server, prefix):
+    policy = make_policy(redis_server.url, prefix, max_queue_wait_ms=200)
+    async with Fleet(policy, engines=1, seqs=1) as fleet:
+        async with asyncio.timeout(LIMIT_S):
+            running = fleet.submit(max_tokens=5000)
+            await first_chunk(running)
+            late = fleet.submit()
+            with pytest.raises(Expired):
+                await read_all(late)
+            assert late.request.outcome is Outcome.EXPIRED
+            assert await fleet.backend.store.status(late.request.id) == "completed"
+            # The running one is past its budget too, but it was taken in time.
+            assert running.request.outcome is None
+            await running.aclose()
+
+
+async def test_a_tier_full_across_the_fleet_refuses_with_429(redis_server, prefix):
+    policy = make_policy(redis_server.url, prefix, max_queue_len=2)
+    async with Fleet(policy, engines=1, seqs=1) as fleet:
+        async with asyncio.timeout(LIMIT_S), Enqueues(fleet) as enqueues:
+            running = fleet.submit(max_tokens=5000)
+            await first_chunk(running)
+            waiting = [fleet.submit() for _ in range(2)]
+            readers = [asyncio.ensure_future(read_all(s)) for s in waiting]
+            await enqueues.wait(3)
+            assert (await fleet.backend.store.depth())["interactive"] == 2
+            refused = fleet.submit()
+            with pytest.raises(QueueFull):
+                await read_all(refused)
+            assert refused.request.outcome is Outcome.REJECTED_QUEUE_FULL
+            await running.aclose()
+            assert [r[1] for r in await asyncio.gather(*readers)] == [8, 8]
+
+
+async def test_a_stopping_node_gives_its_work_to_another(redis_server, prefix):
+    async with Fleet(make_policy(redis_server.url, prefix), engines=2, seqs=1) as fleet:
+        first, second = fleet.engines
+        async with asyncio.timeout(LIMIT_S):
+            streams = [fleet.submit(max_tokens=200) for _ in range(2)]
+            heads = await asyncio.gather(*(first_chunk(s) for s in streams))
+            await first.stop(0.0)  # gives its item back at once, at its arrival
+            answers = await asyncio.gather(*(read_all(s) for s in streams))
+        # Each client got its whole answer once: the part it had, then the
+        # rest from the re-run, nothing repeated, nothing missing.
+        assert [h + text for h, (text, _) in zip(heads, answers)] == [filler_text(0, 200)] * 2
+        assert {s.request.outcome for s in streams} == {Outcome.COMPLETED}
+        assert first.completed == 0 and second.completed == 2
+        fleet.engines = [second]
