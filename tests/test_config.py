@@ -507,3 +507,26 @@ def test_a_sim_backend_that_could_not_start_is_a_config_error(backend, needle):
     with pytest.raises(ConfigError) as err:
         load_policy_text(f"tiers: {{a: {{priority: 0}}}}\nbackend: {backend}\n")
     assert needle in str(err.value)
+
+
+# --- distributed mode ------------------------------------------------------------------
+
+
+def test_fleet_section_is_optional_and_checked() -> None:
+    assert load_policy_text(GOOD).fleet is None
+    fleet = load_policy_text(GOOD + "fleet: {role: engine, lease_s: 3}\n").fleet
+    assert fleet is not None and (fleet.role, fleet.lease_s) == ("engine", 3.0)
+    issue = the_issue(GOOD + "fleet: {role: router}\n", "fleet.role")
+    assert "gateway" in issue.message and "engine" in issue.message
+    issue = the_issue(GOOD + "fleet: {role: gateway, node_id: 'a b'}\n", "fleet.node_id")
+    assert "letters" in issue.message
+    assert any(i.path == "fleet.role" for i in issues_of(GOOD + "fleet: {lease_s: 2}\n"))
+
+
+def test_a_fleet_of_openai_upstreams_must_list_its_models() -> None:
+    text = GOOD + "backend: {kind: openai, upstreams: [{url: 'http://u:8000/v1'}]}\n"
+    assert load_policy_text(text).fleet is None
+    issue = the_issue(text + "fleet: {role: gateway}\n", "backend.models")
+    assert "distributed mode" in issue.message
+    listed = text.replace("upstreams:", "models: [m], upstreams:") + "fleet: {role: gateway}\n"
+    assert load_policy_text(listed).fleet is not None

@@ -86,3 +86,22 @@ def test_compose_wires_what_exists():
     assert scrape["scrape_configs"][0]["static_configs"][0]["targets"] == ["qosgate:8080"]
     policy = load_policy(DOCKER / "policy.yaml")
     assert policy.quota_store.kind == "redis" and policy.quota_store.url.startswith("redis://redis:")
+
+
+def test_fleet_compose_runs_replicas_and_engine_nodes_on_one_policy():
+    compose = yaml.safe_load((DOCKER / "compose.fleet.yaml").read_text())
+    services = compose["services"]
+    gateways = [s for name, s in services.items() if name.startswith("gateway-")]
+    engines = [s for name, s in services.items() if name.startswith("engine-")]
+    assert len(gateways) == 3 and len(engines) == 2 and "redis" in services
+    for service in [*gateways, *engines]:
+        for volume in service["volumes"]:
+            source = volume.split(":", 1)[0]
+            assert (DOCKER / source).exists(), f"{source} is mounted but missing"
+        assert (DOCKER / service["build"]["context"] / service["build"]["dockerfile"]).exists()
+    assert all("--role engine" in " ".join(e["command"]) for e in engines)
+    assert all("command" not in g for g in gateways)  # the image's: the policy's role
+    policy = load_policy(DOCKER / "fleet-policy.yaml")
+    assert policy.fleet is not None and policy.fleet.role == "gateway"
+    assert policy.fleet.url.startswith("redis://redis:")
+    assert policy.quota_store.kind == "redis"

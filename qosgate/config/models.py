@@ -446,6 +446,14 @@ class PolicyConfig(StrictModel):
                         f"tenants.{index}.api_keys: key already belongs to tenant {keys[key]!r}"
                     )
                 keys[key] = tenant.id
+        if (
+            self.fleet is not None
+            and isinstance(self.backend, OpenAIBackendConfig)
+            and not self.backend.models
+        ):
+            # A gateway replica never talks to the engines' upstreams, so it
+            # cannot learn their models from them.
+            errors.append("backend.models: distributed mode needs the served models listed")
         if errors:
             raise ValueError("\n".join(errors))
         return self
