@@ -3,7 +3,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 POLICY ?= policies/example.yaml
 
-.PHONY: demo test test-vllm install dev bench soak clean redis-server chromium
+.PHONY: demo test test-vllm install dev bench bench-fleet soak clean redis-server chromium
 
 # Root installs system packages itself; anyone else through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -61,6 +61,11 @@ $(VLLM_VENV)/.installed:
 
 test-vllm: $(VLLM_VENV)/.installed redis-server
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm_engine
+
+## Distributed mode: 3 gateway replicas + 2 engine nodes against one node, under
+## 2x overload, then with one node killed (about 6 minutes; needs redis-server).
+bench-fleet: install redis-server
+	$(BIN)/python benchmarks/fleet.py --json benchmarks/results/fleet.json
 
 ## Run the benchmark scenarios that need no server and refresh their JSON.
 bench: install

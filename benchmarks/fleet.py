@@ -190,7 +190,8 @@ def main() -> int:
         "ttft_met": ttft_ratio <= TARGET_TTFT_RATIO,
         "scale_met": scale >= TARGET_SCALE,
         "kill_lost_none": kill["lost"] == 0 and kill["errors"] == 0
-        and kill_answered == kill["sent"],
+        and kill_answered == kill["sent"]
+        and not kill["gateway_outcomes"].get("backend_error"),
     }
     result["wall_s"] = round(time.monotonic() - began, 1)
     print(f"interactive TTFT p99: single {single['ttft_p99_s']['interactive'] * 1000:.1f} ms, "
