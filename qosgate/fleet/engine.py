@@ -102,6 +102,7 @@ class EngineNode:
         self._pubsub: Any = None
         self._listener: asyncio.Task[None] | None = None
         self._stopping = False
+        self._stopped = False
         self.completed = 0
         """Items this node completed (for stats and tests)."""
 
@@ -124,9 +125,9 @@ class EngineNode:
     async def stop(self, grace_s: float) -> None:
         """Take no more work; let running items finish for up to `grace_s`,
         then give the rest back to the queue for other nodes."""
-        if self._stopping:
+        if self._stopped:
             return
-        self._stopping = True
+        self._stopped = self._stopping = True
         for handle in (self._wake_handle, self._expiry_timer):
             if handle is not None:
                 handle.cancel()
@@ -170,15 +171,21 @@ class EngineNode:
 
     async def _listen(self) -> None:
         wake_channel = self.store.wake_channel.encode()
-        async for message in self._pubsub.listen():
-            if message.get("type") != "message":
-                continue
-            if message["channel"] == wake_channel:
-                self.wake()
-            else:
-                task = self._runs.get(message["data"].decode(errors="replace"))
-                if task is not None:
-                    task.cancel()
+        try:
+            async for message in self._pubsub.listen():
+                if message.get("type") != "message":
+                    continue
+                if message["channel"] == wake_channel:
+                    self.wake()
+                else:
+                    task = self._runs.get(message["data"].decode(errors="replace"))
+                    if task is not None:
+                        task.cancel()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - without wakes the node would sit idle
+            log.error("lost the fleet's wake channel: %r; the node stops taking work", exc)
+            self._stopping = True
 
     def _room(self) -> int:
         if self._stopping or not self.backend.ready():
