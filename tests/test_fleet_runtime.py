@@ -185,16 +185,19 @@ async def test_queue_budget_expires_an_item_no_node_took(redis_server, prefix):
     policy = make_policy(redis_server.url, prefix, max_queue_wait_ms=200)
     async with Fleet(policy, engines=1, seqs=1) as fleet:
         async with asyncio.timeout(LIMIT_S):
-            running = fleet.submit(max_tokens=5000)
-            await first_chunk(running)
+            running = fleet.submit(max_tokens=400)
+            head = await first_chunk(running)
             late = fleet.submit()
             with pytest.raises(Expired):
                 await read_all(late)
             assert late.request.outcome is Outcome.EXPIRED
             assert await fleet.backend.store.status(late.request.id) == "completed"
-            # The running one is past its budget too, but it was taken in time.
+            # The running one is past its budget too, but it was taken in
+            # time: it runs to its end.
             assert running.request.outcome is None
-            await running.aclose()
+            text, _ = await read_all(running)
+            assert head + text == filler_text(0, 400)
+            assert running.request.outcome is Outcome.COMPLETED
 
 
 async def test_a_tier_full_across_the_fleet_refuses_with_429(redis_server, prefix):
