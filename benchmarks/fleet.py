@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -41,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.fleet_support import KEYS, Fleet, environ  # noqa: E402
+from tests.fleet_support import KEYS, Fleet, environ
 
 TARGET_TTFT_RATIO = 1.2
 TARGET_SCALE = 1.8
@@ -110,6 +111,17 @@ def open_extra(rate: float, duration: float) -> str:
             f"arrivals: {{process: poisson, rate_rps: {rate:.3f}}}")  # fmt: skip
 
 
+def kill_later(fleet: Fleet, after_s: float, killed: dict[str, Any]) -> None:
+    """SIGKILL the second engine node `after_s` into the run (a benchmark's
+    timer: the run itself is another program)."""
+    time.sleep(after_s)
+    victim = fleet.engines[1]
+    killed["engine"] = victim.name
+    killed["status_before"] = victim.get("/fleet")
+    victim.kill()
+    killed["at_s"] = round(after_s, 1)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", dest="json_path", default=None)
@@ -123,7 +135,7 @@ def main() -> int:
     result: dict[str, Any] = {
         "benchmark": "fleet",
         "command": "python benchmarks/fleet.py " + " ".join(sys.argv[1:]),
-        "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version()},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "engine": {"profile": "h100-llama3-8b", "speed": args.speed, "max_num_seqs": args.seqs},
         "load": "2x capacity, open-loop Poisson, interactive 10% / standard 60% / batch 30%",
     }
@@ -153,16 +165,9 @@ def main() -> int:
             try:
                 killed: dict[str, Any] = {}
                 if name == "kill":
-                    def kill_later() -> None:
-                        time.sleep(args.duration / 2)
-                        victim = fleet.engines[1]
-                        killed["engine"] = victim.name
-                        killed["status_before"] = victim.get("/fleet")
-                        victim.kill()
-                        killed["at_s"] = round(args.duration / 2, 1)
-
-                    killer = threading.Thread(target=kill_later, daemon=True)
-                    killer.start()
+                    threading.Thread(
+                        target=kill_later, args=(fleet, args.duration / 2, killed), daemon=True
+                    ).start()
                 run = bench(fleet.urls, tmp, name, "open", open_extra(4 * capacity, args.duration),
                             2, args.workers)  # fmt: skip
                 result[name] = summary(run)

@@ -1,7 +1,8 @@
 """An engine node: the backend's pump, pulling the fleet's most urgent work.
 
 The node claims work only when its backend has room (free sequence slots as
-the backend reports them, less what it has claimed and not yet started), and
+the backend reports them; a claimed item enters the backend in the claim's
+own step), and
 is woken, never polling, by:
 - a message on the wake channel (every enqueue publishes one);
 - its backend's capacity listener (a sequence finished);
@@ -24,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -92,7 +93,6 @@ class EngineNode:
         self._outbox = _Outbox(self.store.redis)
         self._runs: dict[str, asyncio.Task[None]] = {}
         self._leases: dict[str, Lease] = {}
-        self._unstarted = 0
         self._claiming: asyncio.Task[None] | None = None
         self._again = False
         self._wake_handle: asyncio.Handle | None = None
@@ -190,7 +190,7 @@ class EngineNode:
     def _room(self) -> int:
         if self._stopping or not self.backend.ready():
             return 0
-        return max(0, self.backend.capacity().free_slots - self._unstarted)
+        return self.backend.capacity().free_slots
 
     def wake(self) -> None:
         """Claim soon if there is room; any number of wakes before it costs one claim."""
@@ -248,65 +248,68 @@ class EngineNode:
     # -- running -------------------------------------------------------------
 
     def _start(self, lease: Lease) -> None:
-        self._leases[lease.item.id] = lease
-        self._unstarted += 1
-        task = asyncio.get_running_loop().create_task(self._run(lease))
-        self._runs[lease.item.id] = task
-
-    async def _run(self, lease: Lease) -> None:
+        """Hand a claimed item to the backend now, in the claim's own step, so
+        that the backend's free slots count it before the next claim."""
         item_id = lease.item.id
-        started = False
-        gen: AsyncIterator[Chunk] | None = None
+        self._leases[item_id] = lease
         try:
-            try:
-                job, reply_to = wire.decode_job(lease.item.payload)
-            except ValueError as exc:
-                log.error("work item %s: %s; dropped", item_id, exc)
-                await self._complete(lease, None)
-                return
-            try:
-                gen = self.backend.generate(job)
-            except BackendUnavailable as exc:
-                log.warning("work item %s: the backend cannot take it (%s); given back", item_id, exc)
-                await self._give_back(item_id)
-                return
-            except BackendError as exc:
-                await self._end(lease, reply_to, wire.error_event(item_id, lease.token, "backend_error", str(exc)))
-                return
-            finally:
-                self._unstarted -= 1
-                started = True
-            try:
-                async for chunk in gen:
-                    event = wire.chunk_event(item_id, self._token(item_id), chunk)
-                    if chunk.finish_reason is not None:
-                        await self._end(lease, reply_to, event)
-                        return
-                    self._outbox.put(reply_to, event)
-            except BackendUnavailable as exc:
-                log.warning("work item %s: the backend failed (%s); given back", item_id, exc)
-                await self._give_back(item_id)
-                return
-            except BackendError as exc:
-                await self._end(lease, reply_to, wire.error_event(item_id, lease.token, "backend_error", str(exc)))
-                return
-            await self._end(lease, reply_to, wire.error_event(
-                item_id, lease.token, "backend_error", "the backend ended the stream early"
-            ))  # fmt: skip
-        finally:
-            if not started:
-                self._unstarted -= 1
-            if gen is not None:
-                aclose = getattr(gen, "aclose", None)
-                if aclose is not None:
-                    with contextlib.suppress(Exception):
-                        await aclose()
-            self._runs.pop(item_id, None)
-            self._leases.pop(item_id, None)
-            self.wake()
+            job, reply_to = wire.decode_job(lease.item.payload)
+        except ValueError as exc:
+            log.error("work item %s: %s; dropped", item_id, exc)
+            self._hold(item_id, self._complete(lease, None))
+            return
+        try:
+            gen = self.backend.generate(job)
+        except BackendUnavailable as exc:
+            log.warning("work item %s: the backend cannot take it (%s); given back", item_id, exc)
+            self._hold(item_id, self._give_back(lease))
+            return
+        except BackendError as exc:
+            event = wire.error_event(item_id, lease.token, "backend_error", str(exc))
+            self._hold(item_id, self._end(lease, reply_to, event))
+            return
+        self._hold(item_id, self._run(lease, reply_to, gen))
 
-    def _token(self, item_id: str) -> int:
-        return self._leases[item_id].token
+    def _hold(self, item_id: str, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` for a held item; the item is let go when it ends."""
+
+        async def held() -> None:
+            try:
+                await work
+            finally:
+                self._runs.pop(item_id, None)
+                self._leases.pop(item_id, None)
+                self.wake()
+
+        self._runs[item_id] = asyncio.get_running_loop().create_task(held())
+
+    async def _run(self, lease: Lease, reply_to: str, gen: AsyncIterator[Chunk]) -> None:
+        item_id = lease.item.id
+        try:
+            async for chunk in gen:
+                event = wire.chunk_event(item_id, lease.token, chunk)
+                if chunk.finish_reason is not None:
+                    await self._end(lease, reply_to, event)
+                    return
+                self._outbox.put(reply_to, event)
+        except BackendUnavailable as exc:
+            log.warning("work item %s: the backend failed (%s); given back", item_id, exc)
+            await self._give_back(lease)
+            return
+        except BackendError as exc:
+            event = wire.error_event(item_id, lease.token, "backend_error", str(exc))
+            await self._end(lease, reply_to, event)
+            return
+        finally:
+            # Cancelled (lease lost, gateway's cancel, stop): the backend must
+            # stop generating for nobody.
+            aclose = getattr(gen, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+        event = wire.error_event(item_id, lease.token, "backend_error",
+                                 "the backend ended the stream early")  # fmt: skip
+        await self._end(lease, reply_to, event)
 
     async def _end(self, lease: Lease, reply_to: str, event: wire.Event) -> None:
         # Everything before the end goes out before it.
@@ -314,9 +317,9 @@ class EngineNode:
         await self._complete(lease, (reply_to, wire.encode_events([event])))
 
     async def _complete(self, lease: Lease, reply: tuple[str, bytes] | None) -> None:
-        current = self._leases.get(lease.item.id, lease)
+        # A renewal keeps the token, and the token is all completion checks.
         try:
-            if await self.store.complete(current, reply):
+            if await self.store.complete(lease, reply):
                 self.completed += 1
             else:
                 log.info("work item %s: lease lost before completion", lease.item.id)
@@ -325,11 +328,9 @@ class EngineNode:
             # item runs again elsewhere.
             log.error("work item %s: completion failed: %s", lease.item.id, exc)
 
-    async def _give_back(self, item_id: str) -> None:
-        lease = self._leases.get(item_id)
-        if lease is not None:
-            with contextlib.suppress(WorkQueueError):
-                await self.store.release(lease)
+    async def _give_back(self, lease: Lease) -> None:
+        with contextlib.suppress(WorkQueueError):
+            await self.store.release(lease)
 
     # -- renewal -------------------------------------------------------------
 

@@ -160,8 +160,10 @@ class FleetBackend:
         except Exception as exc:  # noqa: BLE001 - every waiting request must hear of it
             log.error("lost the fleet's reply channel: %r", exc)
             self._ready = False
-            for waiting in self._waiting.values():
-                waiting.events.put_nowait(("", 1 << 62, wire.ERROR, ["unavailable", str(exc)]))
+            for request_id, waiting in self._waiting.items():
+                waiting.events.put_nowait(
+                    wire.error_event(request_id, wire.LOCAL_TOKEN, "unavailable", str(exc))
+                )
 
     # -- requests ------------------------------------------------------------
 
@@ -269,10 +271,10 @@ class FleetBackend:
                 log.warning("request %s: could not expire it: %s", request_id, exc)
                 return
             if was == "queued":
-                # Token above any run's: nothing can follow it.
-                waiting.events.put_nowait((request_id, 1 << 62, wire.ERROR, [
-                    "expired", f"queued in the fleet longer than its tier's budget ({budget_ms:.0f} ms)"
-                ]))  # fmt: skip
+                waiting.events.put_nowait(wire.error_event(
+                    request_id, wire.LOCAL_TOKEN, "expired",
+                    f"queued in the fleet longer than its tier's budget ({budget_ms:.0f} ms)",
+                ))  # fmt: skip
 
         self._chore(expire())
 
@@ -302,5 +304,5 @@ class FleetBackend:
         self._cancel_soon(request_id)
         # Whoever reads the stream stops at once.
         waiting.events.put_nowait(
-            (request_id, 1 << 62, wire.ERROR, ["unavailable", "the request was aborted"])
+            wire.error_event(request_id, wire.LOCAL_TOKEN, "unavailable", "the request was aborted")
         )

@@ -22,7 +22,11 @@ from qosgate.backends.base import Chunk, GenerationJob
 CHUNK = "c"
 ERROR = "e"
 
-ErrorKind = Literal["backend_error", "unavailable"]
+ErrorKind = Literal["backend_error", "unavailable", "expired"]
+
+LOCAL_TOKEN = 1 << 62
+"""The token of events a replica makes for itself (expired, aborted, channel
+lost): above every lease's, so nothing a run still sends can follow them."""
 
 Event = tuple[str, int, str, Any]
 

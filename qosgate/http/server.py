@@ -111,29 +111,16 @@ async def serve(
         await runner.setup()
         site = web.TCPSite(runner, host, port)
         await site.start()
-        bound_port = port
-        for address in runner.addresses:
-            if isinstance(address, tuple) and len(address) >= 2:
-                bound_port = address[1]
-                break
-        url = api_url(host, bound_port)
+        url = api_url(host, _bound_port(runner, port))
         def reload_on_signal() -> None:
             try:
                 reload_policy(app)
             except GatewayError as exc:
                 log.error("%s", exc.message)
 
-        for sig, action in (
-            (signal.SIGINT, stop.set),
-            (signal.SIGTERM, stop.set),
-            (signal.SIGHUP, reload_on_signal),
-        ):
-            try:
-                loop.add_signal_handler(sig, action)
-                handled.append(sig)
-            except (NotImplementedError, RuntimeError):
-                # Not the main thread (tests) or no signals on this platform.
-                pass
+        handled = _on_signals(loop, {
+            signal.SIGINT: stop.set, signal.SIGTERM: stop.set, signal.SIGHUP: reload_on_signal,
+        })  # fmt: skip
         if on_ready is not None:
             on_ready(url)
         else:
@@ -148,6 +135,29 @@ async def serve(
     if failed:
         error = failed[0]
         raise error if isinstance(error, BackendError) else BackendError(str(error))
+
+
+def _bound_port(runner: web.AppRunner, port: int) -> int:
+    """The port the site listens on (port 0 resolved)."""
+    for address in runner.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            return address[1]
+    return port
+
+
+def _on_signals(
+    loop: asyncio.AbstractEventLoop, actions: Mapping[signal.Signals, Callable[[], None]]
+) -> list[signal.Signals]:
+    """Install what it can of `actions`; returns the signals to remove later."""
+    handled = []
+    for sig, action in actions.items():
+        try:
+            loop.add_signal_handler(sig, action)
+            handled.append(sig)
+        except (NotImplementedError, RuntimeError):
+            # Not the main thread (tests) or no signals on this platform.
+            pass
+    return handled
 
 
 async def serve_engine(
@@ -191,16 +201,8 @@ async def serve_engine(
         await runner.setup()
         site = web.TCPSite(runner, host, port)
         await site.start()
-        bound = next(
-            (a[1] for a in runner.addresses if isinstance(a, tuple) and len(a) >= 2), port
-        )
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                loop.add_signal_handler(sig, stop.set)
-                handled.append(sig)
-            except (NotImplementedError, RuntimeError):
-                pass
-        url = f"http://{host}:{bound}"
+        handled = _on_signals(loop, {signal.SIGINT: stop.set, signal.SIGTERM: stop.set})
+        url = f"http://{host}:{_bound_port(runner, port)}"
         if on_ready is not None:
             on_ready(url)
         else:
