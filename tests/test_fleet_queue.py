@@ -48,14 +48,21 @@ async def queue(request):
     await store.close()
 
 
-def item(id: str, tier: str, arrival: float, tenant: str = "t", payload: bytes = b"") -> WorkItem:
+def item(
+    id: str, tier: str, arrival: float, tenant: str = "t", payload: bytes = b"", affinity: str = ""
+) -> WorkItem:
     return WorkItem(
-        id=id, tier=tier, tenant=tenant, arrival=arrival, payload=payload or id.encode()
+        id=id,
+        tier=tier,
+        tenant=tenant,
+        arrival=arrival,
+        payload=payload or id.encode(),
+        affinity=affinity,
     )
 
 
 async def ids(queue: WorkQueue, now: float, max_items: int = 10, node: str = "n1") -> list[str]:
-    return [lease.item.id for lease in await queue.claim(node, max_items, now, LEASE)]
+    return [lease.item.id for lease in (await queue.claim(node, max_items, now, LEASE)).leases]
 
 
 # -- the tier choice, pure ----------------------------------------------------
@@ -142,8 +149,8 @@ async def test_fifo_by_arrival_within_a_tier_then_by_id(queue):
 async def test_claim_hands_back_the_item_and_a_lease(queue):
     work = WorkItem("r1", "silver", "acme", T0 + 0.123456789, b"\x00\xffbody")
     await queue.enqueue(work)
-    assert await queue.claim("n1", 0, T0 + 1, LEASE) == []
-    [lease] = await queue.claim("n1", 5, T0 + 1, LEASE)
+    assert (await queue.claim("n1", 0, T0 + 1, LEASE)).leases == []
+    [lease] = (await queue.claim("n1", 5, T0 + 1, LEASE)).leases
     assert lease == Lease(work, "n1", lease.token, T0 + 1 + LEASE)
     assert await queue.depth() == {"gold": 0, "silver": 0, "bronze": 0}
     assert await queue.leased() == 1
@@ -156,11 +163,11 @@ async def test_claim_hands_back_the_item_and_a_lease(queue):
 
 async def test_an_expired_lease_returns_at_its_arrival_and_the_old_holder_is_fenced(queue):
     await queue.enqueue(item("a", "gold", T0))
-    [stale] = await queue.claim("dead", 1, T0, LEASE)
+    [stale] = (await queue.claim("dead", 1, T0, LEASE)).leases
     await queue.enqueue(item("b", "gold", T0 + 5))
     # Not yet expired: nothing for another node but b.
     assert await ids(queue, T0 + LEASE - 0.001, 1, "live") == ["b"]
-    [fresh] = await queue.claim("live", 1, T0 + LEASE, LEASE)
+    [fresh] = (await queue.claim("live", 1, T0 + LEASE, LEASE)).leases
     assert fresh.item == dataclasses.replace(stale.item, attempt=1)
     assert fresh.item.arrival == T0 and fresh.node == "live"
     assert fresh.token > stale.token
@@ -173,7 +180,7 @@ async def test_an_expired_lease_returns_at_its_arrival_and_the_old_holder_is_fen
 
 async def test_an_expired_lease_nobody_reclaimed_yet_can_still_complete(queue):
     await queue.enqueue(item("a", "gold", T0))
-    [lease] = await queue.claim("slow", 1, T0, LEASE)
+    [lease] = (await queue.claim("slow", 1, T0, LEASE)).leases
     # Past its end, but no claim has taken it back: the holder still holds it.
     late = await queue.renew(lease, T0 + LEASE + 1, LEASE)
     assert late is not None and late.expires_at == T0 + 2 * LEASE + 1
@@ -183,7 +190,7 @@ async def test_an_expired_lease_nobody_reclaimed_yet_can_still_complete(queue):
 
 async def test_renew_keeps_the_lease(queue):
     await queue.enqueue(item("a", "gold", T0))
-    [lease] = await queue.claim("n1", 1, T0, LEASE)
+    [lease] = (await queue.claim("n1", 1, T0, LEASE)).leases
     renewed = await queue.renew(lease, T0 + 8, LEASE)
     assert renewed == Lease(lease.item, "n1", lease.token, T0 + 8 + LEASE)
     assert await ids(queue, T0 + 15, 1, "n2") == []
@@ -195,7 +202,7 @@ async def test_renew_keeps_the_lease(queue):
 
 async def test_complete_is_true_exactly_once(queue):
     await queue.enqueue(item("a", "gold", T0))
-    [lease] = await queue.claim("n1", 1, T0, LEASE)
+    [lease] = (await queue.claim("n1", 1, T0, LEASE)).leases
     assert await queue.complete(lease) is True
     assert await queue.complete(lease) is False
     assert await queue.renew(lease, T0 + 1, LEASE) is None
@@ -208,13 +215,13 @@ async def test_complete_is_true_exactly_once(queue):
 async def test_release_gives_the_item_back_at_once_at_its_arrival(queue):
     await queue.enqueue(item("a", "silver", T0))
     await queue.enqueue(item("b", "silver", T0 + 1))
-    [lease] = await queue.claim("leaving", 1, T0 + 2, LEASE)
+    [lease] = (await queue.claim("leaving", 1, T0 + 2, LEASE)).leases
     assert lease.item.id == "a"
     assert await queue.release(lease) is True
     assert await queue.status("a") == "queued"
     assert await queue.depth() == {"gold": 0, "silver": 2, "bronze": 0}
     assert await queue.leased() == 0
-    [again] = await queue.claim("other", 1, T0 + 2, LEASE)
+    [again] = (await queue.claim("other", 1, T0 + 2, LEASE)).leases
     assert (again.item.id, again.item.arrival, again.item.attempt) == ("a", T0, 1)
     assert await queue.release(lease) is False
     assert await queue.complete(lease) is False
@@ -224,7 +231,7 @@ async def test_duplicate_ids_are_refused_whatever_state_the_first_is_in(queue):
     await queue.enqueue(item("a", "gold", T0))
     with pytest.raises(ValueError, match="duplicate"):
         await queue.enqueue(item("a", "silver", T0 + 1))
-    [lease] = await queue.claim("n1", 1, T0, LEASE)
+    [lease] = (await queue.claim("n1", 1, T0, LEASE)).leases
     with pytest.raises(ValueError, match="duplicate"):
         await queue.enqueue(item("a", "gold", T0))
     assert await queue.complete(lease)
@@ -251,7 +258,7 @@ async def test_a_tier_at_its_cap_refuses_more_and_other_tiers_do_not_care(queue)
 async def test_cancel_takes_an_item_out_wherever_it_is(queue):
     for name, at in (("q", T0), ("l", T0 - 1), ("c", T0 - 2)):
         await queue.enqueue(item(name, "silver", at))
-    done, held = await queue.claim("n1", 2, T0, LEASE)
+    done, held = (await queue.claim("n1", 2, T0, LEASE)).leases
     assert (done.item.id, held.item.id) == ("c", "l")
     assert await queue.complete(done)
     assert await queue.cancel("q", T0 + 1) == "queued"
@@ -263,7 +270,7 @@ async def test_cancel_takes_an_item_out_wherever_it_is(queue):
     # does not come back when the lease runs out.
     assert await queue.renew(held, T0 + 1, LEASE) is None
     assert await queue.complete(held) is False
-    assert await queue.claim("n2", 5, T0 + 2 * LEASE, LEASE) == []
+    assert (await queue.claim("n2", 5, T0 + 2 * LEASE, LEASE)).leases == []
     assert await queue.leased() == 0
     assert await queue.cancel("q", T0 + 2) == "completed"
     with pytest.raises(ValueError, match="duplicate"):
@@ -273,7 +280,7 @@ async def test_cancel_takes_an_item_out_wherever_it_is(queue):
 async def test_cancel_only_queued_leaves_a_running_item_alone(queue):
     await queue.enqueue(item("l", "gold", T0))
     await queue.enqueue(item("q", "gold", T0 + 1))
-    [held] = await queue.claim("n1", 1, T0 + 2, LEASE)
+    [held] = (await queue.claim("n1", 1, T0 + 2, LEASE)).leases
     assert await queue.cancel("l", T0 + 3, only_queued=True) == "leased"
     assert await queue.status("l") == "leased"
     assert await queue.renew(held, T0 + 3, LEASE) is not None
@@ -286,7 +293,7 @@ async def test_next_expiry_is_the_first_live_lease_end(queue):
     assert await queue.next_expiry() is None
     await queue.enqueue(item("a", "gold", T0))
     await queue.enqueue(item("b", "gold", T0 + 1))
-    first, second = await queue.claim("n1", 2, T0 + 0.25, LEASE)
+    first, second = (await queue.claim("n1", 2, T0 + 0.25, LEASE)).leases
     await queue.renew(first, T0 + 3, LEASE)
     assert await queue.next_expiry() == T0 + 0.25 + LEASE
     await queue.complete(second)
@@ -300,7 +307,7 @@ async def test_ended_ids_are_forgotten_after_the_retention(request, queue):
     try:
         await store.enqueue(item("a", "gold", T0))
         await store.enqueue(item("b", "gold", T0))
-        [lease] = await store.claim("n1", 1, T0, LEASE)
+        [lease] = (await store.claim("n1", 1, T0, LEASE)).leases
         assert await store.complete(lease)
         assert await store.cancel("b", T0 + 50) == "queued"
         await store.claim("n1", 1, T0 + LEASE + 99, LEASE)
@@ -321,7 +328,7 @@ async def test_complete_publishes_its_reply_only_when_it_completes(queue):
         listener = queue.redis.pubsub()
         await listener.subscribe(channel, queue.wake_channel)
     await queue.enqueue(item("a", "gold", T0))
-    [lease] = await queue.claim("n1", 1, T0, LEASE)
+    [lease] = (await queue.claim("n1", 1, T0, LEASE)).leases
     assert await queue.complete(lease, (channel, b"done:a")) is True
     assert await queue.complete(lease, (channel, b"again")) is False
     if isinstance(queue, MemoryWorkQueue):
@@ -339,6 +346,150 @@ async def test_complete_publishes_its_reply_only_when_it_completes(queue):
     await listener.aclose()
 
 
+# -- session affinity -----------------------------------------------------------
+
+
+class Wakes:
+    """Counts wake messages: the memory store's counter, or what a subscriber
+    to the Redis store's wake channel heard. A marker published after the
+    operations bounds the read, since one connection's messages keep order."""
+
+    def __init__(self, queue: WorkQueue) -> None:
+        self.queue = queue
+        self._pubsub = None
+
+    async def __aenter__(self) -> Wakes:
+        if isinstance(self.queue, RedisWorkQueue):
+            self._pubsub = self.queue.redis.pubsub()
+            await self._pubsub.subscribe(self.queue.wake_channel)
+            await self._pubsub.get_message(timeout=5.0)  # the subscribe confirmation
+        else:
+            self._before = self.queue.wakes
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._pubsub is not None:
+            await self._pubsub.aclose()
+
+    async def count(self) -> int:
+        if self._pubsub is None:
+            count, self._before = self.queue.wakes - self._before, self.queue.wakes
+            return count
+        await self.queue.redis.publish(self.queue.wake_channel, "marker")
+        count = 0
+        async with asyncio.timeout(5):
+            while True:
+                message = await self._pubsub.get_message(timeout=5.0)
+                if message is None or message["type"] != "message":
+                    continue
+                if message["data"] == b"marker":
+                    return count
+                count += 1
+
+
+async def test_an_item_is_left_for_the_live_node_its_session_is_bound_to(queue):
+    await queue.enqueue(item("s1", "gold", T0, affinity="session:s"))
+    assert await ids(queue, T0, 2, "n1") == ["s1"]  # n1 keeps one slot free
+    assert await queue.bound_node("session:s") == "n1"
+    await queue.enqueue(item("s2", "gold", T0 + 1, affinity="session:s"))
+    await queue.enqueue(item("other", "silver", T0 + 1, affinity="session:x"))
+    # n2 has room and s2 is more urgent, but n1 is live with room for it.
+    claim = await queue.claim("n2", 5, T0 + 2, LEASE)
+    assert [lease.item.id for lease in claim.leases] == ["other"]
+    assert claim.held_back_until == T0 + LEASE  # n1's last word, a claim at T0
+    assert await queue.depth() == {"gold": 1, "silver": 0, "bronze": 0}
+    [lease] = (await queue.claim("n1", 1, T0 + 2, LEASE)).leases
+    assert lease.item == item("s2", "gold", T0 + 1, affinity="session:s")
+    assert await queue.bound_node("session:s") == "n1"
+    assert await queue.bound_node("session:x") == "n2"
+
+
+async def test_items_without_a_key_or_bound_elsewhere_full_are_not_held_back(queue):
+    await queue.enqueue(item("a", "gold", T0, affinity="session:s"))
+    assert await ids(queue, T0, 1, "n1") == ["a"]  # n1 is now full
+    await queue.enqueue(item("b", "gold", T0 + 1, affinity="session:s"))
+    await queue.enqueue(item("c", "gold", T0 + 2))
+    claim = await queue.claim("n2", 5, T0 + 3, LEASE)
+    assert [lease.item.id for lease in claim.leases] == ["b", "c"]
+    assert claim.held_back_until is None
+    # n1 is still live: the session stays with it for its next request.
+    assert await queue.bound_node("session:s") == "n1"
+
+
+async def test_no_more_is_held_back_than_the_bound_node_has_room_for(queue):
+    await queue.enqueue(item("a", "gold", T0, affinity="session:s"))
+    assert await ids(queue, T0, 1, "n1") == ["a"]
+    await queue.heartbeat("n1", 1, T0 + 1, LEASE)  # a slot came free
+    for i, tier in enumerate(["gold", "silver", "gold"]):
+        await queue.enqueue(item(f"s{i}", tier, T0 + 2 + i, affinity="session:s"))
+    # n1 can take one: the most urgent of its three, s0; the rest go to n2.
+    claim = await queue.claim("n2", 5, T0 + 5, LEASE)
+    assert [lease.item.id for lease in claim.leases] == ["s2", "s1"]
+    assert claim.held_back_until == T0 + 1 + LEASE
+    assert await ids(queue, T0 + 5, 5, "n1") == ["s0"]
+
+
+async def test_a_silent_node_is_waited_for_only_until_its_last_word_runs_out(queue):
+    await queue.enqueue(item("a", "gold", T0, affinity="tenant:acme"))
+    assert await ids(queue, T0, 3, "n1") == ["a"]
+    await queue.enqueue(item("b", "gold", T0 + 1, affinity="tenant:acme"))
+    await queue.heartbeat("n1", 2, T0 + 4, LEASE)
+    assert (await queue.claim("n2", 1, T0 + LEASE, LEASE)).held_back_until == T0 + 4 + LEASE
+    # n1 said nothing since T0 + 4 (and let a's lease run out): at
+    # T0 + 4 + LEASE it no longer counts, and its work goes to n2.
+    assert await ids(queue, T0 + 4 + LEASE - 0.001, 2, "n2") == []
+    assert await ids(queue, T0 + 4 + LEASE, 2, "n2") == ["a", "b"]
+    assert await queue.bound_node("tenant:acme") == "n2"
+
+
+async def test_a_node_that_leaves_is_not_waited_for(queue):
+    await queue.enqueue(item("a", "gold", T0, affinity="session:s"))
+    assert await ids(queue, T0, 3, "n1") == ["a"]
+    await queue.enqueue(item("b", "gold", T0 + 1, affinity="session:s"))
+    assert await ids(queue, T0 + 1, 1, "n2") == []
+    async with Wakes(queue) as wakes:
+        await queue.leave("n1")
+        assert await wakes.count() == 1
+        await queue.leave("n1")
+        await queue.leave("never-seen")
+        assert await wakes.count() == 0
+    assert await ids(queue, T0 + 1, 1, "n2") == ["b"]
+    assert await queue.bound_node("session:s") == "n2"
+
+
+async def test_a_node_filling_up_wakes_the_others_only_while_work_waits(queue):
+    async with Wakes(queue) as wakes:
+        await queue.heartbeat("n1", 2, T0, LEASE)
+        await queue.heartbeat("n1", 0, T0, LEASE)
+        assert await wakes.count() == 0  # nothing queued: nothing to take
+        await queue.enqueue(item("a", "gold", T0, affinity="session:s"))
+        await queue.enqueue(item("b", "gold", T0, affinity="session:s"))
+        assert await wakes.count() == 2  # the enqueues' own
+        await queue.heartbeat("n1", 1, T0, LEASE)
+        assert await wakes.count() == 0
+        assert await ids(queue, T0, 1, "n1") == ["a"]  # full, b still queued
+        assert await wakes.count() == 1
+        await queue.heartbeat("n1", 0, T0 + 1, LEASE)  # still full: no news
+        assert await wakes.count() == 0
+        await queue.heartbeat("n1", 1, T0 + 2, LEASE)
+        await queue.heartbeat("n1", 0, T0 + 2, LEASE)
+        assert await wakes.count() == 1
+
+
+async def test_a_binding_is_forgotten_after_the_affinity_ttl(request, queue):
+    store = make_queue(type(queue).name, request, affinity_ttl_s=100.0)
+    try:
+        await store.enqueue(item("a", "gold", T0, affinity="session:s"))
+        [lease] = (await store.claim("n1", 1, T0, LEASE)).leases
+        assert await store.complete(lease)
+        await store.claim("n2", 1, T0 + 100, LEASE)
+        assert await store.bound_node("session:s") == "n1"
+        await store.claim("n2", 1, T0 + 100.5, LEASE)
+        assert await store.bound_node("session:s") is None
+    finally:
+        await store.close()
+
+
 # -- both stores, same random operations ---------------------------------------
 
 
@@ -347,7 +498,14 @@ async def test_stores_agree_on_random_operations_and_lose_nothing(request):
     tiers = FleetTiers.of(
         {"gold": 0, "silver": 1, "bronze": 2, "batch": 5}, interval_s=0.75, max_boost=3
     )
-    stores = [make_queue("memory", request, tiers), make_queue("redis", request, tiers)]
+    stores = [
+        make_queue("memory", request, tiers, affinity_ttl_s=6.0),
+        make_queue("redis", request, tiers, affinity_ttl_s=6.0),
+    ]
+    keys = ["session:a", "session:b", "tenant:c"]
+    held_back = 0  # claims that left work for another node
+    wakes = Wakes(stores[1])
+    await wakes.__aenter__()
     now = T0 + 0.1
     enqueued: list[str] = []
     completed: set[str] = set()
@@ -376,15 +534,23 @@ async def test_stores_agree_on_random_operations_and_lose_nothing(request):
                     tenant=rng.choice(["a", "b"]),
                     arrival=now - rng.uniform(-0.2, 4.0),
                     payload=rng.randbytes(rng.randrange(0, 8)),
+                    affinity=rng.choice(["", *keys]),
                 )
                 await both("enqueue", work)
                 if fresh:
                     enqueued.append(item_id)
-            elif roll < 0.55:
+            elif roll < 0.5:
                 node = rng.choice(["n1", "n2", "n3"])
                 max_items, lease_s = rng.randrange(0, 4), rng.choice([0.5, 1.0, 2.5])
                 got = await both("claim", node, max_items, now, lease_s)
-                leases += zip(got[0], got[1])
+                leases += zip(got[0].leases, got[1].leases)
+                held_back += got[0].held_back_until is not None
+            elif roll < 0.55:
+                node = rng.choice(["n1", "n2", "n3"])
+                if rng.random() < 0.8:
+                    await both("heartbeat", node, rng.randrange(0, 3), now, rng.choice([0.5, 2.5]))
+                else:
+                    await both("leave", node)
             elif roll < 0.6 and enqueued:
                 target = rng.choice(enqueued)
                 only_queued = rng.random() < 0.3
@@ -415,13 +581,17 @@ async def test_stores_agree_on_random_operations_and_lose_nothing(request):
 
             depth, leased = await both("depth"), await both("leased")
             await both("next_expiry")
+            for key in keys:
+                await both("bound_node", key)
             for store in stores:
                 statuses = [await store.status(i) for i in enqueued]
                 assert None not in statuses, f"step {step}: an item was lost"
                 assert statuses.count("queued") == sum(depth[0].values())
                 assert statuses.count("leased") == leased[0]
                 assert {i for i, s in zip(enqueued, statuses) if s == "completed"} == completed
-        assert completed and leases, "the run exercised too little"
+        assert completed and leases and held_back, "the run exercised too little"
+        assert await wakes.count() == stores[0].wakes
     finally:
+        await wakes.__aexit__()
         for store in stores:
             await store.close()

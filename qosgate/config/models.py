@@ -379,6 +379,13 @@ class FleetConfig(StrictModel):
     renews every third of this): how soon a dead node's work runs elsewhere."""
     timeout_ms: PositiveInt = 2_000
     """How long one Redis call may take before the fleet store counts as down."""
+    affinity: Literal["none", "tenant", "session"] = "session"
+    """Which requests prefer the engine node that ran their predecessor (for
+    its prefix cache), unless that node is saturated: those with the same
+    X-Session-Id (session), of the same tenant (tenant), or none."""
+    affinity_ttl_s: PositiveFloat = 600.0
+    """How long a session or tenant stays bound to its node after its last
+    request was taken."""
 
     @field_validator("node_id")
     @classmethod

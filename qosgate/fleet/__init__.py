@@ -1,10 +1,11 @@
 """Distributed mode: a shared per-tier work queue that gateway replicas fill
 and engine nodes drain under leases (memory and Redis stores)."""
 
-from .model import FleetTier, FleetTiers, Lease, WorkItem, boost, effective_level, pick_tier
+from .model import Claim, FleetTier, FleetTiers, Lease, WorkItem, boost, effective_level, pick_tier
 from .store import ItemStatus, MemoryWorkQueue, WorkQueue, WorkQueueError, WorkQueueFull
 
 __all__ = [
+    "Claim",
     "FleetTier",
     "FleetTiers",
     "ItemStatus",

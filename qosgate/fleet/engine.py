@@ -7,7 +7,14 @@ is woken, never polling, by:
 - a message on the wake channel (every enqueue publishes one);
 - its backend's capacity listener (a sequence finished);
 - a timer at the first lease expiry in the store, while it has room, so a
-  dead node's work is taken back even when nothing else happens.
+  dead node's work is taken back even when nothing else happens;
+- a timer at the instant a node it held affinity work back for stops
+  counting as live, so such work is not left waiting for a dead node.
+
+Every third of `lease_s` the node records in the store that it is live and
+how much room it has (a heartbeat): other nodes leave it the work whose
+session it last ran only while it is live and has room. A stopping node
+takes its record out first.
 
 Each claimed item runs in a task of its own: its output goes back to the
 gateway holding the client, batched per gateway per event-loop turn; the
@@ -24,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
@@ -134,6 +142,9 @@ class EngineNode:
         if self._claiming is not None:
             with contextlib.suppress(Exception):
                 await self._claiming
+        # After the last claim, which records this node's room.
+        with contextlib.suppress(WorkQueueError):
+            await self.store.leave(self.node)
         runs = list(self._runs.values())
         if runs:
             await asyncio.wait(runs, timeout=grace_s)
@@ -215,20 +226,24 @@ class EngineNode:
                     return
                 now = time.time()
                 try:
-                    leases = await self.store.claim(self.node, room, now, self.lease_s)
+                    claim = await self.store.claim(self.node, room, now, self.lease_s)
                 except WorkQueueError as exc:
                     log.error("claim failed: %s", exc)
                     self._arm_expiry(time.time() + 1.0)
                     return
-                for lease in leases:
+                for lease in claim.leases:
                     self._start(lease)
-                if len(leases) < room:
-                    # The queues are empty: the next work is a new enqueue
-                    # (a wake) or a lease running out somewhere.
+                if len(claim.leases) < room:
+                    # Nothing more for this node: the next work is a new
+                    # enqueue (a wake), another node filling up (a wake), a
+                    # lease running out somewhere, or a node that work was
+                    # held back for going silent.
                     with contextlib.suppress(WorkQueueError):
-                        expiry = await self.store.next_expiry()
-                        if expiry is not None:
-                            self._arm_expiry(expiry)
+                        at = await self.store.next_expiry()
+                        if claim.held_back_until is not None:
+                            at = min(at or math.inf, claim.held_back_until)
+                        if at is not None:
+                            self._arm_expiry(at)
                     if not self._again:
                         return
         finally:
@@ -344,6 +359,11 @@ class EngineNode:
 
     async def _renew(self) -> None:
         now = time.time()
+        if not self._stopped:
+            try:
+                await self.store.heartbeat(self.node, self._room(), now, self.lease_s)
+            except WorkQueueError as exc:
+                log.warning("heartbeat failed: %s", exc)
         for item_id, lease in list(self._leases.items()):
             try:
                 renewed = await self.store.renew(lease, now, self.lease_s)

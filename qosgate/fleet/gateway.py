@@ -63,7 +63,17 @@ def fleet_store(policy: PolicyConfig, fleet: FleetConfig) -> RedisWorkQueue:
         FleetTiers.from_config(policy),
         key_prefix=fleet.key_prefix,
         socket_timeout_s=fleet.timeout_ms / 1000.0,
+        affinity_ttl_s=fleet.affinity_ttl_s,
     )
+
+
+def affinity_key(fleet: FleetConfig, job: GenerationJob) -> str:
+    """The key that binds `job` to a node, per `fleet.affinity`; '' for none."""
+    if fleet.affinity == "session" and job.session:
+        return "session:" + job.session
+    if fleet.affinity == "tenant":
+        return "tenant:" + job.tenant
+    return ""
 
 
 @dataclass(slots=True)
@@ -89,6 +99,7 @@ class FleetBackend:
         self.models = models
         self._count = count_prompt_tokens
         self._policy = policy
+        self._fleet = fleet
         self.node = fleet.node_id or default_node_id()
         self.store = fleet_store(policy, fleet)
         self.reply_channel = f"{self.store.base}reply:{self.node}"
@@ -186,6 +197,7 @@ class FleetBackend:
                 tenant=job.tenant,
                 arrival=time.time(),
                 payload=wire.encode_job(job, self.reply_channel),
+                affinity=affinity_key(self._fleet, job),
             )
             try:
                 await self.store.enqueue(item, max_queued=tier.max_queue_len)

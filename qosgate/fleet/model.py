@@ -17,6 +17,18 @@ Within a tier, this first increment is FIFO by arrival (ties by item id).
 Weighted fairness between tenants of a tier (VTC, as the in-process
 scheduler does it) comes in a later increment.
 
+Session affinity: an item may carry an affinity key (its session, or its
+tenant). The first node to claim an item with a key is bound to it, so that
+its prefix cache holds the conversation. A claim by any other node leaves
+such an item for the bound node while that node is live (its last claim or
+heartbeat is less than a lease old) and has room, as many items as it has
+room for, in claim order; past that (the bound node is saturated or already
+has its fill) the item goes to whoever claims, and the key stays bound to its
+live node. A key whose node is no longer live is bound to the next node that
+takes one of its items. So affinity changes only which node runs an item,
+never whether the most urgent work runs now: every item held back is one
+the bound node, having room, takes at once.
+
 This deliberately differs from the in-process scheduler (qosgate/core),
 which ages only `on_timeout: delay` tiers and only after their queue budget,
 floors levels at 0, and breaks level ties by the older head first: the fleet
@@ -45,6 +57,8 @@ class WorkItem:
     payload: bytes
     attempt: int = 0
     """How many leases of this item ended without completing it."""
+    affinity: str = ""
+    """Key of the node this item prefers (session or tenant); empty: none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +71,17 @@ class Lease:
     """Fencing token, increasing per store: after a lease is lost and the item
     re-leased, only the newer token can complete or renew it."""
     expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """What one claim took, and when to claim again if it left work behind."""
+
+    leases: list[Lease]
+    held_back_until: float | None = None
+    """Set when the claim left items for other nodes (affinity): the first
+    instant one of those nodes stops counting as live unless it speaks again,
+    so a node that died holding nothing is not waited for longer than that."""
 
 
 @dataclass(frozen=True, slots=True)

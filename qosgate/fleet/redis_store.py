@@ -15,6 +15,10 @@ which the scripts need since they touch every tier):
   done      sorted set of ended ids -> when (what refuses a duplicate
             enqueue), trimmed to the retention at each claim
   token     counter of fencing tokens
+  affkey    hash, item id -> its affinity key (items that have one)
+  bound, bound_at   hash affinity key -> node / sorted set key -> when bound,
+            trimmed to the affinity TTL at each claim
+  room, seen   hash node -> free slots / sorted set node -> live until
 Arrivals and lease ends go in and out as Python's `repr` of the float, never
 through a Lua number: Redis writes Lua numbers with 14 significant digits,
 which would move a wall-clock time by up to a tenth of a millisecond and make
@@ -30,7 +34,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .model import FleetTiers, Lease, WorkItem
+from .model import Claim, FleetTiers, Lease, WorkItem
 from .store import ItemStatus, WorkQueue, WorkQueueError, WorkQueueFull
 
 _CANCELLED: dict[int, ItemStatus | None] = {0: None, 1: "queued", 2: "leased", 3: "completed"}
@@ -46,23 +50,47 @@ _FIELDS = (
     "expiry",
     "done",
     "token",
+    "affkey",
+    "bound",
+    "bound_at",
+    "room",
+    "seen",
 )
-# The prelude's K_* constants and `KEYS[10 + i]` for tier i's queue assume this.
-assert len(_FIELDS) == 10
+# The prelude's K_* constants and `KEYS[15 + i]` for tier i's queue assume this.
+assert len(_FIELDS) == 15
 
 # Every script gets the same KEYS (the fields above, then one queue per tier
 # in FleetTiers order) and, from ARGV[_TIER_ARGS], the tier count and names.
 _PRELUDE = """
 local K_TIER, K_TENANT, K_ARRIVAL, K_ATTEMPT, K_PAYLOAD = 1, 2, 3, 4, 5
 local K_HOLDER, K_NODE, K_EXPIRY, K_DONE, K_TOKEN = 6, 7, 8, 9, 10
+local K_AFFKEY, K_BOUND, K_BOUND_AT, K_ROOM, K_SEEN = 11, 12, 13, 14, 15
 local function tier_args(at)
   local n = tonumber(ARGV[at])
   local names, qkey = {}, {}
   for i = 1, n do
     names[i] = ARGV[at + i]
-    qkey[names[i]] = KEYS[10 + i]
+    qkey[names[i]] = KEYS[15 + i]
   end
   return n, names, qkey, at + n + 1
+end
+-- Mirrors MemoryWorkQueue._set_room / _wake_if_full.
+local function anything_queued(n, names, qkey)
+  for i = 1, n do
+    if redis.call('ZCARD', qkey[names[i]]) > 0 then return true end
+  end
+  return false
+end
+local function wake_if_full(before, room, n, names, qkey, wake)
+  if before > 0 and room <= 0 and anything_queued(n, names, qkey) then
+    redis.call('PUBLISH', wake, '1')
+  end
+end
+local function set_room(node, room, live_until, n, names, qkey, wake)
+  local before = tonumber(redis.call('HGET', KEYS[K_ROOM], node) or '0')
+  redis.call('HSET', KEYS[K_ROOM], node, room)
+  redis.call('ZADD', KEYS[K_SEEN], live_until, node)
+  wake_if_full(before, room, n, names, qkey, wake)
 end
 local function requeue(id, qkey)
   redis.call('HDEL', KEYS[K_HOLDER], id)
@@ -73,7 +101,8 @@ local function requeue(id, qkey)
   redis.call('ZADD', qkey[tier], redis.call('HGET', KEYS[K_ARRIVAL], id), id)
 end
 local function forget(id)
-  for _, k in ipairs({K_TIER, K_TENANT, K_ARRIVAL, K_ATTEMPT, K_PAYLOAD, K_HOLDER, K_NODE}) do
+  for _, k in ipairs({K_TIER, K_TENANT, K_ARRIVAL, K_ATTEMPT, K_PAYLOAD, K_HOLDER, K_NODE,
+                      K_AFFKEY}) do
     redis.call('HDEL', KEYS[k], id)
   end
   redis.call('ZREM', KEYS[K_EXPIRY], id)
@@ -84,12 +113,13 @@ end
 """
 
 # ARGV: id, tier, tenant, arrival, payload, attempt, max_queued (0: no cap),
-# wake channel, then the tier args. Returns 1, 0 (duplicate) or -1 (full).
+# wake channel, affinity key ('' for none), then the tier args. Returns 1, 0
+# (duplicate) or -1 (full).
 _ENQUEUE = (
     _PRELUDE
     + """
 local id = ARGV[1]
-local _, _, qkey = tier_args(9)
+local _, _, qkey = tier_args(10)
 if redis.call('HEXISTS', KEYS[K_TIER], id) == 1
     or redis.call('ZSCORE', KEYS[K_DONE], id) then
   return 0
@@ -103,6 +133,7 @@ redis.call('HSET', KEYS[K_TENANT], id, ARGV[3])
 redis.call('HSET', KEYS[K_ARRIVAL], id, ARGV[4])
 redis.call('HSET', KEYS[K_PAYLOAD], id, ARGV[5])
 redis.call('HSET', KEYS[K_ATTEMPT], id, ARGV[6])
+if ARGV[9] ~= '' then redis.call('HSET', KEYS[K_AFFKEY], id, ARGV[9]) end
 redis.call('ZADD', qkey[ARGV[2]], ARGV[4], id)
 redis.call('PUBLISH', ARGV[8], '1')
 return 1
@@ -110,9 +141,11 @@ return 1
 )
 
 # ARGV: now, node, max_items, expires_at, interval_s, max_boost, done horizon,
-# then the tier args, then one priority per tier. Returns one [id, tier, tenant, arrival,
-# payload, attempt, token] per lease.
-# The tier choice is model.pick_tier: change both together.
+# affinity horizon, wake channel, then the tier args, then one priority per
+# tier. Returns {leases, held back until ('' for none)}, one [id, tier,
+# tenant, arrival, payload, attempt, token, affinity key] per lease.
+# The tier choice is model.pick_tier and the rest MemoryWorkQueue.claim:
+# change them together.
 _CLAIM = (
     _PRELUDE
     + """
@@ -123,7 +156,16 @@ local expires_at = ARGV[4]
 local interval = tonumber(ARGV[5])
 local max_boost = tonumber(ARGV[6])
 redis.call('ZREMRANGEBYSCORE', KEYS[K_DONE], '-inf', '(' .. ARGV[7])
-local n, names, qkey, at = tier_args(8)
+for _, key in ipairs(redis.call('ZRANGEBYSCORE', KEYS[K_BOUND_AT], '-inf', '(' .. ARGV[8])) do
+  redis.call('HDEL', KEYS[K_BOUND], key)
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[K_BOUND_AT], '-inf', '(' .. ARGV[8])
+for _, other in ipairs(redis.call('ZRANGEBYSCORE', KEYS[K_SEEN], '-inf', ARGV[1])) do
+  redis.call('HDEL', KEYS[K_ROOM], other)
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[K_SEEN], '-inf', ARGV[1])
+local wake = ARGV[9]
+local n, names, qkey, at = tier_args(10)
 local prio = {}
 for i = 1, n do prio[i] = tonumber(ARGV[at + i - 1]) end
 
@@ -131,11 +173,22 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[K_EXPIRY], '-inf', ARGV[1])
   requeue(id, qkey)
 end
 
+-- How many more items each other live node has room for.
+local reserve = {}
+local rooms = redis.call('HGETALL', KEYS[K_ROOM])
+for j = 1, #rooms, 2 do
+  local room = tonumber(rooms[j + 1])
+  if rooms[j] ~= node and room > 0 then reserve[rooms[j]] = room end
+end
+local held_until = nil
+local skipped = {}
+for i = 1, n do skipped[i] = 0 end
+
 local out = {}
 while #out < max_items do
   local best, best_level, best_prio, best_head, best_id
   for i = 1, n do
-    local head = redis.call('ZRANGE', qkey[names[i]], 0, 0)
+    local head = redis.call('ZRANGE', qkey[names[i]], skipped[i], skipped[i])
     if head[1] then
       local arrival = tonumber(redis.call('HGET', KEYS[K_ARRIVAL], head[1]))
       local boost = 0
@@ -153,17 +206,55 @@ while #out < max_items do
   end
   if best == nil then break end
   local id = best_id
-  redis.call('ZREM', qkey[names[best]], id)
-  local token = redis.call('INCR', KEYS[K_TOKEN])
-  redis.call('HSET', KEYS[K_HOLDER], id, token)
-  redis.call('HSET', KEYS[K_NODE], id, node)
-  redis.call('ZADD', KEYS[K_EXPIRY], expires_at, id)
-  out[#out + 1] = {id, names[best], redis.call('HGET', KEYS[K_TENANT], id),
-                   redis.call('HGET', KEYS[K_ARRIVAL], id),
-                   redis.call('HGET', KEYS[K_PAYLOAD], id),
-                   redis.call('HGET', KEYS[K_ATTEMPT], id), token}
+  local key = redis.call('HGET', KEYS[K_AFFKEY], id)
+  local owner = key and redis.call('HGET', KEYS[K_BOUND], key)
+  if owner and owner ~= node and (reserve[owner] or 0) > 0 then
+    reserve[owner] = reserve[owner] - 1
+    skipped[best] = skipped[best] + 1
+    local live_until = redis.call('ZSCORE', KEYS[K_SEEN], owner)
+    if held_until == nil or tonumber(live_until) < tonumber(held_until) then
+      held_until = live_until
+    end
+  else
+    redis.call('ZREM', qkey[names[best]], id)
+    if key then
+      if not (owner and redis.call('ZSCORE', KEYS[K_SEEN], owner)) then owner = node end
+      redis.call('HSET', KEYS[K_BOUND], key, owner)
+      redis.call('ZADD', KEYS[K_BOUND_AT], ARGV[1], key)
+    end
+    local token = redis.call('INCR', KEYS[K_TOKEN])
+    redis.call('HSET', KEYS[K_HOLDER], id, token)
+    redis.call('HSET', KEYS[K_NODE], id, node)
+    redis.call('ZADD', KEYS[K_EXPIRY], expires_at, id)
+    out[#out + 1] = {id, names[best], redis.call('HGET', KEYS[K_TENANT], id),
+                     redis.call('HGET', KEYS[K_ARRIVAL], id),
+                     redis.call('HGET', KEYS[K_PAYLOAD], id),
+                     redis.call('HGET', KEYS[K_ATTEMPT], id), token, key or ''}
+  end
 end
-return out
+set_room(node, max_items - #out, expires_at, n, names, qkey, wake)
+return {out, held_until or ''}
+"""
+)
+
+# ARGV: node, room, live until, wake channel, then the tier args.
+_HEARTBEAT = (
+    _PRELUDE
+    + """
+local n, names, qkey = tier_args(5)
+set_room(ARGV[1], tonumber(ARGV[2]), ARGV[3], n, names, qkey, ARGV[4])
+"""
+)
+
+# ARGV: node, wake channel, then the tier args.
+_LEAVE = (
+    _PRELUDE
+    + """
+local n, names, qkey = tier_args(3)
+local before = tonumber(redis.call('HGET', KEYS[K_ROOM], ARGV[1]) or '0')
+redis.call('HDEL', KEYS[K_ROOM], ARGV[1])
+redis.call('ZREM', KEYS[K_SEEN], ARGV[1])
+wake_if_full(before, 0, n, names, qkey, ARGV[2])
 """
 )
 
@@ -241,8 +332,11 @@ class RedisWorkQueue(WorkQueue):
         socket_timeout_s: float = 0.5,
         client: aioredis.Redis | None = None,
         done_retention_s: float = 86_400.0,
+        affinity_ttl_s: float = 600.0,
     ) -> None:
-        super().__init__(tiers, done_retention_s=done_retention_s)
+        super().__init__(
+            tiers, done_retention_s=done_retention_s, affinity_ttl_s=affinity_ttl_s
+        )
         if client is None:
             client = aioredis.Redis.from_url(
                 url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
@@ -264,6 +358,8 @@ class RedisWorkQueue(WorkQueue):
         self._complete = self._redis.register_script(_COMPLETE)
         self._release = self._redis.register_script(_RELEASE)
         self._cancel = self._redis.register_script(_CANCEL)
+        self._heartbeat = self._redis.register_script(_HEARTBEAT)
+        self._leave = self._redis.register_script(_LEAVE)
 
     @property
     def redis(self) -> aioredis.Redis:
@@ -285,7 +381,7 @@ class RedisWorkQueue(WorkQueue):
         self._check_tier(item)
         args = [
             item.id, item.tier, item.tenant, repr(item.arrival), item.payload, item.attempt,
-            max_queued or 0, self.wake_channel,
+            max_queued or 0, self.wake_channel, item.affinity,
         ]  # fmt: skip
         result = await self._run(self._enqueue, [*args, *self._tier_args])
         if result == 0:
@@ -304,16 +400,17 @@ class RedisWorkQueue(WorkQueue):
         first = await self._guard(self._redis.zrange(self._field["expiry"], 0, 0, withscores=True))
         return float(first[0][1]) if first else None
 
-    async def claim(self, node: str, max_items: int, now: float, lease_s: float) -> list[Lease]:
+    async def claim(self, node: str, max_items: int, now: float, lease_s: float) -> Claim:
         expires_at = now + lease_s
         args: list[Any] = [
             repr(now), node, max_items, repr(expires_at),
             repr(self.tiers.interval_s), self.tiers.max_boost,
-            repr(now - self.done_retention_s), *self._tier_args, *(t.priority for t in self.tiers.tiers),
+            repr(now - self.done_retention_s), repr(now - self.affinity_ttl_s), self.wake_channel,
+            *self._tier_args, *(t.priority for t in self.tiers.tiers),
         ]  # fmt: skip
-        rows = await self._run(self._claim, args)
+        rows, held_until = await self._run(self._claim, args)
         leases = []
-        for item_id, tier, tenant, arrival, payload, attempt, token in rows:
+        for item_id, tier, tenant, arrival, payload, attempt, token, affinity in rows:
             item = WorkItem(
                 id=item_id.decode(),
                 tier=tier.decode(),
@@ -321,9 +418,21 @@ class RedisWorkQueue(WorkQueue):
                 arrival=float(arrival),
                 payload=bytes(payload),
                 attempt=int(attempt),
+                affinity=affinity.decode(),
             )
             leases.append(Lease(item, node, int(token), expires_at))
-        return leases
+        return Claim(leases, float(held_until) if held_until else None)
+
+    async def heartbeat(self, node: str, room: int, now: float, ttl_s: float) -> None:
+        args = [node, max(0, room), repr(now + ttl_s), self.wake_channel, *self._tier_args]
+        await self._run(self._heartbeat, args)
+
+    async def leave(self, node: str) -> None:
+        await self._run(self._leave, [node, self.wake_channel, *self._tier_args])
+
+    async def bound_node(self, key: str) -> str | None:
+        node = await self._guard(self._redis.hget(self._field["bound"], key))
+        return node.decode() if node is not None else None
 
     async def renew(self, lease: Lease, now: float, lease_s: float) -> Lease | None:
         expires_at = now + lease_s

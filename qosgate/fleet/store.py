@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-import heapq
 import itertools
 from abc import ABC, abstractmethod
 from typing import Literal
 
-from .model import FleetTiers, Lease, WorkItem, pick_tier
+from .model import Claim, FleetTiers, Lease, WorkItem, pick_tier
 
 ItemStatus = Literal["queued", "leased", "completed"]
 
@@ -36,11 +36,20 @@ class WorkQueue(ABC):
 
     name: str = ""
 
-    def __init__(self, tiers: FleetTiers, *, done_retention_s: float = 86_400.0) -> None:
+    def __init__(
+        self,
+        tiers: FleetTiers,
+        *,
+        done_retention_s: float = 86_400.0,
+        affinity_ttl_s: float = 600.0,
+    ) -> None:
         self.tiers = tiers
         self.done_retention_s = done_retention_s
         """How long an ended item's id is remembered (refusing a duplicate
         enqueue) after its last lease ran out or it was cancelled."""
+        self.affinity_ttl_s = affinity_ttl_s
+        """How long an affinity key stays bound to a node after the last
+        claim of an item with that key."""
 
     def _check_tier(self, item: WorkItem) -> None:
         if item.tier not in self.tiers:
@@ -64,10 +73,31 @@ class WorkQueue(ABC):
         completed stays completed."""
 
     @abstractmethod
-    async def claim(self, node: str, max_items: int, now: float, lease_s: float) -> list[Lease]:
+    async def claim(self, node: str, max_items: int, now: float, lease_s: float) -> Claim:
         """Return expired leases' items to their queues, then lease up to
         `max_items` to `node`, each from the tier `pick_tier` names at that
-        moment, until `now + lease_s`."""
+        moment, until `now + lease_s`, leaving items for the live nodes their
+        affinity keys are bound to while those have room (see model.py).
+        Binds the taken items' keys to `node`, and records `node` as live
+        until `now + lease_s` with the room it has left (`max_items` less
+        what it took)."""
+
+    @abstractmethod
+    async def heartbeat(self, node: str, room: int, now: float, ttl_s: float) -> None:
+        """Record `node` as live until `now + ttl_s` with `room` free slots:
+        how long, and for how many items, other nodes hold its affinity
+        work back for it. A node whose room falls to 0 while work is queued
+        wakes the others, which may now take what they held back."""
+
+    @abstractmethod
+    async def leave(self, node: str) -> None:
+        """Forget `node`'s record (it is stopping): nothing is held back for
+        it any more, and if it had room while work is queued, the other
+        nodes are woken to take it."""
+
+    @abstractmethod
+    async def bound_node(self, key: str) -> str | None:
+        """The node an affinity key is bound to, if any."""
 
     @abstractmethod
     async def renew(self, lease: Lease, now: float, lease_s: float) -> Lease | None:
@@ -119,10 +149,19 @@ class MemoryWorkQueue(WorkQueue):
 
     name = "memory"
 
-    def __init__(self, tiers: FleetTiers, *, done_retention_s: float = 86_400.0) -> None:
-        super().__init__(tiers, done_retention_s=done_retention_s)
-        # Heaps of (arrival, id, item): the same order as a Redis sorted set
-        # scored by arrival, whose ties go by member.
+    def __init__(
+        self,
+        tiers: FleetTiers,
+        *,
+        done_retention_s: float = 86_400.0,
+        affinity_ttl_s: float = 600.0,
+    ) -> None:
+        super().__init__(
+            tiers, done_retention_s=done_retention_s, affinity_ttl_s=affinity_ttl_s
+        )
+        # Sorted lists of (arrival, id, item): the same order as a Redis
+        # sorted set scored by arrival, whose ties go by member. Lists, not
+        # heaps, because a claim may step past items held back for others.
         self._queues: dict[str, list[tuple[float, str, WorkItem]]] = {
             name: [] for name in tiers.names()
         }
@@ -131,6 +170,9 @@ class MemoryWorkQueue(WorkQueue):
         self._completed: dict[str, float] = {}
         self._queued: dict[str, WorkItem] = {}
         self._tokens = itertools.count(1)
+        # Node -> (room, live until); affinity key -> (node, when bound).
+        self._nodes: dict[str, tuple[int, float]] = {}
+        self._bound: dict[str, tuple[str, float]] = {}
         self.published: list[tuple[str, bytes]] = []
         """Replies `complete` published, in order (Redis publishes them)."""
         self.wakes = 0
@@ -150,9 +192,7 @@ class MemoryWorkQueue(WorkQueue):
     ) -> ItemStatus | None:
         item = self._queued.pop(item_id, None)
         if item is not None:
-            queue = self._queues[item.tier]
-            queue.remove((item.arrival, item.id, item))
-            heapq.heapify(queue)
+            self._queues[item.tier].remove((item.arrival, item.id, item))
             self._completed[item_id] = now
             return "queued"
         if item_id in self._held:
@@ -163,32 +203,81 @@ class MemoryWorkQueue(WorkQueue):
         return "completed" if item_id in self._completed else None
 
     def _push(self, item: WorkItem) -> None:
-        heapq.heappush(self._queues[item.tier], (item.arrival, item.id, item))
+        bisect.insort(self._queues[item.tier], (item.arrival, item.id, item))
         self._queued[item.id] = item
 
     def _requeue(self, held: _Held) -> None:
         del self._held[held.item.id]
         self._push(dataclasses.replace(held.item, attempt=held.item.attempt + 1))
 
-    async def claim(self, node: str, max_items: int, now: float, lease_s: float) -> list[Lease]:
+    async def claim(self, node: str, max_items: int, now: float, lease_s: float) -> Claim:
         for held in [h for h in self._held.values() if h.expires_at <= now]:
             self._requeue(held)
         horizon = now - self.done_retention_s
         for item_id in [i for i, at in self._completed.items() if at < horizon]:
             del self._completed[item_id]
+        horizon = now - self.affinity_ttl_s
+        for key in [k for k, (_, at) in self._bound.items() if at < horizon]:
+            del self._bound[key]
+        for other in [n for n, (_, until) in self._nodes.items() if until <= now]:
+            del self._nodes[other]
+        # How many more items each other live node has room for, and so may
+        # still have held back for it.
+        reserve = {n: room for n, (room, _) in self._nodes.items() if n != node and room > 0}
+        held_back_until: float | None = None
+        skipped = dict.fromkeys(self._queues, 0)
         leases: list[Lease] = []
         expires_at = now + lease_s
         while len(leases) < max_items:
-            heads = {name: q[0][0] for name, q in self._queues.items() if q}
+            heads = {
+                name: q[skipped[name]][0] for name, q in self._queues.items() if skipped[name] < len(q)
+            }
             tier = pick_tier(self.tiers, heads, now)
             if tier is None:
                 break
-            _, _, item = heapq.heappop(self._queues[tier])
+            _, _, item = self._queues[tier][skipped[tier]]
+            owner = self._bound[item.affinity][0] if item.affinity in self._bound else ""
+            if owner and owner != node and reserve.get(owner, 0) > 0:
+                reserve[owner] -= 1
+                skipped[tier] += 1
+                until = self._nodes[owner][1]
+                held_back_until = until if held_back_until is None else min(held_back_until, until)
+                continue
+            del self._queues[tier][skipped[tier]]
             del self._queued[item.id]
+            if item.affinity:
+                # A live owner keeps its key even when another node ran this
+                # one (it was full): flipping the binding on every spill would
+                # leave items held back for a node that has just claimed.
+                owner = owner if owner in self._nodes else node
+                self._bound[item.affinity] = (owner, now)
             token = next(self._tokens)
             self._held[item.id] = _Held(item, node, token, expires_at)
             leases.append(Lease(item, node, token, expires_at))
-        return leases
+        self._set_room(node, max_items - len(leases), expires_at)
+        return Claim(leases, held_back_until)
+
+    def _set_room(self, node: str, room: int, until: float) -> None:
+        before = self._nodes.get(node, (0, 0.0))[0]
+        self._nodes[node] = (room, until)
+        self._wake_if_full(before, room)
+
+    def _wake_if_full(self, before: int, room: int) -> None:
+        # Others hold work back for a node only while it has room: once it is
+        # full they may take that work, and must hear that they may.
+        if before > 0 and room <= 0 and any(self._queues.values()):
+            self.wakes += 1
+
+    async def heartbeat(self, node: str, room: int, now: float, ttl_s: float) -> None:
+        self._set_room(node, max(0, room), now + ttl_s)
+
+    async def leave(self, node: str) -> None:
+        room, _ = self._nodes.pop(node, (0, 0.0))
+        self._wake_if_full(room, 0)
+
+    async def bound_node(self, key: str) -> str | None:
+        bound = self._bound.get(key)
+        return bound[0] if bound is not None else None
 
     def _current(self, lease: Lease) -> _Held | None:
         held = self._held.get(lease.item.id)
