@@ -16,6 +16,14 @@ bottleneck, as a GPU would be.
    node's), the requests spread round-robin over the gateways.
 4. kill: the fleet again at the same load; one engine node is killed with
    SIGKILL halfway through (no release, no goodbye).
+5. light: the fleet at 0.8x its capacity, for half as long.
+
+Every run sends its requests as turns of SESSIONS conversations
+(X-Session-Id). The engine nodes count the turns they took whose session was
+bound to them ("home": where a prefix cache could reuse the conversation)
+and those bound to another node that was full ("away"); the home share of
+those is reported for the fleet and light runs. Without affinity a turn would
+land on its session's node by chance, one time in two with two nodes.
 
 Targets (the issue): interactive TTFT p99 in the fleet within 1.2x of the
 single node's; the fleet's throughput at least 1.8x one node's (completed
@@ -46,6 +54,7 @@ from tests.fleet_support import KEYS, Fleet, environ
 
 TARGET_TTFT_RATIO = 1.2
 TARGET_SCALE = 1.8
+SESSIONS = 64
 
 SCENARIO = """
 kind: bench
@@ -108,7 +117,14 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
 
 def open_extra(rate: float, duration: float) -> str:
     return (f"duration_s: {duration}\nwarmup_s: {min(5.0, duration / 4)}\n"
+            f"sessions: {SESSIONS}\n"
             f"arrivals: {{process: poisson, rate_rps: {rate:.3f}}}")  # fmt: skip
+
+
+def home_share(engines: dict[str, Any]) -> dict[str, Any]:
+    """Of the turns whose session was bound to a node, those that ran there."""
+    counts = {k: sum(e["affinity"][k] for e in engines.values()) for k in ("home", "away", "new")}
+    return {**counts, "home_share": round(counts["home"] / max(1, counts["home"] + counts["away"]), 3)}
 
 
 def kill_later(fleet: Fleet, after_s: float, killed: dict[str, Any]) -> None:
@@ -160,24 +176,29 @@ def main() -> int:
             single.close()
         print("single:", json.dumps(result["single"]), flush=True)
 
-        for name in ("fleet", "kill"):
-            fleet = Fleet(tmp / name, **common)
+        runs = [("fleet", "session", 4.0, args.duration), ("kill", "session", 4.0, args.duration),
+                ("light", "session", 1.6, args.duration / 2)]  # fmt: skip
+        for name, affinity, load, duration in runs:
+            fleet = Fleet(tmp / name, affinity=affinity, **common)
             try:
                 killed: dict[str, Any] = {}
                 if name == "kill":
                     threading.Thread(
                         target=kill_later, args=(fleet, args.duration / 2, killed), daemon=True
                     ).start()
-                run = bench(fleet.urls, tmp, name, "open", open_extra(4 * capacity, args.duration),
+                run = bench(fleet.urls, tmp, name, "open", open_extra(load * capacity, duration),
                             2, args.workers)  # fmt: skip
                 result[name] = summary(run)
-                result[name]["offered_rps"] = round(4 * capacity, 3)
+                result[name]["offered_rps"] = round(load * capacity, 3)
+                result[name]["affinity"] = affinity
                 result[name]["gateway_outcomes"] = fleet.outcomes()
                 result[name]["engines"] = {
                     e.name: e.get("/fleet") for e in fleet.engines if e.proc.poll() is None
                 }
                 if killed:
                     result[name]["killed"] = killed
+                else:
+                    result[name]["sessions"] = home_share(result[name]["engines"])
             finally:
                 codes = fleet.close()
             result[name]["exit_codes"] = codes
@@ -204,6 +225,10 @@ def main() -> int:
           f"target <= {TARGET_TTFT_RATIO})")  # fmt: skip
     print(f"throughput: single {single['throughput_rps']:.2f} req/s, fleet "
           f"{fleet['throughput_rps']:.2f} req/s ({scale:.2f}x, target >= {TARGET_SCALE})")
+    for name in ("fleet", "light"):
+        share = result[name]["sessions"]
+        print(f"{name}: {share['home']} of {share['home'] + share['away']} follow-up turns on "
+              f"their session's node ({share['home_share']:.0%})")
     print(f"kill: {kill['sent']} sent, {kill['completed']} completed, {kill['rejected']} refused, "
           f"{kill['errors']} errors, {kill['lost']} lost; gateways counted {kill_answered}")
     if args.json_path:

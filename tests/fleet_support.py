@@ -40,6 +40,7 @@ def policy(
     redis_url: str | None,
     lease_s: float = 2.0,
     output_median: int | None = None,
+    affinity: str = "session",
 ) -> dict[str, Any]:
     """The fleet benchmark's policy: three tiers as in B3/B8, one tenant per
     tier; with `redis_url` None, the single-node mode."""
@@ -66,7 +67,7 @@ def policy(
     }  # fmt: skip
     if redis_url is not None:
         doc["fleet"] = {"role": "gateway", "url": redis_url, "lease_s": lease_s,
-                        "key_prefix": "fleet-test:"}  # fmt: skip
+                        "key_prefix": "fleet-test:", "affinity": affinity}  # fmt: skip
     return doc
 
 
@@ -136,7 +137,7 @@ class Fleet:
 
     def __init__(self, tmp: Path, *, gateways: int = 3, engines: int = 2, single: bool = False,
                  speed: float, seqs: int, lease_s: float = 2.0,
-                 output_median: int | None = None) -> None:  # fmt: skip
+                 output_median: int | None = None, affinity: str = "session") -> None:  # fmt: skip
         self.redis: RedisServer | None = None
         self.gateways: list[Proc] = []
         self.engines: list[Proc] = []
@@ -154,7 +155,7 @@ class Fleet:
             config = tmp / "fleet.yaml"
             config.write_text(yaml.safe_dump(policy(
                 speed=speed, seqs=seqs, redis_url=self.redis.url, lease_s=lease_s,
-                output_median=output_median,
+                output_median=output_median, affinity=affinity,
             )))  # fmt: skip
             for index in range(engines):
                 self.engines.append(Proc(config, f"engine-{index + 1}", tmp, "engine"))

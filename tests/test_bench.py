@@ -128,6 +128,8 @@ class Upstream:
         self.seen: dict[str, int] = {}
         self.rids: list[int] = []
         """The request number of each request received (from its prompt's "[rid] ")."""
+        self.sessions: list[tuple[int, str | None]] = []
+        """(request number, the X-Session-Id it carried) per request received."""
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -149,6 +151,7 @@ class Upstream:
         body = await request.json()
         prompt = body["messages"][0]["content"]
         self.rids.append(int(prompt[1 : prompt.index("]")]))
+        self.sessions.append((self.rids[-1], request.headers.get("X-Session-Id")))
         action = self.script[self.count % len(self.script)]
         self.count += 1
         self.seen[action] = self.seen.get(action, 0) + 1
@@ -225,6 +228,22 @@ async def test_refusals_are_rejected_and_failures_are_errors_never_lost(
     kinds = totals["error_types"]
     assert kinds.get("stream_error", 0) == seen.get("error_event", 0)
     assert sum(kinds.values()) == totals["errors"]
+
+
+async def test_sessions_give_every_request_its_conversation_header(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("QG_BENCH_TEST_KEY", "k")
+    async with Upstream(("ok",)) as upstream:
+        path = write(tmp_path, fake_scenario(sessions=3))
+        assert await bench(upstream.url, str(path), "--workers", "1", "--quiet") == 0
+        path = write(tmp_path, fake_scenario(name="plain"))
+        sent = len(upstream.sessions)
+        assert await bench(upstream.url, str(path), "--workers", "1", "--quiet") == 0
+    assert sent >= 6
+    assert all(header == f"s{rid % 3}" for rid, header in upstream.sessions[:sent])
+    assert len(upstream.sessions) > sent
+    assert {header for _, header in upstream.sessions[sent:]} == {None}
 
 
 async def test_sweep_gives_one_row_per_concurrency_level(

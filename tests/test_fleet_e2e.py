@@ -1,6 +1,8 @@
 """Distributed mode end to end: 3 gateway replicas and 2 engine nodes, each its
 own `qosgate serve` process, on a real redis-server; one engine node is
-killed with SIGKILL while it runs requests.
+killed with SIGKILL while it runs requests. The requests belong to a few
+sessions, so the survivor must also take work held back for the dead node's
+sessions once that node stops counting as live.
 
 No request may be lost: every client gets its whole answer (the simulated
 GPU's text is deterministic, so a re-run that repeated or dropped a token
@@ -25,13 +27,13 @@ REQUESTS = 40
 TOKENS = 60
 
 
-async def ask(session: aiohttp.ClientSession, url: str, stream: bool,
+async def ask(session: aiohttp.ClientSession, url: str, stream: bool, chat: str,
               first: asyncio.Queue[None]) -> tuple[int, str, dict | None]:  # fmt: skip
     body = {"model": "sim-llama3-8b", "messages": [{"role": "user", "content": "hello " * 40}],
             "max_tokens": TOKENS, "stream": stream}  # fmt: skip
     if stream:
         body["stream_options"] = {"include_usage": True}
-    headers = {"Authorization": f"Bearer {KEYS['batch']}"}
+    headers = {"Authorization": f"Bearer {KEYS['batch']}", "X-Session-Id": chat}
     async with session.post(url + "/chat/completions", json=body, headers=headers) as response:
         if not stream:
             payload = await response.json()
@@ -70,7 +72,8 @@ async def test_killing_an_engine_node_loses_no_request(tmp_path: Path):
         async with aiohttp.ClientSession() as session, asyncio.timeout(LIMIT_S):
             tasks = [
                 asyncio.ensure_future(ask(
-                    session, fleet.gateways[i % 3].url, stream=i % 2 == 0, first=first
+                    session, fleet.gateways[i % 3].url, stream=i % 2 == 0, chat=f"chat-{i % 6}",
+                    first=first,
                 ))  # fmt: skip
                 for i in range(REQUESTS)
             ]

@@ -398,8 +398,10 @@ async def test_an_item_is_left_for_the_live_node_its_session_is_bound_to(queue):
     assert [lease.item.id for lease in claim.leases] == ["other"]
     assert claim.held_back_until == T0 + LEASE  # n1's last word, a claim at T0
     assert await queue.depth() == {"gold": 1, "silver": 0, "bronze": 0}
-    [lease] = (await queue.claim("n1", 1, T0 + 2, LEASE)).leases
+    claim = await queue.claim("n1", 1, T0 + 2, LEASE)
+    [lease] = claim.leases
     assert lease.item == item("s2", "gold", T0 + 1, affinity="session:s")
+    assert (claim.home, claim.away) == ({"s2"}, set())
     assert await queue.bound_node("session:s") == "n1"
     assert await queue.bound_node("session:x") == "n2"
 
@@ -412,6 +414,7 @@ async def test_items_without_a_key_or_bound_elsewhere_full_are_not_held_back(que
     claim = await queue.claim("n2", 5, T0 + 3, LEASE)
     assert [lease.item.id for lease in claim.leases] == ["b", "c"]
     assert claim.held_back_until is None
+    assert (claim.home, claim.away) == (set(), {"b"})
     # n1 is still live: the session stays with it for its next request.
     assert await queue.bound_node("session:s") == "n1"
 

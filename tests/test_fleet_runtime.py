@@ -74,12 +74,12 @@ class Fleet:
             await engine.stop(0.0)
 
     def submit(self, tier: str = "interactive", max_tokens: int = 8,
-               stream: bool = True) -> RequestStream:  # fmt: skip
+               stream: bool = True, session: str | None = None) -> RequestStream:  # fmt: skip
         return self.gateway.submit(
             request_id=uuid.uuid4().hex, tenant="t", tier=tier, endpoint="chat",
             body={"model": "sim-llama3-8b", "messages": [], "max_tokens": max_tokens,
                   "stream": stream},
-            prompt_tokens=8, max_tokens=max_tokens,
+            prompt_tokens=8, max_tokens=max_tokens, session=session,
         )  # fmt: skip
 
 
@@ -232,3 +232,36 @@ async def test_a_stopping_node_gives_its_work_to_another(redis_server, prefix):
         assert {s.request.outcome for s in streams} == {Outcome.COMPLETED}
         assert first.completed == 0 and second.completed == 2
         fleet.engines = [second]
+
+
+async def test_a_session_keeps_its_node_and_spills_only_while_that_node_is_full(
+    redis_server, prefix
+):
+    async with Fleet(make_policy(redis_server.url, prefix), engines=2, seqs=1) as fleet:
+        store = fleet.backend.store
+        async with asyncio.timeout(LIMIT_S):
+            # Whichever node takes `filler` is full, so the session's first
+            # request, and with it the session, goes to the other one.
+            filler = fleet.submit(max_tokens=5000)
+            await first_chunk(filler)
+            [busy] = [e for e in fleet.engines if e.status()["running"]]
+            [home] = [e for e in fleet.engines if e is not busy]
+            await read_all(fleet.submit(session="chat-1"))
+            assert await store.bound_node("session:chat-1") == home.node
+            await filler.aclose()
+            await chores(fleet)
+            # Both nodes idle and woken alike: the session's turns go home.
+            for _ in range(4):
+                await read_all(fleet.submit(session="chat-1"))
+            assert (home.completed, busy.completed) == (5, 0)
+            assert home.status()["affinity"] == {"home": 4, "away": 0, "new": 1}
+            # Home full: the next turn runs on the other node, and the
+            # session stays bound to home.
+            long_turn = fleet.submit(max_tokens=5000, session="chat-1")
+            await first_chunk(long_turn)
+            assert home.status()["running"] == 1
+            assert await read_all(fleet.submit(session="chat-1")) == (filler_text(0, 8), 8)
+            assert busy.completed == 1
+            assert busy.status()["affinity"] == {"home": 0, "away": 1, "new": 0}
+            assert await store.bound_node("session:chat-1") == home.node
+            await long_turn.aclose()

@@ -101,6 +101,7 @@ class Job:
             if key:
                 headers["Authorization"] = f"Bearer {key}"
             self.headers.append(headers)
+        self.sessions = int(cfg.get("sessions") or 0)
         self.timeout = aiohttp.ClientTimeout(total=float(cfg["timeout_s"]))
         self.honor_retry_after = bool(cfg.get("honor_retry_after", False))
         self.retry_after: dict[int, float] = {}
@@ -143,6 +144,9 @@ class Job:
         # By request number, not by arrival: every worker and every rerun then
         # sends the same request to the same replica.
         url = self.urls[rid % len(self.urls)]
+        headers = self.headers[cls]
+        if self.sessions:
+            headers = {**headers, "X-Session-Id": f"s{rid % self.sessions}"}
         sent = loop.time()
         first: float | None = None
         status = 0
@@ -153,7 +157,7 @@ class Job:
         itl: list[float] | None = None
         try:
             async with self.session.post(
-                url, data=payload, headers=self.headers[cls], timeout=self.timeout
+                url, data=payload, headers=headers, timeout=self.timeout
             ) as response:
                 status = response.status
                 if status != 200:

@@ -91,6 +91,7 @@ def job_config(scenario: BenchScenario, urls: str | list[str], keys: list[str | 
         "extra_body": dict(scenario.extra_body),
         "keys": keys,
         "priority": [c.priority for c in scenario.classes],
+        "sessions": scenario.sessions,
         "seed": seed,
     }
 

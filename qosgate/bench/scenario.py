@@ -185,6 +185,10 @@ class BenchScenario(StrictModel):
     metrics: MetricsConfig = MetricsConfig()
     """The fairness window and service weights of the service-difference
     figures (BENCHMARKS B4), as in `qosgate simulate`."""
+    sessions: Annotated[int, Field(ge=0)] = 0
+    """Spread the requests over this many conversations: request n carries
+    `X-Session-Id: s<n mod sessions>`, as the turns of a chat do (a gateway
+    with session affinity keeps a session on one engine). 0: no header."""
     extra_body: dict[str, Any] = Field(default_factory=dict)
     """Fields added to every request body (e.g. `ignore_eos: true` for vLLM);
     the scenario's own fields (model, messages/prompt, max_tokens, stream) win."""

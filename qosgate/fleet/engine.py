@@ -113,6 +113,10 @@ class EngineNode:
         self._stopped = False
         self.completed = 0
         """Items this node completed (for stats and tests)."""
+        self.affinity = {"home": 0, "away": 0, "new": 0}
+        """Items with an affinity key this node took: bound to it (its prefix
+        cache may hold their session), bound to another node (full or gone),
+        or bound nowhere yet."""
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -176,6 +180,7 @@ class EngineNode:
             "running": len(self._runs),
             "completed": self.completed,
             "free_slots": self.backend.capacity().free_slots,
+            "affinity": dict(self.affinity),
         }
 
     # -- claiming ------------------------------------------------------------
@@ -232,6 +237,9 @@ class EngineNode:
                     self._arm_expiry(time.time() + 1.0)
                     return
                 for lease in claim.leases:
+                    if lease.item.affinity:
+                        where = "home" if lease.item.id in claim.home else "new"
+                        self.affinity["away" if lease.item.id in claim.away else where] += 1
                     self._start(lease)
                 if len(claim.leases) < room:
                     # Nothing more for this node: the next work is a new

@@ -82,6 +82,12 @@ class Claim:
     """Set when the claim left items for other nodes (affinity): the first
     instant one of those nodes stops counting as live unless it speaks again,
     so a node that died holding nothing is not waited for longer than that."""
+    home: frozenset[str] = frozenset()
+    """Ids of the items taken whose affinity key was bound to this node (the
+    node ran their session before: its prefix cache may hold it)."""
+    away: frozenset[str] = frozenset()
+    """Ids of the items taken whose key was bound to another node (that one
+    was full or is gone)."""
 
 
 @dataclass(frozen=True, slots=True)

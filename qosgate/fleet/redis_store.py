@@ -143,7 +143,8 @@ return 1
 # ARGV: now, node, max_items, expires_at, interval_s, max_boost, done horizon,
 # affinity horizon, wake channel, then the tier args, then one priority per
 # tier. Returns {leases, held back until ('' for none)}, one [id, tier,
-# tenant, arrival, payload, attempt, token, affinity key] per lease.
+# tenant, arrival, payload, attempt, token, affinity key, where its key was
+# bound (0: nowhere, 1: this node, 2: another)] per lease.
 # The tier choice is model.pick_tier and the rest MemoryWorkQueue.claim:
 # change them together.
 _CLAIM = (
@@ -217,6 +218,11 @@ while #out < max_items do
     end
   else
     redis.call('ZREM', qkey[names[best]], id)
+    local bound = 0
+    if owner then
+      bound = 2
+      if owner == node then bound = 1 end
+    end
     if key then
       if not (owner and redis.call('ZSCORE', KEYS[K_SEEN], owner)) then owner = node end
       redis.call('HSET', KEYS[K_BOUND], key, owner)
@@ -229,7 +235,7 @@ while #out < max_items do
     out[#out + 1] = {id, names[best], redis.call('HGET', KEYS[K_TENANT], id),
                      redis.call('HGET', KEYS[K_ARRIVAL], id),
                      redis.call('HGET', KEYS[K_PAYLOAD], id),
-                     redis.call('HGET', KEYS[K_ATTEMPT], id), token, key or ''}
+                     redis.call('HGET', KEYS[K_ATTEMPT], id), token, key or '', bound}
   end
 end
 set_room(node, max_items - #out, expires_at, n, names, qkey, wake)
@@ -410,7 +416,8 @@ class RedisWorkQueue(WorkQueue):
         ]  # fmt: skip
         rows, held_until = await self._run(self._claim, args)
         leases = []
-        for item_id, tier, tenant, arrival, payload, attempt, token, affinity in rows:
+        home, away = set(), set()
+        for item_id, tier, tenant, arrival, payload, attempt, token, affinity, bound in rows:
             item = WorkItem(
                 id=item_id.decode(),
                 tier=tier.decode(),
@@ -421,7 +428,10 @@ class RedisWorkQueue(WorkQueue):
                 affinity=affinity.decode(),
             )
             leases.append(Lease(item, node, int(token), expires_at))
-        return Claim(leases, float(held_until) if held_until else None)
+            if bound:
+                (home if bound == 1 else away).add(item.id)
+        held_back_until = float(held_until) if held_until else None
+        return Claim(leases, held_back_until, frozenset(home), frozenset(away))
 
     async def heartbeat(self, node: str, room: int, now: float, ttl_s: float) -> None:
         args = [node, max(0, room), repr(now + ttl_s), self.wake_channel, *self._tier_args]

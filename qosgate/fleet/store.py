@@ -225,6 +225,8 @@ class MemoryWorkQueue(WorkQueue):
         # still have held back for it.
         reserve = {n: room for n, (room, _) in self._nodes.items() if n != node and room > 0}
         held_back_until: float | None = None
+        home: set[str] = set()
+        away: set[str] = set()
         skipped = dict.fromkeys(self._queues, 0)
         leases: list[Lease] = []
         expires_at = now + lease_s
@@ -245,6 +247,8 @@ class MemoryWorkQueue(WorkQueue):
                 continue
             del self._queues[tier][skipped[tier]]
             del self._queued[item.id]
+            if owner:
+                (home if owner == node else away).add(item.id)
             if item.affinity:
                 # A live owner keeps its key even when another node ran this
                 # one (it was full): flipping the binding on every spill would
@@ -255,7 +259,7 @@ class MemoryWorkQueue(WorkQueue):
             self._held[item.id] = _Held(item, node, token, expires_at)
             leases.append(Lease(item, node, token, expires_at))
         self._set_room(node, max_items - len(leases), expires_at)
-        return Claim(leases, held_back_until)
+        return Claim(leases, held_back_until, frozenset(home), frozenset(away))
 
     def _set_room(self, node: str, room: int, until: float) -> None:
         before = self._nodes.get(node, (0, 0.0))[0]
