@@ -48,9 +48,21 @@ async def queue(request):
     await store.close()
 
 
+FAIR = FleetTiers.of({"gold": 0, "silver": 1}, interval_s=INTERVAL, max_boost=2, fair=True)
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def fair(request):
+    """A queue whose tiers order tenants by virtual token counter."""
+    store = make_queue(request.param, request, FAIR)
+    yield store
+    await store.close()
+
+
 def item(
-    id: str, tier: str, arrival: float, tenant: str = "t", payload: bytes = b"", affinity: str = ""
-) -> WorkItem:
+    id: str, tier: str, arrival: float, tenant: str = "t", payload: bytes = b"", affinity: str = "",
+    charge: float = 0.0,
+) -> WorkItem:  # fmt: skip
     return WorkItem(
         id=id,
         tier=tier,
@@ -58,6 +70,7 @@ def item(
         arrival=arrival,
         payload=payload or id.encode(),
         affinity=affinity,
+        charge=charge,
     )
 
 
@@ -90,17 +103,21 @@ def test_fleet_tiers_from_config_follow_the_scheduling_policy():
         PolicyConfig.model_validate({"tiers": tiers, "scheduler": {"aging": aging}})
     )
     assert [(t.name, t.priority) for t in qos.tiers] == [("gold", 0), ("bronze", 2)]
-    assert (qos.interval_s, qos.max_boost) == (0.5, 3)
+    assert (qos.interval_s, qos.max_boost, qos.fair) == (0.5, 3, True)
+    fifo = FleetTiers.from_config(
+        PolicyConfig.model_validate({"tiers": tiers, "scheduler": {"fairness": "fifo"}})
+    )
+    assert not fifo.fair
     strict = FleetTiers.from_config(
         PolicyConfig.model_validate(
             {"tiers": tiers, "scheduler": {"policy": "strict", "aging": aging}}
         )
     )
-    assert strict.max_boost == 0
+    assert strict.max_boost == 0 and not strict.fair
     fcfs = FleetTiers.from_config(
         PolicyConfig.model_validate({"tiers": tiers, "scheduler": {"policy": "fcfs"}})
     )
-    assert {t.priority for t in fcfs.tiers} == {0} and fcfs.max_boost == 0
+    assert {t.priority for t in fcfs.tiers} == {0} and fcfs.max_boost == 0 and not fcfs.fair
 
 
 # -- ordering -----------------------------------------------------------------
@@ -346,6 +363,69 @@ async def test_complete_publishes_its_reply_only_when_it_completes(queue):
     await listener.aclose()
 
 
+# -- fairness between tenants (VTC) ---------------------------------------------
+
+
+async def test_a_fair_tier_serves_the_tenant_with_the_least_service_first(fair):
+    for i in range(3):
+        await fair.enqueue(item(f"a{i}", "gold", T0 + i, tenant="a", charge=10.0))
+    await fair.enqueue(item("b0", "gold", T0 + 5, tenant="b", charge=10.0))
+    # Equal counters go by tenant name; then b, behind on service, comes
+    # before a's older items.
+    assert await ids(fair, T0 + 6) == ["a0", "b0", "a1", "a2"]
+    assert await fair.counters("gold") == {"a": 30.0, "b": 10.0}
+    assert await fair.counters("silver") == {}
+
+
+async def test_service_is_divided_by_weight_through_the_charge(fair):
+    # Weight 10 against weight 1: the same request charges a tenth.
+    for i in range(5):
+        await fair.enqueue(item(f"h{i}", "gold", T0 + i, tenant="heavy", charge=1.0))
+    for i in range(2):
+        await fair.enqueue(item(f"l{i}", "gold", T0 + i, tenant="light", charge=10.0))
+    assert await ids(fair, T0 + 6) == ["h0", "l0", "h1", "h2", "h3", "h4", "l1"]
+
+
+async def test_a_newly_backlogged_tenant_is_lifted_so_idle_time_is_no_credit(fair):
+    for i in range(4):
+        await fair.enqueue(item(f"a{i}", "gold", T0 + i, tenant="a", charge=10.0))
+    assert await ids(fair, T0 + 4, 3) == ["a0", "a1", "a2"]
+    # b arrives with a counter of 0, but is lifted to a's 30: it does not
+    # take both its items before a's next.
+    await fair.enqueue(item("b0", "gold", T0 + 5, tenant="b", charge=10.0))
+    await fair.enqueue(item("b1", "gold", T0 + 6, tenant="b", charge=10.0))
+    assert await ids(fair, T0 + 7) == ["a3", "b0", "b1"]
+    assert await fair.counters("gold") == {"a": 40.0, "b": 50.0}
+    # Nobody backlogged: a newcomer is lifted to the counter last served.
+    await fair.enqueue(item("c0", "gold", T0 + 8, tenant="c", charge=1.0))
+    assert (await fair.counters("gold"))["c"] == 50.0
+
+
+async def test_counters_are_settled_at_completion_and_refunded_when_a_lease_is_lost(fair):
+    await fair.enqueue(item("a0", "gold", T0, tenant="a", charge=10.0))
+    await fair.enqueue(item("b0", "gold", T0, tenant="b", charge=10.0))
+    [a0, b0] = (await fair.claim("n1", 2, T0, LEASE)).leases
+    assert await fair.complete(a0, used=4.5) is True
+    assert await fair.complete(a0, used=100.0) is False  # settled once
+    assert await fair.counters("gold") == {"a": 4.5, "b": 10.0}
+    assert await fair.release(b0) is True
+    # Refunded, then lifted back to the counter last served (b's own 10),
+    # as the in-process scheduler treats a preempted request.
+    assert await fair.counters("gold") == {"a": 4.5, "b": 10.0}
+    await fair.enqueue(item("a1", "gold", T0 + 1, tenant="a", charge=10.0))
+    # a is lifted to b's 10 (the smallest backlogged counter); a tie goes by name.
+    assert await ids(fair, T0 + 2) == ["a1", "b0"]
+
+
+async def test_tiers_still_come_first_and_age_under_fairness(fair):
+    await fair.enqueue(item("s-old", "silver", T0, tenant="a"))
+    await fair.enqueue(item("g", "gold", T0 + 4.0, tenant="z", charge=100.0))
+    await fair.enqueue(item("g2", "gold", T0 + 4.0, tenant="a"))
+    # silver's oldest waited 4 s: two levels, ahead of gold.
+    assert await ids(fair, T0 + 4.0, 1) == ["s-old"]
+    assert await ids(fair, T0 + 4.0) == ["g2", "g"]
+
+
 # -- session affinity -----------------------------------------------------------
 
 
@@ -496,11 +576,13 @@ async def test_a_binding_is_forgotten_after_the_affinity_ttl(request, queue):
 # -- both stores, same random operations ---------------------------------------
 
 
-async def test_stores_agree_on_random_operations_and_lose_nothing(request):
+@pytest.mark.parametrize("fairness", ["fifo", "vtc"])
+async def test_stores_agree_on_random_operations_and_lose_nothing(request, fairness):
     rng = random.Random(20240611)
     tiers = FleetTiers.of(
-        {"gold": 0, "silver": 1, "bronze": 2, "batch": 5}, interval_s=0.75, max_boost=3
-    )
+        {"gold": 0, "silver": 1, "bronze": 2, "batch": 5}, interval_s=0.75, max_boost=3,
+        fair=fairness == "vtc",
+    )  # fmt: skip
     stores = [
         make_queue("memory", request, tiers, affinity_ttl_s=6.0),
         make_queue("redis", request, tiers, affinity_ttl_s=6.0),
@@ -534,10 +616,11 @@ async def test_stores_agree_on_random_operations_and_lose_nothing(request):
                 work = WorkItem(
                     id=item_id,
                     tier=rng.choice(tiers.names()),
-                    tenant=rng.choice(["a", "b"]),
+                    tenant=rng.choice(["a", "b", "c"]),
                     arrival=now - rng.uniform(-0.2, 4.0),
                     payload=rng.randbytes(rng.randrange(0, 8)),
                     affinity=rng.choice(["", *keys]),
+                    charge=rng.choice([0.0, 0.1, 1.25, 10.0, 33.3]),
                 )
                 await both("enqueue", work)
                 if fresh:
@@ -571,7 +654,8 @@ async def test_stores_agree_on_random_operations_and_lose_nothing(request):
                     if got[0] is not None:
                         leases.append((got[0], got[1]))
                 elif action == "complete":
-                    got = [await s.complete(pair[i]) for i, s in enumerate(stores)]
+                    used = rng.choice([None, 0.0, 0.7, 12.5, 40.1])
+                    got = [await s.complete(pair[i], used=used) for i, s in enumerate(stores)]
                     assert got[0] == got[1]
                     if got[0]:
                         assert pair[0].item.id not in completed, "completed twice"
@@ -586,6 +670,8 @@ async def test_stores_agree_on_random_operations_and_lose_nothing(request):
             await both("next_expiry")
             for key in keys:
                 await both("bound_node", key)
+            for tier in tiers.names():
+                await both("counters", tier)
             for store in stores:
                 statuses = [await store.status(i) for i in enqueued]
                 assert None not in statuses, f"step {step}: an item was lost"

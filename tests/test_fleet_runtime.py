@@ -74,9 +74,10 @@ class Fleet:
             await engine.stop(0.0)
 
     def submit(self, tier: str = "interactive", max_tokens: int = 8,
-               stream: bool = True, session: str | None = None) -> RequestStream:  # fmt: skip
+               stream: bool = True, session: str | None = None,
+               tenant: str = "t") -> RequestStream:  # fmt: skip
         return self.gateway.submit(
-            request_id=uuid.uuid4().hex, tenant="t", tier=tier, endpoint="chat",
+            request_id=uuid.uuid4().hex, tenant=tenant, tier=tier, endpoint="chat",
             body={"model": "sim-llama3-8b", "messages": [], "max_tokens": max_tokens,
                   "stream": stream},
             prompt_tokens=8, max_tokens=max_tokens, session=session,
@@ -265,3 +266,32 @@ async def test_a_session_keeps_its_node_and_spills_only_while_that_node_is_full(
             assert busy.status()["affinity"] == {"home": 0, "away": 1, "new": 0}
             assert await store.bound_node("session:chat-1") == home.node
             await long_turn.aclose()
+
+
+async def test_tenants_of_a_tier_share_the_fleet_by_service_not_arrival(redis_server, prefix):
+    policy = make_policy(redis_server.url, prefix)
+    assert policy.scheduler.fairness == "vtc"
+    async with Fleet(policy, engines=1, seqs=1) as fleet:
+        store = fleet.backend.store
+        async with asyncio.timeout(LIMIT_S), Enqueues(fleet) as enqueues:
+            filler = fleet.submit(max_tokens=5000, tenant="a")
+            await first_chunk(filler)
+            queued = [fleet.submit(tenant="a") for _ in range(4)] + [fleet.submit(tenant="b")]
+            order: list[str] = []
+
+            async def read(stream: RequestStream, tenant: str) -> None:
+                await read_all(stream)
+                order.append(tenant)
+
+            readers = [
+                asyncio.ensure_future(read(s, t)) for s, t in zip(queued, "aaaab", strict=True)
+            ]
+            await enqueues.wait(6)
+            await filler.aclose()
+            await asyncio.gather(*readers)
+        # One slot, so they ran in this order. a's first waiting request
+        # goes first (b is lifted to a's counter and the tie goes by name);
+        # then b, which has had no service, before a's other three.
+        assert order == ["a", "b", "a", "a", "a"]
+        counters = await store.counters("interactive")
+        assert counters["a"] > counters["b"] > 0

@@ -38,12 +38,12 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from qosgate.backends.base import Backend, BackendError, BackendUnavailable, Chunk
+from qosgate.backends.base import Backend, BackendError, BackendUnavailable, Chunk, GenerationJob
 from qosgate.config.models import FleetConfig, PolicyConfig
 
 from . import wire
 from .gateway import default_node_id, fleet_store
-from .model import Lease
+from .model import Lease, ServiceMeter
 from .store import WorkQueueError
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,7 @@ class EngineNode:
         self.backend = backend
         self.node = fleet.node_id or default_node_id()
         self.store = fleet_store(policy, fleet)
+        self._meter = ServiceMeter(policy) if self.store.tiers.fair else None
         self.lease_s = fleet.lease_s
         self.cancel_channel = f"{self.store.base}cancel"
         self._outbox = _Outbox(self.store.redis)
@@ -291,7 +292,7 @@ class EngineNode:
             event = wire.error_event(item_id, lease.token, "backend_error", str(exc))
             self._hold(item_id, self._end(lease, reply_to, event))
             return
-        self._hold(item_id, self._run(lease, reply_to, gen))
+        self._hold(item_id, self._run(lease, job, reply_to, gen))
 
     def _hold(self, item_id: str, work: Coroutine[Any, Any, None]) -> None:
         """Run `work` for a held item; the item is let go when it ends."""
@@ -306,13 +307,19 @@ class EngineNode:
 
         self._runs[item_id] = asyncio.get_running_loop().create_task(held())
 
-    async def _run(self, lease: Lease, reply_to: str, gen: AsyncIterator[Chunk]) -> None:
+    async def _run(
+        self, lease: Lease, job: GenerationJob, reply_to: str, gen: AsyncIterator[Chunk]
+    ) -> None:
         item_id = lease.item.id
+        output = 0
         try:
             async for chunk in gen:
                 event = wire.chunk_event(item_id, lease.token, chunk)
+                output += chunk.tokens
                 if chunk.finish_reason is not None:
-                    await self._end(lease, reply_to, event)
+                    if chunk.usage and "completion_tokens" in chunk.usage:
+                        output = int(chunk.usage["completion_tokens"])
+                    await self._end(lease, reply_to, event, self._used(job, output))
                     return
                 self._outbox.put(reply_to, event)
         except BackendUnavailable as exc:
@@ -321,7 +328,7 @@ class EngineNode:
             return
         except BackendError as exc:
             event = wire.error_event(item_id, lease.token, "backend_error", str(exc))
-            await self._end(lease, reply_to, event)
+            await self._end(lease, reply_to, event, self._used(job, output))
             return
         finally:
             # Cancelled (lease lost, gateway's cancel, stop): the backend must
@@ -332,17 +339,27 @@ class EngineNode:
                     await aclose()
         event = wire.error_event(item_id, lease.token, "backend_error",
                                  "the backend ended the stream early")  # fmt: skip
-        await self._end(lease, reply_to, event)
+        await self._end(lease, reply_to, event, self._used(job, output))
 
-    async def _end(self, lease: Lease, reply_to: str, event: wire.Event) -> None:
+    def _used(self, job: GenerationJob, output_tokens: int) -> float | None:
+        """The service a run used, which settles its tenant's counter (fair tiers)."""
+        if self._meter is None:
+            return None
+        return self._meter(job.tenant, job.prompt_tokens, output_tokens)
+
+    async def _end(
+        self, lease: Lease, reply_to: str, event: wire.Event, used: float | None = None
+    ) -> None:
         # Everything before the end goes out before it.
         await self._outbox.flush()
-        await self._complete(lease, (reply_to, wire.encode_events([event])))
+        await self._complete(lease, (reply_to, wire.encode_events([event])), used)
 
-    async def _complete(self, lease: Lease, reply: tuple[str, bytes] | None) -> None:
+    async def _complete(
+        self, lease: Lease, reply: tuple[str, bytes] | None, used: float | None = None
+    ) -> None:
         # A renewal keeps the token, and the token is all completion checks.
         try:
-            if await self.store.complete(lease, reply):
+            if await self.store.complete(lease, reply, used=used):
                 self.completed += 1
             else:
                 log.info("work item %s: lease lost before completion", lease.item.id)

@@ -42,7 +42,7 @@ from qosgate.core.scheduler import BackendCapacity
 from qosgate.runtime.errors import Expired, QueueFull
 
 from . import wire
-from .model import FleetTiers, WorkItem
+from .model import FleetTiers, ServiceMeter, WorkItem
 from .redis_store import RedisWorkQueue
 from .store import WorkQueueError, WorkQueueFull
 
@@ -100,6 +100,7 @@ class FleetBackend:
         self._count = count_prompt_tokens
         self._policy = policy
         self._fleet = fleet
+        self._meter = ServiceMeter(policy) if FleetTiers.from_config(policy).fair else None
         self.node = fleet.node_id or default_node_id()
         self.store = fleet_store(policy, fleet)
         self.reply_channel = f"{self.store.base}reply:{self.node}"
@@ -198,6 +199,10 @@ class FleetBackend:
                 arrival=time.time(),
                 payload=wire.encode_job(job, self.reply_channel),
                 affinity=affinity_key(self._fleet, job),
+                # What the in-process scheduler charges at dispatch.
+                charge=self._meter(job.tenant, job.prompt_tokens, job.max_tokens)
+                if self._meter is not None
+                else 0.0,
             )
             try:
                 await self.store.enqueue(item, max_queued=tier.max_queue_len)

@@ -13,9 +13,19 @@ the lower base priority, so an aged item overtakes a fresher, more important
 tier only once it is strictly ahead of it; then to the older head; then to
 the tier name, so that the choice never depends on iteration order.
 
-Within a tier, this first increment is FIFO by arrival (ties by item id).
-Weighted fairness between tenants of a tier (VTC, as the in-process
-scheduler does it) comes in a later increment.
+A tier's level counts from its oldest queued item, whoever it is held back
+for (below); a tier with nothing the claiming node may take is passed over.
+
+Within a tier: under `fairness: vtc` (FleetTiers.fair), the tenant with the
+smallest virtual token counter goes next (ties by tenant name), and each
+tenant's items go by arrival (ties by item id); otherwise the tier is one
+FIFO by arrival. As in the in-process scheduler, a tenant's counter grows by
+the service it gets over its weight: by the item's `charge` (the gateway's
+estimate) when a node takes the item, corrected by what it used when it
+completes, and refunded when a lease is lost or released. A tenant that
+becomes backlogged in a tier is lifted to the smallest counter among that
+tier's backlogged tenants (or, if none, to the last counter served), so time
+spent idle cannot be banked as credit.
 
 Session affinity: an item may carry an affinity key (its session, or its
 tenant). The first node to claim an item with a key is bound to it, so that
@@ -38,6 +48,7 @@ queue has no admission budget yet, so it ages from arrival.
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -59,6 +70,9 @@ class WorkItem:
     """How many leases of this item ended without completing it."""
     affinity: str = ""
     """Key of the node this item prefers (session or tenant); empty: none."""
+    charge: float = 0.0
+    """Virtual service its tenant is charged when a node takes it (fair
+    tiers): estimated weighted tokens over the tenant's weight."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +118,8 @@ class FleetTiers:
     tiers: tuple[FleetTier, ...]
     interval_s: float
     max_boost: int
+    fair: bool = False
+    """Order each tier's tenants by virtual token counter (VTC), not arrival."""
 
     def __post_init__(self) -> None:
         if not self.tiers:
@@ -116,9 +132,19 @@ class FleetTiers:
         object.__setattr__(self, "tiers", ordered)
 
     @classmethod
-    def of(cls, priorities: Mapping[str, int], *, interval_s: float, max_boost: int) -> FleetTiers:
+    def of(
+        cls,
+        priorities: Mapping[str, int],
+        *,
+        interval_s: float,
+        max_boost: int,
+        fair: bool = False,
+    ) -> FleetTiers:
         return cls(
-            tuple(FleetTier(name, p) for name, p in priorities.items()), interval_s, max_boost
+            tuple(FleetTier(name, p) for name, p in priorities.items()),
+            interval_s,
+            max_boost,
+            fair,
         )
 
     @classmethod
@@ -133,6 +159,7 @@ class FleetTiers:
             {name: tier.priority for name, tier in policy.tiers.items()},
             interval_s=interval_s,
             max_boost=max_boost,
+            fair=sched.policy == "qos" and sched.fairness == "vtc",
         )
 
     def names(self) -> tuple[str, ...]:
@@ -169,3 +196,24 @@ def pick_tier(tiers: FleetTiers, oldest: Mapping[str, float], now: float) -> str
         if best_key is None or key < best_key:
             best, best_key = tier.name, key
     return best
+
+
+def lane_key(item: WorkItem) -> str:
+    """The item's place among its tenant's items in a fair tier, as a string
+    whose byte order is (tenant, arrival, id): what the Redis store sorts
+    lexically. The big-endian bytes of a positive double sort as the number."""
+    return f"{item.tenant}\x00{struct.pack('>d', item.arrival).hex()}\x00{item.id}"
+
+
+class ServiceMeter:
+    """Virtual service, as the in-process VTC counts it: weighted tokens over
+    the tenant's weight (1 for a tenant the policy does not list)."""
+
+    def __init__(self, policy: PolicyConfig) -> None:
+        self._w_in = policy.scheduler.vtc.w_in
+        self._w_out = policy.scheduler.vtc.w_out
+        self._weights = {t.id: t.weight for t in policy.tenants}
+
+    def __call__(self, tenant: str, prompt_tokens: int, output_tokens: int) -> float:
+        weight = self._weights.get(tenant, 1.0)
+        return (self._w_in * prompt_tokens + self._w_out * output_tokens) / weight

@@ -34,7 +34,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .model import Claim, FleetTiers, Lease, WorkItem
+from .model import Claim, FleetTiers, Lease, WorkItem, lane_key
 from .store import ItemStatus, WorkQueue, WorkQueueError, WorkQueueFull
 
 _CANCELLED: dict[int, ItemStatus | None] = {0: None, 1: "queued", 2: "leased", 3: "completed"}
@@ -55,54 +55,95 @@ _FIELDS = (
     "bound_at",
     "room",
     "seen",
+    "charge",
+    "lane",
+    "served",
 )
-# The prelude's K_* constants and `KEYS[15 + i]` for tier i's queue assume this.
-assert len(_FIELDS) == 15
+# The prelude's K_* constants and F (the per-tier keys follow) assume this.
+assert len(_FIELDS) == 18
+_PER_TIER = ("q", "lane", "backlog", "counter")
 
-# Every script gets the same KEYS (the fields above, then one queue per tier
-# in FleetTiers order) and, from ARGV[_TIER_ARGS], the tier count and names.
-_PRELUDE = """
+# Every script gets the same KEYS (the fields above, then per tier in
+# FleetTiers order its queue, lane, backlog and counter keys, each kind in a
+# block of n) and, from some ARGV index, the tier args: n, the names, fair.
+_PRELUDE = r"""
 local K_TIER, K_TENANT, K_ARRIVAL, K_ATTEMPT, K_PAYLOAD = 1, 2, 3, 4, 5
 local K_HOLDER, K_NODE, K_EXPIRY, K_DONE, K_TOKEN = 6, 7, 8, 9, 10
 local K_AFFKEY, K_BOUND, K_BOUND_AT, K_ROOM, K_SEEN = 11, 12, 13, 14, 15
+local K_CHARGE, K_LANE, K_SERVED = 16, 17, 18
+local F = 18
+local T = {}
 local function tier_args(at)
   local n = tonumber(ARGV[at])
-  local names, qkey = {}, {}
+  T.n, T.names, T.q, T.lane, T.backlog, T.counter = n, {}, {}, {}, {}, {}
   for i = 1, n do
-    names[i] = ARGV[at + i]
-    qkey[names[i]] = KEYS[15 + i]
+    local name = ARGV[at + i]
+    T.names[i] = name
+    T.q[name] = KEYS[F + i]
+    T.lane[name] = KEYS[F + n + i]
+    T.backlog[name] = KEYS[F + 2 * n + i]
+    T.counter[name] = KEYS[F + 3 * n + i]
   end
-  return n, names, qkey, at + n + 1
+  T.fair = ARGV[at + n + 1] == '1'
+  return at + n + 2
 end
--- Mirrors MemoryWorkQueue._set_room / _wake_if_full.
-local function anything_queued(n, names, qkey)
-  for i = 1, n do
-    if redis.call('ZCARD', qkey[names[i]]) > 0 then return true end
+-- A tenant's items in a fair tier's lane set: members `tenant \0 hex \0 id`,
+-- all scored 0, so they sort by tenant, then arrival, then id.
+local function lane_head(tier, tenant, skip)
+  return redis.call('ZRANGEBYLEX', T.lane[tier], '[' .. tenant .. '\0', '(' .. tenant .. '\1',
+                    'LIMIT', skip, 1)[1]
+end
+-- Amounts are strings (Python's repr): ZINCRBY adds them as doubles, exactly
+-- as the memory store does; a Lua number would lose digits.
+local function add_service(tier, tenant, amount)
+  local counter = redis.call('ZINCRBY', T.counter[tier], amount, tenant)
+  if redis.call('ZSCORE', T.backlog[tier], tenant) then
+    redis.call('ZADD', T.backlog[tier], counter, tenant)
   end
-  return false
+  return counter
 end
-local function wake_if_full(before, room, n, names, qkey, wake)
-  if before > 0 and room <= 0 and anything_queued(n, names, qkey) then
-    redis.call('PUBLISH', wake, '1')
+local function negated(amount)
+  if string.sub(amount, 1, 1) == '-' then return string.sub(amount, 2) end
+  return '-' .. amount
+end
+-- Mirrors MemoryWorkQueue._push: queue an item whose fields are set.
+local function push(id)
+  local tier = redis.call('HGET', KEYS[K_TIER], id)
+  redis.call('ZADD', T.q[tier], redis.call('HGET', KEYS[K_ARRIVAL], id), id)
+  if not T.fair then return end
+  local tenant = redis.call('HGET', KEYS[K_TENANT], id)
+  if not redis.call('ZSCORE', T.backlog[tier], tenant) then
+    local floor = redis.call('ZRANGE', T.backlog[tier], 0, 0, 'WITHSCORES')[2]
+      or redis.call('ZSCORE', KEYS[K_SERVED], tier) or '0'
+    local counter = redis.call('ZSCORE', T.counter[tier], tenant) or '0'
+    if tonumber(counter) < tonumber(floor) then counter = floor end
+    redis.call('ZADD', T.counter[tier], counter, tenant)
+    redis.call('ZADD', T.backlog[tier], counter, tenant)
   end
+  redis.call('ZADD', T.lane[tier], 0, redis.call('HGET', KEYS[K_LANE], id))
 end
-local function set_room(node, room, live_until, n, names, qkey, wake)
-  local before = tonumber(redis.call('HGET', KEYS[K_ROOM], node) or '0')
-  redis.call('HSET', KEYS[K_ROOM], node, room)
-  redis.call('ZADD', KEYS[K_SEEN], live_until, node)
-  wake_if_full(before, room, n, names, qkey, wake)
+local function unqueue(id, tier)
+  redis.call('ZREM', T.q[tier], id)
+  if not T.fair then return end
+  redis.call('ZREM', T.lane[tier], redis.call('HGET', KEYS[K_LANE], id))
+  local tenant = redis.call('HGET', KEYS[K_TENANT], id)
+  if not lane_head(tier, tenant, 0) then redis.call('ZREM', T.backlog[tier], tenant) end
 end
-local function requeue(id, qkey)
+local function requeue(id)
   redis.call('HDEL', KEYS[K_HOLDER], id)
   redis.call('HDEL', KEYS[K_NODE], id)
   redis.call('ZREM', KEYS[K_EXPIRY], id)
   redis.call('HINCRBY', KEYS[K_ATTEMPT], id, 1)
-  local tier = redis.call('HGET', KEYS[K_TIER], id)
-  redis.call('ZADD', qkey[tier], redis.call('HGET', KEYS[K_ARRIVAL], id), id)
+  if T.fair then
+    -- The lost run's charge is refunded, as the in-process scheduler does.
+    add_service(redis.call('HGET', KEYS[K_TIER], id), redis.call('HGET', KEYS[K_TENANT], id),
+                negated(redis.call('HGET', KEYS[K_CHARGE], id)))
+  end
+  push(id)
 end
 local function forget(id)
   for _, k in ipairs({K_TIER, K_TENANT, K_ARRIVAL, K_ATTEMPT, K_PAYLOAD, K_HOLDER, K_NODE,
-                      K_AFFKEY}) do
+                      K_AFFKEY, K_CHARGE, K_LANE}) do
     redis.call('HDEL', KEYS[k], id)
   end
   redis.call('ZREM', KEYS[K_EXPIRY], id)
@@ -110,22 +151,40 @@ end
 local function holds(id, token)
   return redis.call('HGET', KEYS[K_HOLDER], id) == token
 end
+-- Mirrors MemoryWorkQueue._set_room / _wake_if_full.
+local function anything_queued()
+  for i = 1, T.n do
+    if redis.call('ZCARD', T.q[T.names[i]]) > 0 then return true end
+  end
+  return false
+end
+local function wake_if_full(before, room, wake)
+  if before > 0 and room <= 0 and anything_queued() then
+    redis.call('PUBLISH', wake, '1')
+  end
+end
+local function set_room(node, room, live_until, wake)
+  local before = tonumber(redis.call('HGET', KEYS[K_ROOM], node) or '0')
+  redis.call('HSET', KEYS[K_ROOM], node, room)
+  redis.call('ZADD', KEYS[K_SEEN], live_until, node)
+  wake_if_full(before, room, wake)
+end
 """
 
 # ARGV: id, tier, tenant, arrival, payload, attempt, max_queued (0: no cap),
-# wake channel, affinity key ('' for none), then the tier args. Returns 1, 0
-# (duplicate) or -1 (full).
+# wake channel, affinity key ('' for none), charge, lane member, then the
+# tier args. Returns 1, 0 (duplicate) or -1 (full).
 _ENQUEUE = (
     _PRELUDE
     + """
 local id = ARGV[1]
-local _, _, qkey = tier_args(10)
+tier_args(12)
 if redis.call('HEXISTS', KEYS[K_TIER], id) == 1
     or redis.call('ZSCORE', KEYS[K_DONE], id) then
   return 0
 end
 local cap = tonumber(ARGV[7])
-if cap > 0 and redis.call('ZCARD', qkey[ARGV[2]]) >= cap then
+if cap > 0 and redis.call('ZCARD', T.q[ARGV[2]]) >= cap then
   return -1
 end
 redis.call('HSET', KEYS[K_TIER], id, ARGV[2])
@@ -134,7 +193,9 @@ redis.call('HSET', KEYS[K_ARRIVAL], id, ARGV[4])
 redis.call('HSET', KEYS[K_PAYLOAD], id, ARGV[5])
 redis.call('HSET', KEYS[K_ATTEMPT], id, ARGV[6])
 if ARGV[9] ~= '' then redis.call('HSET', KEYS[K_AFFKEY], id, ARGV[9]) end
-redis.call('ZADD', qkey[ARGV[2]], ARGV[4], id)
+redis.call('HSET', KEYS[K_CHARGE], id, ARGV[10])
+redis.call('HSET', KEYS[K_LANE], id, ARGV[11])
+push(id)
 redis.call('PUBLISH', ARGV[8], '1')
 return 1
 """
@@ -143,8 +204,8 @@ return 1
 # ARGV: now, node, max_items, expires_at, interval_s, max_boost, done horizon,
 # affinity horizon, wake channel, then the tier args, then one priority per
 # tier. Returns {leases, held back until ('' for none)}, one [id, tier,
-# tenant, arrival, payload, attempt, token, affinity key, where its key was
-# bound (0: nowhere, 1: this node, 2: another)] per lease.
+# tenant, arrival, payload, attempt, token, affinity key, charge, where its
+# key was bound (0: nowhere, 1: this node, 2: another)] per lease.
 # The tier choice is model.pick_tier and the rest MemoryWorkQueue.claim:
 # change them together.
 _CLAIM = (
@@ -166,12 +227,12 @@ for _, other in ipairs(redis.call('ZRANGEBYSCORE', KEYS[K_SEEN], '-inf', ARGV[1]
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[K_SEEN], '-inf', ARGV[1])
 local wake = ARGV[9]
-local n, names, qkey, at = tier_args(10)
+local at = tier_args(10)
 local prio = {}
-for i = 1, n do prio[i] = tonumber(ARGV[at + i - 1]) end
+for i = 1, T.n do prio[i] = tonumber(ARGV[at + i - 1]) end
 
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[K_EXPIRY], '-inf', ARGV[1])) do
-  requeue(id, qkey)
+  requeue(id)
 end
 
 -- How many more items each other live node has room for.
@@ -182,16 +243,19 @@ for j = 1, #rooms, 2 do
   if rooms[j] ~= node and room > 0 then reserve[rooms[j]] = room end
 end
 local held_until = nil
+-- Items held back so far per lane (a tier, or a tier's tenant when fair):
+-- always the first ones of their lane.
 local skipped = {}
-for i = 1, n do skipped[i] = 0 end
+local passed = {}
 
 local out = {}
 while #out < max_items do
-  local best, best_level, best_prio, best_head, best_id
-  for i = 1, n do
-    local head = redis.call('ZRANGE', qkey[names[i]], skipped[i], skipped[i])
-    if head[1] then
-      local arrival = tonumber(redis.call('HGET', KEYS[K_ARRIVAL], head[1]))
+  local best, best_level, best_prio, best_head
+  for i = 1, T.n do
+    local name = T.names[i]
+    local head = (not passed[name]) and redis.call('ZRANGE', T.q[name], 0, 0)[1]
+    if head then
+      local arrival = tonumber(redis.call('HGET', KEYS[K_ARRIVAL], head))
       local boost = 0
       if max_boost > 0 and now > arrival then
         boost = math.floor((now - arrival) / interval)
@@ -201,44 +265,67 @@ while #out < max_items do
       if best == nil or level < best_level
           or (level == best_level and (prio[i] < best_prio
               or (prio[i] == best_prio and arrival < best_head))) then
-        best, best_level, best_prio, best_head, best_id = i, level, prio[i], arrival, head[1]
+        best, best_level, best_prio, best_head = i, level, prio[i], arrival
       end
     end
   end
   if best == nil then break end
-  local id = best_id
-  local key = redis.call('HGET', KEYS[K_AFFKEY], id)
-  local owner = key and redis.call('HGET', KEYS[K_BOUND], key)
-  if owner and owner ~= node and (reserve[owner] or 0) > 0 then
-    reserve[owner] = reserve[owner] - 1
-    skipped[best] = skipped[best] + 1
-    local live_until = redis.call('ZSCORE', KEYS[K_SEEN], owner)
-    if held_until == nil or tonumber(live_until) < tonumber(held_until) then
-      held_until = live_until
+  local tier = T.names[best]
+  local id, lane
+  if T.fair then
+    for _, tenant in ipairs(redis.call('ZRANGE', T.backlog[tier], 0, -1)) do
+      lane = tier .. '\\0' .. tenant
+      local member = lane_head(tier, tenant, skipped[lane] or 0)
+      if member then
+        id = string.sub(member, #tenant + 19)
+        break
+      end
     end
   else
-    redis.call('ZREM', qkey[names[best]], id)
-    local bound = 0
-    if owner then
-      bound = 2
-      if owner == node then bound = 1 end
+    lane = tier
+    id = redis.call('ZRANGE', T.q[tier], skipped[lane] or 0, skipped[lane] or 0)[1]
+  end
+  if not id then
+    passed[tier] = true
+  else
+    local key = redis.call('HGET', KEYS[K_AFFKEY], id)
+    local owner = key and redis.call('HGET', KEYS[K_BOUND], key)
+    if owner and owner ~= node and (reserve[owner] or 0) > 0 then
+      reserve[owner] = reserve[owner] - 1
+      skipped[lane] = (skipped[lane] or 0) + 1
+      local live_until = redis.call('ZSCORE', KEYS[K_SEEN], owner)
+      if held_until == nil or tonumber(live_until) < tonumber(held_until) then
+        held_until = live_until
+      end
+    else
+      unqueue(id, tier)
+      local charge = redis.call('HGET', KEYS[K_CHARGE], id)
+      if T.fair then
+        local counter = add_service(tier, redis.call('HGET', KEYS[K_TENANT], id), charge)
+        redis.call('ZADD', KEYS[K_SERVED], counter, tier)
+      end
+      local bound = 0
+      if owner then
+        bound = 2
+        if owner == node then bound = 1 end
+      end
+      if key then
+        if not (owner and redis.call('ZSCORE', KEYS[K_SEEN], owner)) then owner = node end
+        redis.call('HSET', KEYS[K_BOUND], key, owner)
+        redis.call('ZADD', KEYS[K_BOUND_AT], ARGV[1], key)
+      end
+      local token = redis.call('INCR', KEYS[K_TOKEN])
+      redis.call('HSET', KEYS[K_HOLDER], id, token)
+      redis.call('HSET', KEYS[K_NODE], id, node)
+      redis.call('ZADD', KEYS[K_EXPIRY], expires_at, id)
+      out[#out + 1] = {id, tier, redis.call('HGET', KEYS[K_TENANT], id),
+                       redis.call('HGET', KEYS[K_ARRIVAL], id),
+                       redis.call('HGET', KEYS[K_PAYLOAD], id),
+                       redis.call('HGET', KEYS[K_ATTEMPT], id), token, key or '', charge, bound}
     end
-    if key then
-      if not (owner and redis.call('ZSCORE', KEYS[K_SEEN], owner)) then owner = node end
-      redis.call('HSET', KEYS[K_BOUND], key, owner)
-      redis.call('ZADD', KEYS[K_BOUND_AT], ARGV[1], key)
-    end
-    local token = redis.call('INCR', KEYS[K_TOKEN])
-    redis.call('HSET', KEYS[K_HOLDER], id, token)
-    redis.call('HSET', KEYS[K_NODE], id, node)
-    redis.call('ZADD', KEYS[K_EXPIRY], expires_at, id)
-    out[#out + 1] = {id, names[best], redis.call('HGET', KEYS[K_TENANT], id),
-                     redis.call('HGET', KEYS[K_ARRIVAL], id),
-                     redis.call('HGET', KEYS[K_PAYLOAD], id),
-                     redis.call('HGET', KEYS[K_ATTEMPT], id), token, key or '', bound}
   end
 end
-set_room(node, max_items - #out, expires_at, n, names, qkey, wake)
+set_room(node, max_items - #out, expires_at, wake)
 return {out, held_until or ''}
 """
 )
@@ -247,8 +334,8 @@ return {out, held_until or ''}
 _HEARTBEAT = (
     _PRELUDE
     + """
-local n, names, qkey = tier_args(5)
-set_room(ARGV[1], tonumber(ARGV[2]), ARGV[3], n, names, qkey, ARGV[4])
+tier_args(5)
+set_room(ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4])
 """
 )
 
@@ -256,11 +343,11 @@ set_room(ARGV[1], tonumber(ARGV[2]), ARGV[3], n, names, qkey, ARGV[4])
 _LEAVE = (
     _PRELUDE
     + """
-local n, names, qkey = tier_args(3)
+tier_args(3)
 local before = tonumber(redis.call('HGET', KEYS[K_ROOM], ARGV[1]) or '0')
 redis.call('HDEL', KEYS[K_ROOM], ARGV[1])
 redis.call('ZREM', KEYS[K_SEEN], ARGV[1])
-wake_if_full(before, 0, n, names, qkey, ARGV[2])
+wake_if_full(before, 0, ARGV[2])
 """
 )
 
@@ -274,12 +361,18 @@ return 1
 """
 )
 
-# ARGV: id, token, reply channel ('' for none), reply message, then the tier args.
+# ARGV: id, token, reply channel ('' for none), reply message, correction of
+# the tenant's counter ('' for none), then the tier args.
 _COMPLETE = (
     _PRELUDE
     + """
 local id = ARGV[1]
+tier_args(6)
 if not holds(id, ARGV[2]) then return 0 end
+if T.fair and ARGV[5] ~= '' then
+  add_service(redis.call('HGET', KEYS[K_TIER], id), redis.call('HGET', KEYS[K_TENANT], id),
+              ARGV[5])
+end
 local ended = redis.call('ZSCORE', KEYS[K_EXPIRY], id)
 forget(id)
 redis.call('ZADD', KEYS[K_DONE], ended, id)
@@ -294,15 +387,16 @@ _CANCEL = (
     _PRELUDE
     + """
 local id = ARGV[1]
-local _, _, qkey = tier_args(4)
+tier_args(4)
 local tier = redis.call('HGET', KEYS[K_TIER], id)
 if tier then
   local was = 1
   if redis.call('HEXISTS', KEYS[K_HOLDER], id) == 1 then
     if ARGV[3] == '1' then return 2 end
     was = 2
+  else
+    unqueue(id, tier)
   end
-  redis.call('ZREM', qkey[tier], id)
   forget(id)
   redis.call('ZADD', KEYS[K_DONE], ARGV[2], id)
   return was
@@ -316,9 +410,9 @@ return 0
 _RELEASE = (
     _PRELUDE
     + """
-local _, _, qkey = tier_args(3)
+tier_args(3)
 if not holds(ARGV[1], ARGV[2]) then return 0 end
-requeue(ARGV[1], qkey)
+requeue(ARGV[1])
 return 1
 """
 )
@@ -356,8 +450,9 @@ class RedisWorkQueue(WorkQueue):
         self._field = {name: base + name for name in _FIELDS}
         self._queue = {tier: f"{base}q:{tier}" for tier in tiers.names()}
         self._keys = [self._field[name] for name in _FIELDS]
-        self._keys += [self._queue[tier] for tier in tiers.names()]
-        self._tier_args = [len(tiers.tiers), *tiers.names()]
+        self._keys += [f"{base}{kind}:{tier}" for kind in _PER_TIER for tier in tiers.names()]
+        self._counter = {tier: f"{base}counter:{tier}" for tier in tiers.names()}
+        self._tier_args = [len(tiers.tiers), *tiers.names(), 1 if tiers.fair else 0]
         self._enqueue = self._redis.register_script(_ENQUEUE)
         self._claim = self._redis.register_script(_CLAIM)
         self._renew = self._redis.register_script(_RENEW)
@@ -387,7 +482,7 @@ class RedisWorkQueue(WorkQueue):
         self._check_tier(item)
         args = [
             item.id, item.tier, item.tenant, repr(item.arrival), item.payload, item.attempt,
-            max_queued or 0, self.wake_channel, item.affinity,
+            max_queued or 0, self.wake_channel, item.affinity, repr(item.charge), lane_key(item),
         ]  # fmt: skip
         result = await self._run(self._enqueue, [*args, *self._tier_args])
         if result == 0:
@@ -417,7 +512,7 @@ class RedisWorkQueue(WorkQueue):
         rows, held_until = await self._run(self._claim, args)
         leases = []
         home, away = set(), set()
-        for item_id, tier, tenant, arrival, payload, attempt, token, affinity, bound in rows:
+        for item_id, tier, tenant, arrival, payload, attempt, token, affinity, charge, bound in rows:
             item = WorkItem(
                 id=item_id.decode(),
                 tier=tier.decode(),
@@ -426,6 +521,7 @@ class RedisWorkQueue(WorkQueue):
                 payload=bytes(payload),
                 attempt=int(attempt),
                 affinity=affinity.decode(),
+                charge=float(charge),
             )
             leases.append(Lease(item, node, int(token), expires_at))
             if bound:
@@ -451,14 +547,21 @@ class RedisWorkQueue(WorkQueue):
             return None
         return Lease(lease.item, lease.node, lease.token, expires_at)
 
-    async def complete(self, lease: Lease, reply: tuple[str, bytes] | None = None) -> bool:
+    async def complete(
+        self, lease: Lease, reply: tuple[str, bytes] | None = None, *, used: float | None = None
+    ) -> bool:
         channel, message = reply if reply is not None else ("", b"")
-        args = [lease.item.id, lease.token, channel, message, *self._tier_args]
+        correction = "" if used is None else repr(used - lease.item.charge)
+        args = [lease.item.id, lease.token, channel, message, correction, *self._tier_args]
         return bool(await self._run(self._complete, args))
 
     async def release(self, lease: Lease) -> bool:
         args = [lease.item.id, lease.token, *self._tier_args]
         return bool(await self._run(self._release, args))
+
+    async def counters(self, tier: str) -> dict[str, float]:
+        rows = await self._guard(self._redis.zrange(self._counter[tier], 0, -1, withscores=True))
+        return {tenant.decode(): float(score) for tenant, score in rows}
 
     async def depth(self) -> dict[str, int]:
         async with self._redis.pipeline(transaction=False) as pipe:

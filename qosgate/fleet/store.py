@@ -105,10 +105,18 @@ class WorkQueue(ABC):
         by a `claim` after expiring, released, or completed)."""
 
     @abstractmethod
-    async def complete(self, lease: Lease, reply: tuple[str, bytes] | None = None) -> bool:
+    async def complete(
+        self, lease: Lease, reply: tuple[str, bytes] | None = None, *, used: float | None = None
+    ) -> bool:
         """End the item for good: True exactly once, for the current holder.
         With `reply` (channel, message), the message is published in the same
-        step, so the gateway hears of the end if and only if it happened."""
+        step, so the gateway hears of the end if and only if it happened.
+        With `used` (fair tiers), the tenant's counter is settled: it was
+        charged `item.charge` at the claim and now counts `used` instead."""
+
+    @abstractmethod
+    async def counters(self, tier: str) -> dict[str, float]:
+        """Fair tiers: the virtual token counter of every tenant seen in `tier`."""
 
     @abstractmethod
     async def next_expiry(self) -> float | None:
@@ -173,6 +181,14 @@ class MemoryWorkQueue(WorkQueue):
         # Node -> (room, live until); affinity key -> (node, when bound).
         self._nodes: dict[str, tuple[int, float]] = {}
         self._bound: dict[str, tuple[str, float]] = {}
+        # Fair tiers: tier -> tenant -> its queued items (only backlogged
+        # tenants have a lane), tier -> tenant -> counter, tier -> the
+        # counter last served.
+        self._lanes: dict[str, dict[str, list[tuple[float, str, WorkItem]]]] = {
+            name: {} for name in tiers.names()
+        }
+        self._counters: dict[str, dict[str, float]] = {name: {} for name in tiers.names()}
+        self._served: dict[str, float] = {}
         self.published: list[tuple[str, bytes]] = []
         """Replies `complete` published, in order (Redis publishes them)."""
         self.wakes = 0
@@ -192,7 +208,7 @@ class MemoryWorkQueue(WorkQueue):
     ) -> ItemStatus | None:
         item = self._queued.pop(item_id, None)
         if item is not None:
-            self._queues[item.tier].remove((item.arrival, item.id, item))
+            self._unqueue(item)
             self._completed[item_id] = now
             return "queued"
         if item_id in self._held:
@@ -203,15 +219,75 @@ class MemoryWorkQueue(WorkQueue):
         return "completed" if item_id in self._completed else None
 
     def _push(self, item: WorkItem) -> None:
-        bisect.insort(self._queues[item.tier], (item.arrival, item.id, item))
+        entry = (item.arrival, item.id, item)
+        bisect.insort(self._queues[item.tier], entry)
         self._queued[item.id] = item
+        if self.tiers.fair:
+            lanes = self._lanes[item.tier]
+            if item.tenant not in lanes:
+                # Newly backlogged: lifted, so that idle time is no credit.
+                counters = self._counters[item.tier]
+                floor = min(
+                    (counters[t] for t in lanes), default=self._served.get(item.tier, 0.0)
+                )
+                counters[item.tenant] = max(counters.get(item.tenant, 0.0), floor)
+                lanes[item.tenant] = []
+            bisect.insort(lanes[item.tenant], entry)
+
+    def _unqueue(self, item: WorkItem) -> None:
+        entry = (item.arrival, item.id, item)
+        self._queues[item.tier].remove(entry)
+        if self.tiers.fair:
+            lanes = self._lanes[item.tier]
+            lanes[item.tenant].remove(entry)
+            if not lanes[item.tenant]:
+                del lanes[item.tenant]
+
+    def _add_service(self, tier: str, tenant: str, amount: float) -> float:
+        counters = self._counters[tier]
+        counters[tenant] = counters.get(tenant, 0.0) + amount
+        return counters[tenant]
 
     def _requeue(self, held: _Held) -> None:
         del self._held[held.item.id]
-        self._push(dataclasses.replace(held.item, attempt=held.item.attempt + 1))
+        item = held.item
+        if self.tiers.fair:
+            self._add_service(item.tier, item.tenant, -item.charge)  # a refund
+        self._push(dataclasses.replace(item, attempt=item.attempt + 1))
+
+    def _candidate(
+        self, tier: str, skipped: dict[tuple[str, str], int]
+    ) -> tuple[WorkItem, tuple[str, str]] | None:
+        """The next item of `tier` this claim may consider, and where its
+        tier's (or tenant's) items held back so far are counted."""
+        if not self.tiers.fair:
+            queue, at = self._queues[tier], skipped.get((tier, ""), 0)
+            return (queue[at][2], (tier, "")) if at < len(queue) else None
+        counters = self._counters[tier]
+        open_lanes = [
+            (counters[t], t) for t, lane in self._lanes[tier].items()
+            if skipped.get((tier, t), 0) < len(lane)
+        ]  # fmt: skip
+        if not open_lanes:
+            return None
+        _, tenant = min(open_lanes)
+        at = skipped.get((tier, tenant), 0)
+        return self._lanes[tier][tenant][at][2], (tier, tenant)
+
+    def _settle(self, item: WorkItem, used: float) -> None:
+        self._add_service(item.tier, item.tenant, used - item.charge)
+
+    async def counters(self, tier: str) -> dict[str, float]:
+        return dict(self._counters[tier])
 
     async def claim(self, node: str, max_items: int, now: float, lease_s: float) -> Claim:
-        for held in [h for h in self._held.values() if h.expires_at <= now]:
+        # In the Redis store's order (by lease end, then id): under fairness,
+        # each refund and lift depends on the ones before it.
+        expired = sorted(
+            (h for h in self._held.values() if h.expires_at <= now),
+            key=lambda h: (h.expires_at, h.item.id),
+        )
+        for held in expired:
             self._requeue(held)
         horizon = now - self.done_retention_s
         for item_id in [i for i, at in self._completed.items() if at < horizon]:
@@ -227,26 +303,35 @@ class MemoryWorkQueue(WorkQueue):
         held_back_until: float | None = None
         home: set[str] = set()
         away: set[str] = set()
-        skipped = dict.fromkeys(self._queues, 0)
+        # Items held back so far, per tier (FIFO) or per tier and tenant
+        # (fair): always the first ones of their lane.
+        skipped: dict[tuple[str, str], int] = {}
+        passed: set[str] = set()  # tiers with nothing left for this node
         leases: list[Lease] = []
         expires_at = now + lease_s
         while len(leases) < max_items:
             heads = {
-                name: q[skipped[name]][0] for name, q in self._queues.items() if skipped[name] < len(q)
+                name: q[0][0] for name, q in self._queues.items() if q and name not in passed
             }
             tier = pick_tier(self.tiers, heads, now)
             if tier is None:
                 break
-            _, _, item = self._queues[tier][skipped[tier]]
+            candidate = self._candidate(tier, skipped)
+            if candidate is None:
+                passed.add(tier)
+                continue
+            item, lane = candidate
             owner = self._bound[item.affinity][0] if item.affinity in self._bound else ""
             if owner and owner != node and reserve.get(owner, 0) > 0:
                 reserve[owner] -= 1
-                skipped[tier] += 1
+                skipped[lane] = skipped.get(lane, 0) + 1
                 until = self._nodes[owner][1]
                 held_back_until = until if held_back_until is None else min(held_back_until, until)
                 continue
-            del self._queues[tier][skipped[tier]]
+            self._unqueue(item)
             del self._queued[item.id]
+            if self.tiers.fair:
+                self._served[tier] = self._add_service(tier, item.tenant, item.charge)
             if owner:
                 (home if owner == node else away).add(item.id)
             if item.affinity:
@@ -294,11 +379,15 @@ class MemoryWorkQueue(WorkQueue):
         held.expires_at = now + lease_s
         return Lease(held.item, held.node, held.token, held.expires_at)
 
-    async def complete(self, lease: Lease, reply: tuple[str, bytes] | None = None) -> bool:
+    async def complete(
+        self, lease: Lease, reply: tuple[str, bytes] | None = None, *, used: float | None = None
+    ) -> bool:
         held = self._current(lease)
         if held is None:
             return False
         del self._held[held.item.id]
+        if self.tiers.fair and used is not None:
+            self._settle(held.item, used)
         self._completed[held.item.id] = held.expires_at
         if reply is not None:
             self.published.append(reply)
