@@ -19,6 +19,13 @@ which the scripts need since they touch every tier):
   bound, bound_at   hash affinity key -> node / sorted set key -> when bound,
             trimmed to the affinity TTL at each claim
   room, seen   hash node -> free slots / sorted set node -> live until
+  charge, lane  hashes, item id -> its VTC charge / its member in lane:<tier>
+  served    sorted set, tier -> the counter last served there
+  lane:<tier>     fair tiers: sorted set of `tenant NUL arrival NUL id`
+                  members, all scored 0, so a lexical range is one tenant's
+                  items in order (model.lane_key)
+  backlog:<tier>  fair tiers: sorted set, backlogged tenant -> counter
+  counter:<tier>  sorted set, tenant -> virtual token counter
 Arrivals and lease ends go in and out as Python's `repr` of the float, never
 through a Lua number: Redis writes Lua numbers with 14 significant digits,
 which would move a wall-clock time by up to a tenth of a millisecond and make
