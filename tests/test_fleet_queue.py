@@ -512,6 +512,18 @@ async def test_no_more_is_held_back_than_the_bound_node_has_room_for(queue):
     assert await ids(queue, T0 + 5, 5, "n1") == ["s0"]
 
 
+async def test_a_completion_gives_its_node_the_slot_back_at_once(queue):
+    await queue.enqueue(item("s1", "gold", T0, affinity="session:s"))
+    [lease] = (await queue.claim("n1", 1, T0, LEASE)).leases  # n1 now full
+    assert await queue.complete(lease)
+    # The session's next turn comes before n1 claims or speaks again: the
+    # slot its last turn freed is already counted.
+    await queue.enqueue(item("s2", "gold", T0 + 1, affinity="session:s"))
+    claim = await queue.claim("n2", 1, T0 + 1, LEASE)
+    assert claim.leases == [] and claim.held_back_until == T0 + LEASE
+    assert await ids(queue, T0 + 1, 1, "n1") == ["s2"]
+
+
 async def test_a_silent_node_is_waited_for_only_until_its_last_word_runs_out(queue):
     await queue.enqueue(item("a", "gold", T0, affinity="tenant:acme"))
     assert await ids(queue, T0, 3, "n1") == ["a"]

@@ -376,6 +376,12 @@ _COMPLETE = (
 local id = ARGV[1]
 tier_args(6)
 if not holds(id, ARGV[2]) then return 0 end
+-- The run's slot is free again: its node's record says so at once, before
+-- the gateway hears of the end (and perhaps sends the session's next turn).
+local holder = redis.call('HGET', KEYS[K_NODE], id)
+if redis.call('HEXISTS', KEYS[K_ROOM], holder) == 1 then
+  redis.call('HINCRBY', KEYS[K_ROOM], holder, 1)
+end
 if T.fair and ARGV[5] ~= '' then
   add_service(redis.call('HGET', KEYS[K_TIER], id), redis.call('HGET', KEYS[K_TENANT], id),
               ARGV[5])

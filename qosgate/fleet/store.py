@@ -111,6 +111,7 @@ class WorkQueue(ABC):
         """End the item for good: True exactly once, for the current holder.
         With `reply` (channel, message), the message is published in the same
         step, so the gateway hears of the end if and only if it happened.
+        The holder's room record gains the slot the run held.
         With `used` (fair tiers), the tenant's counter is settled: it was
         charged `item.charge` at the claim and now counts `used` instead."""
 
@@ -386,6 +387,12 @@ class MemoryWorkQueue(WorkQueue):
         if held is None:
             return False
         del self._held[held.item.id]
+        if held.node in self._nodes:
+            # The run's slot is free again: its node's record says so at
+            # once, before the gateway hears of the end (and perhaps sends
+            # the session's next turn).
+            room, until = self._nodes[held.node]
+            self._nodes[held.node] = (room + 1, until)
         if self.tiers.fair and used is not None:
             self._settle(held.item, used)
         self._completed[held.item.id] = held.expires_at
