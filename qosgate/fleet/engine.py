@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
@@ -239,8 +238,7 @@ class EngineNode:
                     return
                 for lease in claim.leases:
                     if lease.item.affinity:
-                        where = "home" if lease.item.id in claim.home else "new"
-                        self.affinity["away" if lease.item.id in claim.away else where] += 1
+                        self.affinity[claim.placement(lease.item.id)] += 1
                     self._start(lease)
                 if len(claim.leases) < room:
                     # Nothing more for this node: the next work is a new
@@ -248,9 +246,8 @@ class EngineNode:
                     # lease running out somewhere, or a node that work was
                     # held back for going silent.
                     with contextlib.suppress(WorkQueueError):
-                        at = await self.store.next_expiry()
-                        if claim.held_back_until is not None:
-                            at = min(at or math.inf, claim.held_back_until)
+                        times = (await self.store.next_expiry(), claim.held_back_until)
+                        at = min((t for t in times if t is not None), default=None)
                         if at is not None:
                             self._arm_expiry(at)
                     if not self._again:

@@ -100,9 +100,9 @@ class FleetBackend:
         self._count = count_prompt_tokens
         self._policy = policy
         self._fleet = fleet
-        self._meter = ServiceMeter(policy) if FleetTiers.from_config(policy).fair else None
         self.node = fleet.node_id or default_node_id()
         self.store = fleet_store(policy, fleet)
+        self._meter = ServiceMeter(policy) if self.store.tiers.fair else None
         self.reply_channel = f"{self.store.base}reply:{self.node}"
         self.cancel_channel = f"{self.store.base}cancel"
         self._waiting: dict[str, _Waiting] = {}
@@ -199,7 +199,8 @@ class FleetBackend:
                 arrival=time.time(),
                 payload=wire.encode_job(job, self.reply_channel),
                 affinity=affinity_key(self._fleet, job),
-                # What the in-process scheduler charges at dispatch.
+                # On max_tokens, where one node charges its running output
+                # estimate: the replica has none. Completion settles either.
                 charge=self._meter(job.tenant, job.prompt_tokens, job.max_tokens)
                 if self._meter is not None
                 else 0.0,

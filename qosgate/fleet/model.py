@@ -51,6 +51,7 @@ import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from qosgate.config.models import PolicyConfig
 
@@ -102,6 +103,12 @@ class Claim:
     away: frozenset[str] = frozenset()
     """Ids of the items taken whose key was bound to another node (that one
     was full or is gone)."""
+
+    def placement(self, item_id: str) -> Literal["home", "away", "new"]:
+        """Where a taken item's key was bound: here, elsewhere, or nowhere."""
+        if item_id in self.home:
+            return "home"
+        return "away" if item_id in self.away else "new"
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,7 +78,8 @@ class WorkQueue(ABC):
         `max_items` to `node`, each from the tier `pick_tier` names at that
         moment, until `now + lease_s`, leaving items for the live nodes their
         affinity keys are bound to while those have room (see model.py).
-        Binds the taken items' keys to `node`, and records `node` as live
+        Binds a taken item's key to `node` unless a live node has it, and
+        records `node` as live
         until `now + lease_s` with the room it has left (`max_items` less
         what it took)."""
 
@@ -275,9 +276,6 @@ class MemoryWorkQueue(WorkQueue):
         at = skipped.get((tier, tenant), 0)
         return self._lanes[tier][tenant][at][2], (tier, tenant)
 
-    def _settle(self, item: WorkItem, used: float) -> None:
-        self._add_service(item.tier, item.tenant, used - item.charge)
-
     async def counters(self, tier: str) -> dict[str, float]:
         return dict(self._counters[tier])
 
@@ -394,7 +392,8 @@ class MemoryWorkQueue(WorkQueue):
             room, until = self._nodes[held.node]
             self._nodes[held.node] = (room + 1, until)
         if self.tiers.fair and used is not None:
-            self._settle(held.item, used)
+            item = held.item
+            self._add_service(item.tier, item.tenant, used - item.charge)
         self._completed[held.item.id] = held.expires_at
         if reply is not None:
             self.published.append(reply)
