@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import random
 import uuid
 
@@ -18,20 +19,29 @@ import pytest
 
 from qosgate.config.models import PolicyConfig
 from qosgate.fleet import (
+    FleetLoad,
     FleetTiers,
     Lease,
     MemoryWorkQueue,
     WorkItem,
     WorkQueue,
     WorkQueueFull,
+    WorkQueueOverloaded,
     pick_tier,
+    predicted_wait,
 )
 from qosgate.fleet.redis_store import RedisWorkQueue
 
 T0 = 1_700_000_000.0
 LEASE = 10.0
 INTERVAL = 2.0
-TIERS = FleetTiers.of({"gold": 0, "silver": 1, "bronze": 3}, interval_s=INTERVAL, max_boost=2)
+BUDGET = 1.0
+# gold refuses late work (admission) and expires it; silver and bronze age
+# once their items have waited BUDGET.
+TIERS = FleetTiers.of(
+    {"gold": 0, "silver": 1, "bronze": 3}, interval_s=INTERVAL, max_boost=2,
+    budgets={"gold": 30.0, "silver": BUDGET, "bronze": BUDGET}, delays=["silver", "bronze"],
+)  # fmt: skip
 
 
 def make_queue(kind: str, request, tiers: FleetTiers = TIERS, **kw) -> WorkQueue:
@@ -48,7 +58,10 @@ async def queue(request):
     await store.close()
 
 
-FAIR = FleetTiers.of({"gold": 0, "silver": 1}, interval_s=INTERVAL, max_boost=2, fair=True)
+FAIR = FleetTiers.of(
+    {"gold": 0, "silver": 1}, interval_s=INTERVAL, max_boost=2, fair=True,
+    budgets={"silver": BUDGET}, delays=["silver"],
+)  # fmt: skip
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -61,7 +74,7 @@ async def fair(request):
 
 def item(
     id: str, tier: str, arrival: float, tenant: str = "t", payload: bytes = b"", affinity: str = "",
-    charge: float = 0.0,
+    charge: float = 0.0, work: int = 0,
 ) -> WorkItem:  # fmt: skip
     return WorkItem(
         id=id,
@@ -71,6 +84,7 @@ def item(
         payload=payload or id.encode(),
         affinity=affinity,
         charge=charge,
+        work=work,
     )
 
 
@@ -81,17 +95,26 @@ async def ids(queue: WorkQueue, now: float, max_items: int = 10, node: str = "n1
 # -- the tier choice, pure ----------------------------------------------------
 
 
-def test_pick_tier_ages_one_level_per_interval_up_to_max_boost():
-    # silver (1) waiting 3.999 s has climbed one level: tied with fresh gold,
-    # and a tie goes to the lower base priority.
-    assert pick_tier(TIERS, {"gold": T0 + 3.999, "silver": T0}, T0 + 3.999) == "gold"
-    assert pick_tier(TIERS, {"gold": T0 + 4.0, "silver": T0}, T0 + 4.0) == "silver"
-    # bronze (3) can climb only two levels: to silver's level, never past it.
-    assert pick_tier(TIERS, {"silver": T0 + 1e6, "bronze": T0}, T0 + 1e6) == "silver"
+def test_pick_tier_ages_delay_tiers_one_level_per_interval_past_their_budget():
+    # silver (1) ages once its oldest has waited its budget (1 s): one level
+    # per 2 s past it. At one level it ties with fresh gold, and equal levels
+    # go to the older head.
+    assert pick_tier(TIERS, {"gold": T0 + 2.999, "silver": T0}, T0 + 2.999) == "gold"
+    assert pick_tier(TIERS, {"gold": T0 + 3.0, "silver": T0}, T0 + 3.0) == "silver"
+    # bronze (3) climbs at most two levels, to silver's, never to gold's.
+    assert pick_tier(TIERS, {"gold": T0 + 1e6, "bronze": T0}, T0 + 1e6) == "gold"
+    assert pick_tier(TIERS, {"silver": T0 + 1e6, "bronze": T0}, T0 + 1e6) == "bronze"
+    # Levels stop at 0: silver two levels up ties with gold (it is not ahead
+    # of it), and gold's head is older.
+    assert pick_tier(TIERS, {"gold": T0 - 1, "silver": T0}, T0 + 1e6) == "gold"
     assert pick_tier(TIERS, {}, T0) is None
-    # Same level and base priority: the older head.
-    equal = FleetTiers.of({"a": 1, "b": 1}, interval_s=1.0, max_boost=0)
-    assert pick_tier(equal, {"a": T0 + 1, "b": T0}, T0 + 5) == "b"
+    # A tier that expires late work (on_timeout: reject) never ages.
+    rejecting = FleetTiers.of(
+        {"gold": 0, "std": 1}, interval_s=1.0, max_boost=3, budgets={"gold": 1.0, "std": 1.0}
+    )
+    assert pick_tier(rejecting, {"gold": T0 + 1e6, "std": T0}, T0 + 1e6) == "gold"
+    # Same level, same head: the lower base priority.
+    assert pick_tier(TIERS, {"gold": T0, "silver": T0}, T0 + 3.0) == "gold"
     # A head from a clock slightly ahead does not age backwards.
     assert pick_tier(TIERS, {"gold": T0 + 5, "silver": T0 + 5}, T0) == "gold"
 
@@ -104,6 +127,20 @@ def test_fleet_tiers_from_config_follow_the_scheduling_policy():
     )
     assert [(t.name, t.priority) for t in qos.tiers] == [("gold", 0), ("bronze", 2)]
     assert (qos.interval_s, qos.max_boost, qos.fair) == (0.5, 3, True)
+    # Budgets, ageing and admission as the tiers say (30 s and reject by default).
+    assert [(t.budget_s, t.delays, t.admission) for t in qos.tiers] == [
+        (30.0, False, True), (30.0, False, True),
+    ]  # fmt: skip
+    late = {"gold": {"priority": 0, "max_queue_wait_ms": 500},
+            "bronze": {"priority": 2, "on_timeout": "delay"}}  # fmt: skip
+    mixed = FleetTiers.from_config(PolicyConfig.model_validate({"tiers": late}))
+    assert [(t.budget_s, t.delays, t.admission) for t in mixed.tiers] == [
+        (0.5, False, True), (30.0, True, False),
+    ]  # fmt: skip
+    off = FleetTiers.from_config(
+        PolicyConfig.model_validate({"tiers": late, "scheduler": {"admission": False}})
+    )
+    assert not any(t.admission for t in off.tiers)
     fifo = FleetTiers.from_config(
         PolicyConfig.model_validate({"tiers": tiers, "scheduler": {"fairness": "fifo"}})
     )
@@ -118,6 +155,7 @@ def test_fleet_tiers_from_config_follow_the_scheduling_policy():
         PolicyConfig.model_validate({"tiers": tiers, "scheduler": {"policy": "fcfs"}})
     )
     assert {t.priority for t in fcfs.tiers} == {0} and fcfs.max_boost == 0 and not fcfs.fair
+    assert not any(t.admission for t in fcfs.tiers)
 
 
 # -- ordering -----------------------------------------------------------------
@@ -132,19 +170,22 @@ async def test_claims_follow_priority_across_tiers(queue):
 
 async def test_an_aged_item_overtakes_fresh_higher_tier_work_exactly_at_its_boost(queue):
     await queue.enqueue(item("old-silver", "silver", T0))
-    await queue.enqueue(item("g1", "gold", T0 + 3.999))
-    # One level up: tied with gold, which keeps its place.
-    assert await ids(queue, T0 + 3.999, 1) == ["g1"]
-    await queue.enqueue(item("g2", "gold", T0 + 4.0))
-    # Two levels up: strictly ahead of gold.
-    assert await ids(queue, T0 + 4.0, 1) == ["old-silver"]
-    assert await ids(queue, T0 + 4.0) == ["g2"]
+    await queue.enqueue(item("g1", "gold", T0 + 2.999))
+    # Not yet a level up: gold first.
+    assert await ids(queue, T0 + 2.999, 1) == ["g1"]
+    await queue.enqueue(item("g2", "gold", T0 + 3.0))
+    # One level up, tied with gold, and older.
+    assert await ids(queue, T0 + 3.0, 1) == ["old-silver"]
+    assert await ids(queue, T0 + 3.0) == ["g2"]
 
 
 async def test_boost_stops_at_max_boost(queue):
     await queue.enqueue(item("old-bronze", "bronze", T0))
     await queue.enqueue(item("s", "silver", T0 + 1000))
-    assert await ids(queue, T0 + 1000) == ["s", "old-bronze"]
+    await queue.enqueue(item("g", "gold", T0 + 1000))
+    # bronze is two levels up (silver's level, where it is the older head),
+    # and no further: gold goes first.
+    assert await ids(queue, T0 + 1000) == ["g", "old-bronze", "s"]
 
 
 async def test_the_tier_is_picked_again_for_every_item_of_a_claim(queue):
@@ -421,9 +462,114 @@ async def test_tiers_still_come_first_and_age_under_fairness(fair):
     await fair.enqueue(item("s-old", "silver", T0, tenant="a"))
     await fair.enqueue(item("g", "gold", T0 + 4.0, tenant="z", charge=100.0))
     await fair.enqueue(item("g2", "gold", T0 + 4.0, tenant="a"))
-    # silver's oldest waited 4 s: two levels, ahead of gold.
+    # silver's oldest waited 4 s, 3 s past its budget: one level up, tied
+    # with gold and older.
     assert await ids(fair, T0 + 4.0, 1) == ["s-old"]
     assert await ids(fair, T0 + 4.0) == ["g2", "g"]
+
+
+# -- admission ------------------------------------------------------------------
+
+# gold outranks std; both refuse late work at the door. Arrival rates are
+# averaged over 10 s.
+ADMIT = FleetTiers.of(
+    {"gold": 0, "std": 1}, interval_s=INTERVAL, max_boost=2,
+    budgets={"gold": 30.0, "std": 10.0}, inflow_tau_s=10.0,
+)  # fmt: skip
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def admit(request):
+    store = make_queue(request.param, request, ADMIT)
+    yield store
+    await store.close()
+
+
+def test_predicted_wait_is_work_ahead_over_what_drains_beyond_the_inflow():
+    load = FleetLoad(queued_work={"gold": 500, "std": 300}, inflow={"gold": 50.0, "std": 80.0},
+                     drain=150.0, room=0)  # fmt: skip
+    # Every node full: its own 100 tokens, then what is queued at or above std,
+    # drained at 150 less gold's 50 tokens/s of arrivals.
+    assert predicted_wait(ADMIT, "std", 100, load) == (100 + 500 + 300) / 100.0
+    # gold has nothing above it: no inflow counts, and std's queue is behind it.
+    assert predicted_wait(ADMIT, "gold", 100, load) == 600 / 150.0
+    # Free slots start that much work at once.
+    roomy = dataclasses.replace(load, room=3)
+    assert predicted_wait(ADMIT, "std", 100, roomy) == 500 / 100.0
+    assert predicted_wait(ADMIT, "std", 400, roomy) == 0.0
+    # Arrivals above as fast as the fleet drains: never served.
+    assert predicted_wait(ADMIT, "std", 100, dataclasses.replace(load, drain=50.0)) == math.inf
+    # No node reports a rate: no evidence, no prediction.
+    assert predicted_wait(ADMIT, "std", 100, dataclasses.replace(load, drain=0.0)) is None
+
+
+async def test_admission_refuses_what_would_wait_past_its_budget(admit):
+    # One live node, full, draining 100 tokens/s.
+    await admit.heartbeat("n1", 0, T0, LEASE, drain_rate=100.0)
+    for n in range(3):  # 10, 20 and exactly 30 s: within gold's budget
+        await admit.enqueue(item(f"g{n}", "gold", T0, work=1000))
+    with pytest.raises(WorkQueueOverloaded) as refused:
+        await admit.enqueue(item("g3", "gold", T0, work=1000))
+    assert (refused.value.predicted_wait_s, refused.value.budget_s) == (40.0, 30.0)
+    # Nothing of it stays: not queued, not counted, and its id is still free.
+    assert await admit.status("g3") is None
+    assert (await admit.load(T0)).queued_work == {"gold": 3000, "std": 0}
+    # A smaller one still fits.
+    await admit.enqueue(item("g3", "gold", T0, work=0))
+    assert await admit.depth() == {"gold": 4, "std": 0}
+
+
+async def test_the_inflow_of_more_important_tiers_counts_against_the_wait(admit):
+    await admit.heartbeat("n1", 0, T0, LEASE, drain_rate=100.0)
+    await admit.enqueue(item("g", "gold", T0, work=500))
+    load = await admit.load(T0)
+    assert load.inflow == {"gold": 50.0, "std": 0.0} and load.drain == 100.0
+    # 600 tokens ahead at 100 - 50 tokens/s: 12 s, over std's 10 s. Without
+    # the inflow it would be 6 s.
+    with pytest.raises(WorkQueueOverloaded) as refused:
+        await admit.enqueue(item("s", "std", T0, work=100))
+    assert refused.value.predicted_wait_s == 12.0
+    # Ten seconds on, gold's arrivals have decayed by e and its item was taken.
+    [_] = (await admit.claim("n1", 1, T0 + 10, LEASE, drain_rate=100.0)).leases
+    await admit.heartbeat("n1", 0, T0 + 10, LEASE, drain_rate=100.0)
+    assert (await admit.load(T0 + 10)).inflow["gold"] == pytest.approx(50.0 / math.e)
+    await admit.enqueue(item("s", "std", T0 + 10, work=100))
+
+
+async def test_free_slots_and_dead_nodes(admit):
+    # Two slots free, at 1 token/s: as one node counts it, the slots take
+    # as much queued work as two items of the newcomer's size, and only what
+    # is left over is waited for.
+    await admit.heartbeat("n1", 2, T0, 1.0, drain_rate=1.0)
+    for name in "abc":
+        await admit.enqueue(item(name, "std", T0, work=1000))
+    with pytest.raises(WorkQueueOverloaded) as refused:
+        await admit.enqueue(item("d", "std", T0, work=1000))
+    assert refused.value.predicted_wait_s == 1000.0
+    assert (await admit.load(T0)).room == 2
+    # Once the node's record runs out nothing drains as far as anyone knows:
+    # no prediction, so no refusal (the item waits for a node, or expires).
+    await admit.enqueue(item("d", "std", T0 + 1.0, work=1000))
+    load = await admit.load(T0 + 1.0)
+    assert (load.drain, load.room) == (0.0, 0)
+    # Rates add up over the live nodes.
+    await admit.heartbeat("n1", 0, T0 + 2, LEASE, drain_rate=100.0)
+    await admit.heartbeat("n2", 0, T0 + 2, LEASE, drain_rate=50.5)
+    assert (await admit.load(T0 + 2)).drain == 150.5
+    await admit.leave("n2")
+    assert (await admit.load(T0 + 2)).drain == 100.0
+
+
+async def test_queued_work_follows_items_out_of_the_queue_and_back(admit):
+    for n, tier in enumerate(["gold", "std", "std"]):
+        await admit.enqueue(item(f"i{n}", tier, T0, work=100 * (n + 1)))
+    assert (await admit.load(T0)).queued_work == {"gold": 100, "std": 500}
+    [lease] = (await admit.claim("n1", 1, T0, LEASE)).leases
+    assert (await admit.load(T0)).queued_work == {"gold": 0, "std": 500}
+    await admit.cancel("i1", T0)
+    assert (await admit.load(T0)).queued_work == {"gold": 0, "std": 300}
+    await admit.release(lease)
+    assert (await admit.load(T0)).queued_work == {"gold": 100, "std": 300}
 
 
 # -- session affinity -----------------------------------------------------------
@@ -588,12 +734,17 @@ async def test_a_binding_is_forgotten_after_the_affinity_ttl(request, queue):
 # -- both stores, same random operations ---------------------------------------
 
 
+RATES = [0.0, 35.0, 120.25, 1234.5678, 9000.0]
+
+
 @pytest.mark.parametrize("fairness", ["fifo", "vtc"])
 async def test_stores_agree_on_random_operations_and_lose_nothing(request, fairness):
     rng = random.Random(20240611)
+    # gold and silver refuse late work at the door; bronze and batch age.
     tiers = FleetTiers.of(
         {"gold": 0, "silver": 1, "bronze": 2, "batch": 5}, interval_s=0.75, max_boost=3,
-        fair=fairness == "vtc",
+        fair=fairness == "vtc", budgets={"gold": 2.0, "silver": 1.0, "bronze": 0.5, "batch": 0.25},
+        delays=["bronze", "batch"], inflow_tau_s=3.0,
     )  # fmt: skip
     stores = [
         make_queue("memory", request, tiers, affinity_ttl_s=6.0),
@@ -601,6 +752,7 @@ async def test_stores_agree_on_random_operations_and_lose_nothing(request, fairn
     ]
     keys = ["session:a", "session:b", "tenant:c"]
     held_back = 0  # claims that left work for another node
+    refused = 0  # enqueues refused by admission
     wakes = Wakes(stores[1])
     await wakes.__aenter__()
     now = T0 + 0.1
@@ -616,6 +768,8 @@ async def test_stores_agree_on_random_operations_and_lose_nothing(request, fairn
                 results.append(await getattr(store, method)(*args, **kwargs))
             except ValueError as exc:
                 results.append(("ValueError", str(exc)))
+            except WorkQueueOverloaded as exc:
+                results.append(("overloaded", exc.predicted_wait_s, exc.budget_s))
         assert results[0] == results[1], results
         return results
 
@@ -633,20 +787,26 @@ async def test_stores_agree_on_random_operations_and_lose_nothing(request, fairn
                     payload=rng.randbytes(rng.randrange(0, 8)),
                     affinity=rng.choice(["", *keys]),
                     charge=rng.choice([0.0, 0.1, 1.25, 10.0, 33.3]),
+                    work=rng.choice([0, 40, 300, 1200]),
                 )
-                await both("enqueue", work)
-                if fresh:
+                [answer, _] = await both("enqueue", work)
+                if isinstance(answer, tuple) and answer[0] == "overloaded":
+                    refused += 1
+                elif fresh:
                     enqueued.append(item_id)
             elif roll < 0.5:
                 node = rng.choice(["n1", "n2", "n3"])
                 max_items, lease_s = rng.randrange(0, 4), rng.choice([0.5, 1.0, 2.5])
-                got = await both("claim", node, max_items, now, lease_s)
+                got = await both("claim", node, max_items, now, lease_s, drain_rate=rng.choice(RATES))
                 leases += zip(got[0].leases, got[1].leases)
                 held_back += got[0].held_back_until is not None
             elif roll < 0.55:
                 node = rng.choice(["n1", "n2", "n3"])
                 if rng.random() < 0.8:
-                    await both("heartbeat", node, rng.randrange(0, 3), now, rng.choice([0.5, 2.5]))
+                    await both(
+                        "heartbeat", node, rng.randrange(0, 3), now, rng.choice([0.5, 2.5]),
+                        drain_rate=rng.choice(RATES),
+                    )
                 else:
                     await both("leave", node)
             elif roll < 0.6 and enqueued:
@@ -680,6 +840,7 @@ async def test_stores_agree_on_random_operations_and_lose_nothing(request, fairn
 
             depth, leased = await both("depth"), await both("leased")
             await both("next_expiry")
+            await both("load", now)
             for key in keys:
                 await both("bound_node", key)
             for tier in tiers.names():
@@ -690,7 +851,7 @@ async def test_stores_agree_on_random_operations_and_lose_nothing(request, fairn
                 assert statuses.count("queued") == sum(depth[0].values())
                 assert statuses.count("leased") == leased[0]
                 assert {i for i, s in zip(enqueued, statuses) if s == "completed"} == completed
-        assert completed and leases and held_back, "the run exercised too little"
+        assert completed and leases and held_back and refused, "the run exercised too little"
         assert await wakes.count() == stores[0].wakes
     finally:
         await wakes.__aexit__()

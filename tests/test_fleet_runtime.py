@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,15 +24,18 @@ from qosgate.config.models import FleetConfig, PolicyConfig
 from qosgate.core.request import Outcome
 from qosgate.fleet.engine import EngineNode
 from qosgate.fleet.gateway import FleetBackend
-from qosgate.runtime.errors import Expired, QueueFull
+from qosgate.runtime.errors import Expired, Overloaded, QueueFull
 from qosgate.runtime.gate import Gateway, RequestStream
 
 LIMIT_S = 20.0
 
 
-def make_policy(redis_url: str, prefix: str, **tier_overrides: Any) -> PolicyConfig:
+def make_policy(
+    redis_url: str, prefix: str, scheduler: dict[str, Any] | None = None, **tier_overrides: Any
+) -> PolicyConfig:
     interactive = {"priority": 0, "max_queue_wait_ms": 60_000, **tier_overrides}
     return PolicyConfig.model_validate({
+        "scheduler": scheduler or {},
         "backend": {"kind": "sim", "speed": 4.0, "max_num_seqs": 2},
         "tiers": {
             "interactive": interactive,
@@ -217,6 +221,44 @@ async def test_a_tier_full_across_the_fleet_refuses_with_429(redis_server, prefi
             assert refused.request.outcome is Outcome.REJECTED_QUEUE_FULL
             await running.aclose()
             assert [r[1] for r in await asyncio.gather(*readers)] == [8, 8]
+
+
+async def test_the_fleet_refuses_at_the_door_what_would_wait_past_its_budget(
+    redis_server, prefix
+):
+    # The node is taken to drain 10 tokens/s, and nothing completes during
+    # the test to teach it otherwise. Each request is 8 prompt + 8 output
+    # tokens; interactive's budget is 2 s.
+    policy = make_policy(
+        redis_server.url, prefix, scheduler={"initial_drain_rate": 10.0}, max_queue_wait_ms=2000
+    )
+    async with Fleet(policy, engines=1, seqs=1) as fleet:
+        async with asyncio.timeout(LIMIT_S), Enqueues(fleet) as enqueues:
+            running = fleet.submit(max_tokens=5000)
+            await first_chunk(running)  # the node is full from here on
+            # What the node reports: its prior, as nothing has completed.
+            assert (await fleet.backend.store.load(time.time())).drain == 10.0
+            # Its own 16 tokens: 1.6 s.
+            admitted = fleet.submit()
+            reader = asyncio.ensure_future(read_all(admitted))
+            await enqueues.wait(2)
+            # 16 queued + its own 16: 3.2 s, over the budget by 1.2 s.
+            refused = fleet.submit()
+            with pytest.raises(Overloaded) as error:
+                await read_all(refused)
+            assert refused.request.outcome is Outcome.REJECTED_OVERLOAD
+            assert error.value.retry_after_s == pytest.approx(1.2)
+            assert error.value.retry_after_header == "2"
+            assert await fleet.backend.store.status(refused.request.id) is None
+            # A delay tier is never refused: it waits, and ages.
+            patient = fleet.submit(tier="batch")
+            patient_reader = asyncio.ensure_future(read_all(patient))
+            await enqueues.wait(1)
+            assert (await fleet.backend.store.depth()) == {"interactive": 1, "batch": 1}
+            await running.aclose()
+            assert (await reader)[1] == 8 and (await patient_reader)[1] == 8
+        assert admitted.request.outcome is Outcome.COMPLETED
+        assert patient.request.outcome is Outcome.COMPLETED
 
 
 async def test_a_stopping_node_gives_its_work_to_another(redis_server, prefix):

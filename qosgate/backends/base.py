@@ -33,6 +33,10 @@ class GenerationJob:
     tier: str = ""
     session: str | None = None
     """Session key for affinity (X-Session-Id), if the client sent one."""
+    work: int = 0
+    """Tokens the scheduler expects the request to take (prompt + its
+    estimate of the output): what a backend that queues work elsewhere (the
+    fleet) counts toward the wait it predicts."""
 
     @property
     def streamed(self) -> bool:

@@ -35,6 +35,13 @@ def retry_after_header(seconds: float | None) -> str | None:
 
 ADMITTED = AdmissionDecision(admitted=True)
 
+# What an unmeasured backend is assumed to drain, only until it is measured.
+DEFAULT_DRAIN_RATE = 10_000.0
+
+# A prediction can be unbounded (nothing left over for the tier); clients
+# still get a finite hint and try again.
+MAX_RETRY_AFTER_S = 300.0
+
 
 class DrainRateEstimator:
     """Tokens per second the backend completes, as an exponentially weighted
@@ -108,9 +115,13 @@ class ArrivalRate:
 
     def add(self, tokens: float, now: float) -> None:
         last = self._last
-        if last is not None and now > last:
+        if last is None:
+            self._last = now
+        elif now > last:
             self._sum *= math.exp((last - now) / self.tau)
-        self._last = now
+            self._last = now
+        # An arrival stamped a little earlier (another replica's clock) is
+        # counted as of the latest one: time never runs back.
         self._sum += tokens
 
     def rate(self, now: float) -> float:

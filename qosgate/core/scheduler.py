@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from qosgate.config.models import PolicyConfig, TierConfig
-from qosgate.core.admission import ADMITTED, AdmissionDecision, DrainRateEstimator
+from qosgate.core.admission import (
+    ADMITTED,
+    DEFAULT_DRAIN_RATE,
+    MAX_RETRY_AFTER_S,
+    AdmissionDecision,
+    DrainRateEstimator,
+)
 from qosgate.core.fairness import FairnessOrder, FifoOrder, VtcOrder
 from qosgate.core.request import Outcome, Request, RequestState
 from qosgate.core.tier_queue import TierQueue
@@ -24,17 +30,12 @@ _QUEUED = RequestState.QUEUED
 _RUNNING = RequestState.RUNNING
 _FINISHED = RequestState.FINISHED
 
-# What an unmeasured backend is assumed to drain, only until it is measured.
-_DEFAULT_DRAIN_RATE = 10_000.0
 # Output length assumed for a request before any has completed.
 _DEFAULT_OUTPUT_ESTIMATE = 256.0
 # A request preempted this often is no longer chosen as a victim, so a
 # preemptible tier cannot be livelocked by a steady stream of higher work.
 _MAX_PREEMPTIONS = 2
 FCFS_QUEUE = "*"
-# A prediction can be unbounded (nothing left over for this tier); clients
-# still get a finite hint and try again.
-_MAX_RETRY_AFTER_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +91,7 @@ class Scheduler:
         self._reserve_kv = sched.reserve.kv_tokens if tiered else 0
         self._w_in = sched.vtc.w_in
         self._w_out = sched.vtc.w_out
-        prior = sched.initial_drain_rate or drain_rate_hint or _DEFAULT_DRAIN_RATE
+        prior = sched.initial_drain_rate or drain_rate_hint or DEFAULT_DRAIN_RATE
         self.drain = DrainRateEstimator(sched.drain_rate_tau_s, prior)
         self._output_estimate = _DEFAULT_OUTPUT_ESTIMATE
 
@@ -216,8 +217,8 @@ class Scheduler:
         if len(queue) >= queue.max_len:
             return self._reject(req, now, AdmissionDecision(
                 admitted=False, outcome=Outcome.REJECTED_QUEUE_FULL,
-                retry_after_s=min(queue.work / self.drain.rate, _MAX_RETRY_AFTER_S)
-                if self.drain.rate > 0 else _MAX_RETRY_AFTER_S,
+                retry_after_s=min(queue.work / self.drain.rate, MAX_RETRY_AFTER_S)
+                if self.drain.rate > 0 else MAX_RETRY_AFTER_S,
                 reason=f"tier {req.tier!r} queue is full ({queue.max_len} requests)",
             ))
 
@@ -252,7 +253,7 @@ class Scheduler:
             if predicted > budget:
                 return self._reject(req, now, AdmissionDecision(
                     admitted=False, outcome=Outcome.REJECTED_OVERLOAD,
-                    retry_after_s=min(predicted - budget, _MAX_RETRY_AFTER_S),
+                    retry_after_s=min(predicted - budget, MAX_RETRY_AFTER_S),
                     predicted_wait_s=predicted,
                     reason=(f"predicted queue wait {predicted:.2f}s exceeds tier "
                             f"{req.tier!r} budget {budget:.2f}s"),

@@ -1,11 +1,30 @@
 """Distributed mode: a shared per-tier work queue that gateway replicas fill
 and engine nodes drain under leases (memory and Redis stores)."""
 
-from .model import Claim, FleetTier, FleetTiers, Lease, WorkItem, boost, effective_level, pick_tier
-from .store import ItemStatus, MemoryWorkQueue, WorkQueue, WorkQueueError, WorkQueueFull
+from .model import (
+    Claim,
+    FleetLoad,
+    FleetTier,
+    FleetTiers,
+    Lease,
+    WorkItem,
+    boost,
+    effective_level,
+    pick_tier,
+    predicted_wait,
+)
+from .store import (
+    ItemStatus,
+    MemoryWorkQueue,
+    WorkQueue,
+    WorkQueueError,
+    WorkQueueFull,
+    WorkQueueOverloaded,
+)
 
 __all__ = [
     "Claim",
+    "FleetLoad",
     "FleetTier",
     "FleetTiers",
     "ItemStatus",
@@ -15,7 +34,9 @@ __all__ = [
     "WorkQueue",
     "WorkQueueError",
     "WorkQueueFull",
+    "WorkQueueOverloaded",
     "boost",
     "effective_level",
     "pick_tier",
+    "predicted_wait",
 ]

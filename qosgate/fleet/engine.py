@@ -11,9 +11,11 @@ is woken, never polling, by:
 - a timer at the instant a node it held affinity work back for stops
   counting as live, so such work is not left waiting for a dead node.
 
-Every third of `lease_s` the node records in the store that it is live and
-how much room it has (a heartbeat): other nodes leave it the work whose
-session it last ran only while it is live and has room. A stopping node
+Every third of `lease_s` the node records in the store that it is live,
+how much room it has and how many tokens/s it completes while full (a
+heartbeat; each claim records the same): other nodes leave it the work whose
+session it last ran only while it is live and has room, and the gateways'
+admission divides the queued work by the live nodes' summed rates. A stopping node
 takes its record out first.
 
 Each claimed item runs in a task of its own: its output goes back to the
@@ -39,6 +41,7 @@ from redis.exceptions import RedisError
 
 from qosgate.backends.base import Backend, BackendError, BackendUnavailable, Chunk, GenerationJob
 from qosgate.config.models import FleetConfig, PolicyConfig
+from qosgate.core.admission import DEFAULT_DRAIN_RATE, DrainRateEstimator
 
 from . import wire
 from .gateway import default_node_id, fleet_store
@@ -96,6 +99,13 @@ class EngineNode:
         self.node = fleet.node_id or default_node_id()
         self.store = fleet_store(policy, fleet)
         self._meter = ServiceMeter(policy) if self.store.tiers.fair else None
+        sched = policy.scheduler
+        # What this node completes while full, as one node measures its
+        # backend: its share of the fleet's drain rate, which the gateways'
+        # admission sums over the live nodes.
+        self.drain = DrainRateEstimator(
+            sched.drain_rate_tau_s, sched.initial_drain_rate or DEFAULT_DRAIN_RATE
+        )
         self.lease_s = fleet.lease_s
         self.cancel_channel = f"{self.store.base}cancel"
         self._outbox = _Outbox(self.store.redis)
@@ -180,6 +190,7 @@ class EngineNode:
             "running": len(self._runs),
             "completed": self.completed,
             "free_slots": self.backend.capacity().free_slots,
+            "drain_rate_tokens_per_s": self.drain.rate,
             "affinity": dict(self.affinity),
         }
 
@@ -208,6 +219,11 @@ class EngineNode:
             return 0
         return self.backend.capacity().free_slots
 
+    def _note_load(self) -> None:
+        """Tell the drain estimate whether the time from now on is measured:
+        only while the node is full is what it completes what it can do."""
+        self.drain.advance(asyncio.get_running_loop().time(), bool(self._runs) and self._room() <= 0)
+
     def wake(self) -> None:
         """Claim soon if there is room; any number of wakes before it costs one claim."""
         if self._wake_handle is None and not self._stopping:
@@ -231,7 +247,9 @@ class EngineNode:
                     return
                 now = time.time()
                 try:
-                    claim = await self.store.claim(self.node, room, now, self.lease_s)
+                    claim = await self.store.claim(
+                        self.node, room, now, self.lease_s, drain_rate=self.drain.rate
+                    )
                 except WorkQueueError as exc:
                     log.error("claim failed: %s", exc)
                     self._arm_expiry(time.time() + 1.0)
@@ -240,6 +258,7 @@ class EngineNode:
                     if lease.item.affinity:
                         self.affinity[claim.placement(lease.item.id)] += 1
                     self._start(lease)
+                self._note_load()
                 if len(claim.leases) < room:
                     # Nothing more for this node: the next work is a new
                     # enqueue (a wake), another node filling up (a wake), a
@@ -300,6 +319,7 @@ class EngineNode:
             finally:
                 self._runs.pop(item_id, None)
                 self._leases.pop(item_id, None)
+                self._note_load()
                 self.wake()
 
         self._runs[item_id] = asyncio.get_running_loop().create_task(held())
@@ -316,6 +336,9 @@ class EngineNode:
                 if chunk.finish_reason is not None:
                     if chunk.usage and "completion_tokens" in chunk.usage:
                         output = int(chunk.usage["completion_tokens"])
+                    self.drain.observe(
+                        job.prompt_tokens + output, asyncio.get_running_loop().time()
+                    )
                     await self._end(lease, reply_to, event, self._used(job, output))
                     return
                 self._outbox.put(reply_to, event)
@@ -383,7 +406,9 @@ class EngineNode:
         now = time.time()
         if not self._stopped:
             try:
-                await self.store.heartbeat(self.node, self._room(), now, self.lease_s)
+                await self.store.heartbeat(
+                    self.node, self._room(), now, self.lease_s, drain_rate=self.drain.rate
+                )
             except WorkQueueError as exc:
                 log.warning("heartbeat failed: %s", exc)
         for item_id, lease in list(self._leases.items()):

@@ -6,7 +6,8 @@ with unbounded room, so it hands every admitted request over at once, and the
 ordering that matters happens in the shared queue, across every replica.
 
 `generate` puts the job in its tier's queue (refused with 429 when the tier's
-`max_queue_len` is reached fleet-wide) and yields what the engine node that
+`max_queue_len` is reached fleet-wide, and with 503 `overloaded` when the
+store predicts it would wait past its tier's budget) and yields what the engine node that
 takes it publishes back on this replica's reply channel. A tier whose
 `on_timeout` is `reject` gets a timer at its queue budget: if the item is
 still queued then, it is taken out and the request ends `expired`. A client
@@ -38,13 +39,14 @@ from redis.exceptions import RedisError
 
 from qosgate.backends.base import BackendError, BackendUnavailable, Chunk, GenerationJob
 from qosgate.config.models import FleetConfig, PolicyConfig
+from qosgate.core.admission import MAX_RETRY_AFTER_S
 from qosgate.core.scheduler import BackendCapacity
-from qosgate.runtime.errors import Expired, QueueFull
+from qosgate.runtime.errors import Expired, Overloaded, QueueFull
 
 from . import wire
 from .model import FleetTiers, ServiceMeter, WorkItem
 from .redis_store import RedisWorkQueue
-from .store import WorkQueueError, WorkQueueFull
+from .store import WorkQueueError, WorkQueueFull, WorkQueueOverloaded
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +206,7 @@ class FleetBackend:
                 charge=self._meter(job.tenant, job.prompt_tokens, job.max_tokens)
                 if self._meter is not None
                 else 0.0,
+                work=job.work or job.prompt_tokens + job.max_tokens,
             )
             try:
                 await self.store.enqueue(item, max_queued=tier.max_queue_len)
@@ -212,6 +215,12 @@ class FleetBackend:
                 raise QueueFull(
                     f"tier {job.tier!r} has {tier.max_queue_len} requests queued in the fleet",
                     retry_after_s=1.0,
+                ) from exc
+            except WorkQueueOverloaded as exc:
+                waiting.ended = True
+                raise Overloaded(
+                    str(exc),
+                    retry_after_s=min(exc.predicted_wait_s - exc.budget_s, MAX_RETRY_AFTER_S),
                 ) from exc
             except WorkQueueError as exc:
                 waiting.ended = True

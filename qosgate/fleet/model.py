@@ -6,15 +6,27 @@ engine nodes pull the globally most urgent work when they have room. The
 rule for "most urgent" lives here, once, so that the memory store, the Redis
 store's Lua and the tests all answer to the same definition.
 
-Across tiers: the lowest effective level goes first, where a tier's level is
-its priority less the ageing boost its oldest queued item has earned (one
-level per `aging.interval_ms`, at most `aging.max_boost`). Equal levels go to
-the lower base priority, so an aged item overtakes a fresher, more important
-tier only once it is strictly ahead of it; then to the older head; then to
-the tier name, so that the choice never depends on iteration order.
+Across tiers, the in-process scheduler's rule (qosgate/core): a tier
+competes at its priority less the ageing boost its oldest queued item has
+earned, floored at 0. Only `on_timeout: delay` tiers age, and only once
+their oldest item has spent its queue budget: one level per
+`aging.interval_ms` past it, at most `aging.max_boost`. (A `reject` tier's
+item is expired at its budget, so it never needs to climb.) The lowest level
+goes first; equal levels go to the older head, which is what lets an aged
+item overtake fresher work of the tier it has climbed to; then to the lower
+base priority; then to the tier name, so that the choice never depends on
+iteration order.
 
 A tier's level counts from its oldest queued item, whoever it is held back
 for (below); a tier with nothing the claiming node may take is passed over.
+
+Admission, at enqueue (`predicted_wait`): as one node predicts a request's
+wait, from the tokens queued ahead of it (its tier and every tier that
+outranks it) over the rate the live engine nodes drain tokens (each node
+measures its own while it is full, and reports it with its room), less the
+rate at which work keeps arriving in the tiers that outrank it. A `reject`
+tier refuses at the door an item whose predicted wait exceeds its budget,
+instead of letting it expire in the queue.
 
 Within a tier: under `fairness: vtc` (FleetTiers.fair), the tenant with the
 smallest virtual token counter goes next (ties by tenant name), and each
@@ -39,17 +51,17 @@ takes one of its items. So affinity changes only which node runs an item,
 never whether the most urgent work runs now: every item held back is one
 the bound node, having room, takes at once.
 
-This deliberately differs from the in-process scheduler (qosgate/core),
-which ages only `on_timeout: delay` tiers and only after their queue budget,
-floors levels at 0, and breaks level ties by the older head first: the fleet
-queue has no admission budget yet, so it ages from arrival.
+Where the fleet differs from one node (docs/FLEET.md lists it): no batch
+windows or reserved slots, room counted in sequence slots rather than KV
+tokens, and no account of `delay`-tier work that will climb past a newcomer
+in the wait it predicts.
 """
 
 from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -74,6 +86,9 @@ class WorkItem:
     charge: float = 0.0
     """Virtual service its tenant is charged when a node takes it (fair
     tiers): estimated weighted tokens over the tenant's weight."""
+    work: int = 0
+    """Tokens it is expected to take (prompt + expected output): what it adds
+    to its tier's queued work, which admission divides by the drain rate."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +130,12 @@ class Claim:
 class FleetTier:
     name: str
     priority: int
+    budget_s: float | None = None
+    """The tier's queue budget (`max_queue_wait_ms`); None: none."""
+    delays: bool = False
+    """`on_timeout: delay`: past its budget an item ages instead of expiring."""
+    admission: bool = False
+    """Refuse at enqueue an item whose predicted wait exceeds `budget_s`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +148,8 @@ class FleetTiers:
     max_boost: int
     fair: bool = False
     """Order each tier's tenants by virtual token counter (VTC), not arrival."""
+    inflow_tau_s: float = 10.0
+    """Time constant of each tier's arrival-rate average (admission)."""
 
     def __post_init__(self) -> None:
         if not self.tiers:
@@ -135,6 +158,8 @@ class FleetTiers:
             raise ValueError("duplicate tier name")
         if self.interval_s <= 0 or self.max_boost < 0:
             raise ValueError("aging interval must be > 0 and max_boost >= 0")
+        if self.inflow_tau_s <= 0:
+            raise ValueError("inflow_tau_s must be > 0")
         ordered = tuple(sorted(self.tiers, key=lambda t: (t.priority, t.name)))
         object.__setattr__(self, "tiers", ordered)
 
@@ -146,28 +171,61 @@ class FleetTiers:
         interval_s: float,
         max_boost: int,
         fair: bool = False,
+        budgets: Mapping[str, float] | None = None,
+        delays: Iterable[str] = (),
+        admission: bool = True,
+        inflow_tau_s: float = 10.0,
     ) -> FleetTiers:
+        """Tiers by priority. A tier in `budgets` has that queue budget; one
+        in `delays` ages past it, any other refuses late work at the door
+        when `admission`."""
+        budgets = budgets or {}
+        delays = frozenset(delays)
         return cls(
-            tuple(FleetTier(name, p) for name, p in priorities.items()),
+            tuple(
+                FleetTier(
+                    name,
+                    p,
+                    budgets.get(name),
+                    name in delays,
+                    admission and name in budgets and name not in delays,
+                )
+                for name, p in priorities.items()
+            ),
             interval_s,
             max_boost,
             fair,
+            inflow_tau_s,
         )
 
     @classmethod
     def from_config(cls, policy: PolicyConfig) -> FleetTiers:
         sched = policy.scheduler
         interval_s = sched.aging.interval_ms / 1000.0
+        tau = sched.drain_rate_tau_s
         if sched.policy == "fcfs":
-            # One FIFO: equal priorities and no ageing leave only the head's age.
-            return cls.of(dict.fromkeys(policy.tiers, 0), interval_s=interval_s, max_boost=0)
-        max_boost = sched.aging.max_boost if sched.policy == "qos" else 0
+            # One FIFO: equal priorities, no ageing and no admission leave
+            # only the head's age.
+            return cls.of(
+                dict.fromkeys(policy.tiers, 0), interval_s=interval_s, max_boost=0,
+                admission=False, inflow_tau_s=tau,
+            )  # fmt: skip
         return cls.of(
             {name: tier.priority for name, tier in policy.tiers.items()},
             interval_s=interval_s,
-            max_boost=max_boost,
+            max_boost=sched.aging.max_boost if sched.policy == "qos" else 0,
             fair=sched.policy == "qos" and sched.fairness == "vtc",
+            budgets={name: tier.max_queue_wait_ms / 1000.0 for name, tier in policy.tiers.items()},
+            delays=[name for name, tier in policy.tiers.items() if tier.on_timeout == "delay"],
+            admission=sched.admission,
+            inflow_tau_s=tau,
         )
+
+    def tier(self, name: str) -> FleetTier:
+        for tier in self.tiers:
+            if tier.name == name:
+                return tier
+        raise KeyError(name)
 
     def names(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.tiers)
@@ -176,33 +234,78 @@ class FleetTiers:
         return any(t.name == name for t in self.tiers)
 
 
-def boost(oldest_arrival: float, now: float, interval_s: float, max_boost: int) -> int:
-    """Levels a tier has climbed by `now` because of its oldest item's wait."""
-    if max_boost <= 0 or now <= oldest_arrival:
-        # A replica's clock a little ahead of ours must not make a wait negative.
+def boost(tier: FleetTier, oldest_arrival: float, now: float, interval_s: float,
+          max_boost: int) -> int:
+    """Levels a tier has climbed by `now` because of its oldest item's wait:
+    one per `interval_s` past a `delay` tier's budget, at most `max_boost`.
+    The arithmetic is the in-process scheduler's, step for step."""
+    if max_boost <= 0 or not tier.delays or tier.budget_s is None:
         return 0
-    levels = math.floor((now - oldest_arrival) / interval_s)
-    return min(max_boost, levels)
+    over = now - oldest_arrival - tier.budget_s
+    if over < interval_s:
+        # Also what keeps a replica's clock a little ahead of ours from
+        # making a wait negative.
+        return 0
+    return min(max_boost, math.floor(over / interval_s))
 
 
-def effective_level(priority: int, oldest_arrival: float, now: float, tiers: FleetTiers) -> int:
-    return priority - boost(oldest_arrival, now, tiers.interval_s, tiers.max_boost)
+def effective_level(tier: FleetTier, oldest_arrival: float, now: float, tiers: FleetTiers) -> int:
+    return max(0, tier.priority - boost(tier, oldest_arrival, now, tiers.interval_s, tiers.max_boost))
 
 
 def pick_tier(tiers: FleetTiers, oldest: Mapping[str, float], now: float) -> str | None:
     """The tier to take the next item from, given each non-empty tier's oldest
-    arrival; None when every tier is empty. Mirrored by `_PICK` in
+    arrival; None when every tier is empty. Mirrored by the claim script in
     redis_store.py: change both together."""
     best: str | None = None
-    best_key: tuple[int, int, float] | None = None
+    best_key: tuple[int, float, int] | None = None
     for tier in tiers.tiers:
         head = oldest.get(tier.name)
         if head is None:
             continue
-        key = (effective_level(tier.priority, head, now, tiers), tier.priority, head)
+        key = (effective_level(tier, head, now, tiers), head, tier.priority)
         if best_key is None or key < best_key:
             best, best_key = tier.name, key
     return best
+
+
+@dataclass(frozen=True, slots=True)
+class FleetLoad:
+    """What a store knows of the fleet's load at an enqueue."""
+
+    queued_work: Mapping[str, int]
+    """Tier -> tokens (prompt + expected output) of its queued items."""
+    inflow: Mapping[str, float]
+    """Tier -> tokens/s of new work arriving there (an exponential average)."""
+    drain: float
+    """Tokens/s the live engine nodes complete, summed (0: none reports)."""
+    room: int
+    """Free sequence slots of the live engine nodes, summed."""
+
+
+def predicted_wait(tiers: FleetTiers, tier: str, work: int, load: FleetLoad) -> float | None:
+    """How long an item of `work` tokens entering `tier` is expected to wait
+    before a node takes it; None when no live node reports a drain rate (no
+    evidence, so no refusal). One node's rule (Scheduler.submit), over the
+    fleet; mirrored by the enqueue script in redis_store.py, operation for
+    operation, so that both stores decide alike to the last bit."""
+    if load.drain <= 0.0:
+        return None
+    mine = tiers.tier(tier).priority
+    # With every node full the newcomer also waits for a slot of its own.
+    ahead = float(work) if load.room <= 0 else 0.0
+    inflow = 0.0
+    for other in tiers.tiers:
+        if other.priority <= mine:
+            ahead += load.queued_work.get(other.name, 0)
+            if other.priority < mine:
+                inflow += load.inflow.get(other.name, 0.0)
+    if load.room > 0:
+        ahead = max(0.0, ahead - load.room * work)
+    if ahead <= 0.0:
+        return 0.0
+    drain = load.drain - inflow
+    return ahead / drain if drain > 0.0 else math.inf
 
 
 def lane_key(item: WorkItem) -> str:

@@ -26,6 +26,11 @@ which the scripts need since they touch every tier):
                   items in order (model.lane_key)
   backlog:<tier>  fair tiers: sorted set, backlogged tenant -> counter
   counter:<tier>  sorted set, tenant -> virtual token counter
+  work      hash, item id -> tokens it is expected to take
+  qwork     hash, tier -> tokens of its queued items
+  rate      hash, node -> tokens/s it drains when full, in thousandths
+  inflow, inflow_at   hashes, tier -> its arrival-rate sum (written with
+            %.17g, which reads back exactly) / the last arrival it counts
 Arrivals and lease ends go in and out as Python's `repr` of the float, never
 through a Lua number: Redis writes Lua numbers with 14 significant digits,
 which would move a wall-clock time by up to a tenth of a millisecond and make
@@ -34,6 +39,7 @@ this store disagree with the memory one.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -41,8 +47,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .model import Claim, FleetTiers, Lease, WorkItem, lane_key
-from .store import ItemStatus, WorkQueue, WorkQueueError, WorkQueueFull
+from .model import Claim, FleetLoad, FleetTiers, Lease, WorkItem, lane_key
+from .store import (
+    ItemStatus,
+    WorkQueue,
+    WorkQueueError,
+    WorkQueueFull,
+    WorkQueueOverloaded,
+    milli,
+)
 
 _CANCELLED: dict[int, ItemStatus | None] = {0: None, 1: "queued", 2: "leased", 3: "completed"}
 
@@ -65,24 +78,33 @@ _FIELDS = (
     "charge",
     "lane",
     "served",
+    "work",
+    "qwork",
+    "rate",
+    "inflow",
+    "inflow_at",
 )
 # The prelude's K_* constants and F (the per-tier keys follow) assume this.
-assert len(_FIELDS) == 18
+assert len(_FIELDS) == 23
 _PER_TIER = ("q", "lane", "backlog", "counter")
 
 # Every script gets the same KEYS (the fields above, then per tier in
 # FleetTiers order its queue, lane, backlog and counter keys, each kind in a
-# block of n) and, from some ARGV index, the tier args: n, the names, fair.
+# block of n) and, from some ARGV index, the tier args: n, the names, fair,
+# the inflow time constant, then per tier its priority, budget ('' for none),
+# delays (1/0) and admission (1/0).
 _PRELUDE = r"""
 local K_TIER, K_TENANT, K_ARRIVAL, K_ATTEMPT, K_PAYLOAD = 1, 2, 3, 4, 5
 local K_HOLDER, K_NODE, K_EXPIRY, K_DONE, K_TOKEN = 6, 7, 8, 9, 10
 local K_AFFKEY, K_BOUND, K_BOUND_AT, K_ROOM, K_SEEN = 11, 12, 13, 14, 15
-local K_CHARGE, K_LANE, K_SERVED = 16, 17, 18
-local F = 18
+local K_CHARGE, K_LANE, K_SERVED, K_WORK, K_QWORK = 16, 17, 18, 19, 20
+local K_RATE, K_INFLOW, K_INFLOW_AT = 21, 22, 23
+local F = 23
 local T = {}
 local function tier_args(at)
   local n = tonumber(ARGV[at])
   T.n, T.names, T.q, T.lane, T.backlog, T.counter = n, {}, {}, {}, {}, {}
+  T.prio, T.budget, T.delays, T.admit = {}, {}, {}, {}
   for i = 1, n do
     local name = ARGV[at + i]
     T.names[i] = name
@@ -92,7 +114,15 @@ local function tier_args(at)
     T.counter[name] = KEYS[F + 3 * n + i]
   end
   T.fair = ARGV[at + n + 1] == '1'
-  return at + n + 2
+  T.tau = tonumber(ARGV[at + n + 2])
+  for i = 1, n do
+    local name, j = T.names[i], at + n + 3 + 4 * (i - 1)
+    T.prio[name] = tonumber(ARGV[j])
+    T.budget[name] = tonumber(ARGV[j + 1])
+    T.delays[name] = ARGV[j + 2] == '1'
+    T.admit[name] = ARGV[j + 3] == '1'
+  end
+  return at + n + 3 + 4 * n
 end
 -- A tenant's items in a fair tier's lane set: members `tenant \0 hex \0 id`,
 -- all scored 0, so they sort by tenant, then arrival, then id.
@@ -117,6 +147,7 @@ end
 local function push(id)
   local tier = redis.call('HGET', KEYS[K_TIER], id)
   redis.call('ZADD', T.q[tier], redis.call('HGET', KEYS[K_ARRIVAL], id), id)
+  redis.call('HINCRBY', KEYS[K_QWORK], tier, redis.call('HGET', KEYS[K_WORK], id))
   if not T.fair then return end
   local tenant = redis.call('HGET', KEYS[K_TENANT], id)
   if not redis.call('ZSCORE', T.backlog[tier], tenant) then
@@ -131,6 +162,8 @@ local function push(id)
 end
 local function unqueue(id, tier)
   redis.call('ZREM', T.q[tier], id)
+  -- 0 - x, not -x: Lua writes -0 as '-0', which HINCRBY refuses.
+  redis.call('HINCRBY', KEYS[K_QWORK], tier, 0 - tonumber(redis.call('HGET', KEYS[K_WORK], id)))
   if not T.fair then return end
   redis.call('ZREM', T.lane[tier], redis.call('HGET', KEYS[K_LANE], id))
   local tenant = redis.call('HGET', KEYS[K_TENANT], id)
@@ -150,7 +183,7 @@ local function requeue(id)
 end
 local function forget(id)
   for _, k in ipairs({K_TIER, K_TENANT, K_ARRIVAL, K_ATTEMPT, K_PAYLOAD, K_HOLDER, K_NODE,
-                      K_AFFKEY, K_CHARGE, K_LANE}) do
+                      K_AFFKEY, K_CHARGE, K_LANE, K_WORK}) do
     redis.call('HDEL', KEYS[k], id)
   end
   redis.call('ZREM', KEYS[K_EXPIRY], id)
@@ -170,22 +203,74 @@ local function wake_if_full(before, room, wake)
     redis.call('PUBLISH', wake, '1')
   end
 end
-local function set_room(node, room, live_until, wake)
+local function set_room(node, room, live_until, rate, wake)
   local before = tonumber(redis.call('HGET', KEYS[K_ROOM], node) or '0')
   redis.call('HSET', KEYS[K_ROOM], node, room)
+  redis.call('HSET', KEYS[K_RATE], node, rate)
   redis.call('ZADD', KEYS[K_SEEN], live_until, node)
   wake_if_full(before, room, wake)
+end
+-- Mirrors core.admission.ArrivalRate, operation for operation; `now` is a
+-- repr string. The sum is stored with %.17g, which reads back exactly.
+local function inflow_rate(tier, now)
+  local last = redis.call('HGET', KEYS[K_INFLOW_AT], tier)
+  if not last then return 0.0 end
+  local sum = tonumber(redis.call('HGET', KEYS[K_INFLOW], tier))
+  last, now = tonumber(last), tonumber(now)
+  if now > last then sum = sum * math.exp((last - now) / T.tau) end
+  return sum / T.tau
+end
+local function inflow_add(tier, tokens, now)
+  local last = redis.call('HGET', KEYS[K_INFLOW_AT], tier)
+  local sum = tonumber(redis.call('HGET', KEYS[K_INFLOW], tier) or '0')
+  if not last then
+    redis.call('HSET', KEYS[K_INFLOW_AT], tier, now)
+  elseif tonumber(now) > tonumber(last) then
+    sum = sum * math.exp((tonumber(last) - tonumber(now)) / T.tau)
+    redis.call('HSET', KEYS[K_INFLOW_AT], tier, now)
+  end
+  redis.call('HSET', KEYS[K_INFLOW], tier, string.format('%.17g', sum + tokens))
+end
+-- Mirrors model.predicted_wait (nil: no live node reports a drain rate).
+local function predicted_wait(tier, work, now)
+  local drain, room = 0, 0
+  for _, node in ipairs(redis.call('ZRANGEBYSCORE', KEYS[K_SEEN], '(' .. now, '+inf')) do
+    drain = drain + tonumber(redis.call('HGET', KEYS[K_RATE], node) or '0')
+    room = room + tonumber(redis.call('HGET', KEYS[K_ROOM], node) or '0')
+  end
+  drain = drain / 1000.0
+  if drain <= 0 then return nil end
+  local mine = T.prio[tier]
+  local ahead = 0.0
+  if room <= 0 then ahead = work end
+  local inflow = 0.0
+  for i = 1, T.n do
+    local name = T.names[i]
+    if T.prio[name] <= mine then
+      ahead = ahead + tonumber(redis.call('HGET', KEYS[K_QWORK], name) or '0')
+      if T.prio[name] < mine then inflow = inflow + inflow_rate(name, now) end
+    end
+  end
+  if room > 0 then
+    ahead = ahead - room * work
+    if ahead < 0 then ahead = 0.0 end
+  end
+  if ahead <= 0 then return 0.0 end
+  drain = drain - inflow
+  if drain > 0 then return ahead / drain end
+  return math.huge
 end
 """
 
 # ARGV: id, tier, tenant, arrival, payload, attempt, max_queued (0: no cap),
-# wake channel, affinity key ('' for none), charge, lane member, then the
-# tier args. Returns 1, 0 (duplicate) or -1 (full).
+# wake channel, affinity key ('' for none), charge, lane member, work, then
+# the tier args. Returns 1, 0 (duplicate), -1 (full) or {-2, the predicted
+# wait} (refused by admission).
 _ENQUEUE = (
     _PRELUDE
     + """
 local id = ARGV[1]
-tier_args(12)
+tier_args(13)
 if redis.call('HEXISTS', KEYS[K_TIER], id) == 1
     or redis.call('ZSCORE', KEYS[K_DONE], id) then
   return 0
@@ -193,6 +278,13 @@ end
 local cap = tonumber(ARGV[7])
 if cap > 0 and redis.call('ZCARD', T.q[ARGV[2]]) >= cap then
   return -1
+end
+local work = tonumber(ARGV[12])
+if T.admit[ARGV[2]] and T.budget[ARGV[2]] then
+  local predicted = predicted_wait(ARGV[2], work, ARGV[4])
+  if predicted and predicted > T.budget[ARGV[2]] then
+    return {-2, string.format('%.17g', predicted)}
+  end
 end
 redis.call('HSET', KEYS[K_TIER], id, ARGV[2])
 redis.call('HSET', KEYS[K_TENANT], id, ARGV[3])
@@ -202,17 +294,19 @@ redis.call('HSET', KEYS[K_ATTEMPT], id, ARGV[6])
 if ARGV[9] ~= '' then redis.call('HSET', KEYS[K_AFFKEY], id, ARGV[9]) end
 redis.call('HSET', KEYS[K_CHARGE], id, ARGV[10])
 redis.call('HSET', KEYS[K_LANE], id, ARGV[11])
+redis.call('HSET', KEYS[K_WORK], id, ARGV[12])
 push(id)
+inflow_add(ARGV[2], work, ARGV[4])
 redis.call('PUBLISH', ARGV[8], '1')
 return 1
 """
 )
 
 # ARGV: now, node, max_items, expires_at, interval_s, max_boost, done horizon,
-# affinity horizon, wake channel, then the tier args, then one priority per
-# tier. Returns {leases, held back until ('' for none)}, one [id, tier,
+# affinity horizon, wake channel, drain rate (milli), then the tier args.
+# Returns {leases, held back until ('' for none)}, one [id, tier,
 # tenant, arrival, payload, attempt, token, affinity key, charge, where its
-# key was bound (0: nowhere, 1: this node, 2: another)] per lease.
+# key was bound (0: nowhere, 1: this node, 2: another), work] per lease.
 # The tier choice is model.pick_tier and the rest MemoryWorkQueue.claim:
 # change them together.
 _CLAIM = (
@@ -231,12 +325,11 @@ end
 redis.call('ZREMRANGEBYSCORE', KEYS[K_BOUND_AT], '-inf', '(' .. ARGV[8])
 for _, other in ipairs(redis.call('ZRANGEBYSCORE', KEYS[K_SEEN], '-inf', ARGV[1])) do
   redis.call('HDEL', KEYS[K_ROOM], other)
+  redis.call('HDEL', KEYS[K_RATE], other)
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[K_SEEN], '-inf', ARGV[1])
 local wake = ARGV[9]
-local at = tier_args(10)
-local prio = {}
-for i = 1, T.n do prio[i] = tonumber(ARGV[at + i - 1]) end
+tier_args(11)
 
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[K_EXPIRY], '-inf', ARGV[1])) do
   requeue(id)
@@ -263,16 +356,21 @@ while #out < max_items do
     local head = (not passed[name]) and redis.call('ZRANGE', T.q[name], 0, 0)[1]
     if head then
       local arrival = tonumber(redis.call('HGET', KEYS[K_ARRIVAL], head))
+      local prio, budget = T.prio[name], T.budget[name]
       local boost = 0
-      if max_boost > 0 and now > arrival then
-        boost = math.floor((now - arrival) / interval)
-        if boost > max_boost then boost = max_boost end
+      if max_boost > 0 and T.delays[name] and budget then
+        local over = now - arrival - budget
+        if over >= interval then
+          boost = math.floor(over / interval)
+          if boost > max_boost then boost = max_boost end
+        end
       end
-      local level = prio[i] - boost
+      local level = prio - boost
+      if level < 0 then level = 0 end
       if best == nil or level < best_level
-          or (level == best_level and (prio[i] < best_prio
-              or (prio[i] == best_prio and arrival < best_head))) then
-        best, best_level, best_prio, best_head = i, level, prio[i], arrival
+          or (level == best_level and (arrival < best_head
+              or (arrival == best_head and prio < best_prio))) then
+        best, best_level, best_prio, best_head = i, level, prio, arrival
       end
     end
   end
@@ -328,21 +426,23 @@ while #out < max_items do
       out[#out + 1] = {id, tier, redis.call('HGET', KEYS[K_TENANT], id),
                        redis.call('HGET', KEYS[K_ARRIVAL], id),
                        redis.call('HGET', KEYS[K_PAYLOAD], id),
-                       redis.call('HGET', KEYS[K_ATTEMPT], id), token, key or '', charge, bound}
+                       redis.call('HGET', KEYS[K_ATTEMPT], id), token, key or '', charge, bound,
+                       redis.call('HGET', KEYS[K_WORK], id)}
     end
   end
 end
-set_room(node, max_items - #out, expires_at, wake)
+set_room(node, max_items - #out, expires_at, ARGV[10], wake)
 return {out, held_until or ''}
 """
 )
 
-# ARGV: node, room, live until, wake channel, then the tier args.
+# ARGV: node, room, live until, wake channel, drain rate (milli), then the
+# tier args.
 _HEARTBEAT = (
     _PRELUDE
     + """
-tier_args(5)
-set_room(ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4])
+tier_args(6)
+set_room(ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[5], ARGV[4])
 """
 )
 
@@ -353,6 +453,7 @@ _LEAVE = (
 tier_args(3)
 local before = tonumber(redis.call('HGET', KEYS[K_ROOM], ARGV[1]) or '0')
 redis.call('HDEL', KEYS[K_ROOM], ARGV[1])
+redis.call('HDEL', KEYS[K_RATE], ARGV[1])
 redis.call('ZREM', KEYS[K_SEEN], ARGV[1])
 wake_if_full(before, 0, ARGV[2])
 """
@@ -465,7 +566,12 @@ class RedisWorkQueue(WorkQueue):
         self._keys = [self._field[name] for name in _FIELDS]
         self._keys += [f"{base}{kind}:{tier}" for kind in _PER_TIER for tier in tiers.names()]
         self._counter = {tier: f"{base}counter:{tier}" for tier in tiers.names()}
-        self._tier_args = [len(tiers.tiers), *tiers.names(), 1 if tiers.fair else 0]
+        self._tier_args: list[Any] = [
+            len(tiers.tiers), *tiers.names(), 1 if tiers.fair else 0, repr(tiers.inflow_tau_s),
+        ]  # fmt: skip
+        for tier in tiers.tiers:
+            budget = "" if tier.budget_s is None else repr(tier.budget_s)
+            self._tier_args += [tier.priority, budget, int(tier.delays), int(tier.admission)]
         self._enqueue = self._redis.register_script(_ENQUEUE)
         self._claim = self._redis.register_script(_CLAIM)
         self._renew = self._redis.register_script(_RENEW)
@@ -496,8 +602,13 @@ class RedisWorkQueue(WorkQueue):
         args = [
             item.id, item.tier, item.tenant, repr(item.arrival), item.payload, item.attempt,
             max_queued or 0, self.wake_channel, item.affinity, repr(item.charge), lane_key(item),
+            item.work,
         ]  # fmt: skip
         result = await self._run(self._enqueue, [*args, *self._tier_args])
+        if isinstance(result, list):
+            budget = self.tiers.tier(item.tier).budget_s
+            assert budget is not None
+            raise WorkQueueOverloaded(item.tier, float(result[1]), budget)
         if result == 0:
             raise ValueError(f"duplicate work item id {item.id!r}")
         if result < 0:
@@ -514,18 +625,21 @@ class RedisWorkQueue(WorkQueue):
         first = await self._guard(self._redis.zrange(self._field["expiry"], 0, 0, withscores=True))
         return float(first[0][1]) if first else None
 
-    async def claim(self, node: str, max_items: int, now: float, lease_s: float) -> Claim:
+    async def claim(
+        self, node: str, max_items: int, now: float, lease_s: float, *, drain_rate: float = 0.0
+    ) -> Claim:
         expires_at = now + lease_s
         args: list[Any] = [
             repr(now), node, max_items, repr(expires_at),
             repr(self.tiers.interval_s), self.tiers.max_boost,
             repr(now - self.done_retention_s), repr(now - self.affinity_ttl_s), self.wake_channel,
-            *self._tier_args, *(t.priority for t in self.tiers.tiers),
+            milli(drain_rate), *self._tier_args,
         ]  # fmt: skip
         rows, held_until = await self._run(self._claim, args)
         leases = []
         home, away = set(), set()
-        for item_id, tier, tenant, arrival, payload, attempt, token, affinity, charge, bound in rows:
+        for row in rows:
+            item_id, tier, tenant, arrival, payload, attempt, token, affinity, charge, bound, work = row
             item = WorkItem(
                 id=item_id.decode(),
                 tier=tier.decode(),
@@ -535,6 +649,7 @@ class RedisWorkQueue(WorkQueue):
                 attempt=int(attempt),
                 affinity=affinity.decode(),
                 charge=float(charge),
+                work=int(work),
             )
             leases.append(Lease(item, node, int(token), expires_at))
             if bound:
@@ -542,8 +657,13 @@ class RedisWorkQueue(WorkQueue):
         held_back_until = float(held_until) if held_until else None
         return Claim(leases, held_back_until, frozenset(home), frozenset(away))
 
-    async def heartbeat(self, node: str, room: int, now: float, ttl_s: float) -> None:
-        args = [node, max(0, room), repr(now + ttl_s), self.wake_channel, *self._tier_args]
+    async def heartbeat(
+        self, node: str, room: int, now: float, ttl_s: float, *, drain_rate: float = 0.0
+    ) -> None:
+        args = [
+            node, max(0, room), repr(now + ttl_s), self.wake_channel, milli(drain_rate),
+            *self._tier_args,
+        ]  # fmt: skip
         await self._run(self._heartbeat, args)
 
     async def leave(self, node: str) -> None:
@@ -575,6 +695,33 @@ class RedisWorkQueue(WorkQueue):
     async def counters(self, tier: str) -> dict[str, float]:
         rows = await self._guard(self._redis.zrange(self._counter[tier], 0, -1, withscores=True))
         return {tenant.decode(): float(score) for tenant, score in rows}
+
+    async def load(self, now: float) -> FleetLoad:
+        tiers = self.tiers.names()
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hgetall(self._field["qwork"])
+            pipe.hgetall(self._field["inflow"])
+            pipe.hgetall(self._field["inflow_at"])
+            pipe.zrangebyscore(self._field["seen"], f"({now!r}", "+inf")
+            pipe.hgetall(self._field["rate"])
+            pipe.hgetall(self._field["room"])
+            work, sums, lasts, live, rates, rooms = await self._guard(pipe.execute())
+        tau = self.tiers.inflow_tau_s
+        inflow: dict[str, float] = {}
+        for tier in tiers:
+            last = lasts.get(tier.encode())
+            if last is None:
+                inflow[tier] = 0.0
+                continue
+            # As ArrivalRate.rate, on the stored sum.
+            total, at = float(sums[tier.encode()]), float(last)
+            inflow[tier] = (total * math.exp((at - now) / tau) if now > at else total) / tau
+        return FleetLoad(
+            queued_work={tier: int(work.get(tier.encode(), 0)) for tier in tiers},
+            inflow=inflow,
+            drain=sum(int(rates.get(node, 0)) for node in live) / 1000.0,
+            room=sum(int(rooms.get(node, 0)) for node in live),
+        )
 
     async def depth(self) -> dict[str, int]:
         async with self._redis.pipeline(transaction=False) as pipe:

@@ -8,7 +8,9 @@ import itertools
 from abc import ABC, abstractmethod
 from typing import Literal
 
-from .model import Claim, FleetTiers, Lease, WorkItem, pick_tier
+from qosgate.core.admission import ArrivalRate
+
+from .model import Claim, FleetLoad, FleetTiers, Lease, WorkItem, pick_tier, predicted_wait
 
 ItemStatus = Literal["queued", "leased", "completed"]
 
@@ -19,6 +21,24 @@ class WorkQueueError(Exception):
 
 class WorkQueueFull(Exception):
     """The item's tier already holds as many queued items as it may."""
+
+
+class WorkQueueOverloaded(Exception):
+    """Admission refused the item: its predicted wait exceeds its tier's budget."""
+
+    def __init__(self, tier: str, predicted_wait_s: float, budget_s: float) -> None:
+        super().__init__(
+            f"predicted queue wait {predicted_wait_s:.2f}s in the fleet exceeds tier "
+            f"{tier!r} budget {budget_s:.2f}s"
+        )
+        self.predicted_wait_s = predicted_wait_s
+        self.budget_s = budget_s
+
+
+def milli(rate: float) -> int:
+    """A node's drain rate as stored: whole thousandths of a token per second,
+    so that summing the nodes' rates is exact in any order (in Lua too)."""
+    return max(0, round(rate * 1000.0))
 
 
 class WorkQueue(ABC):
@@ -59,8 +79,11 @@ class WorkQueue(ABC):
     async def enqueue(self, item: WorkItem, *, max_queued: int | None = None) -> None:
         """Queue `item`; ValueError if its id was enqueued here before (queued,
         leased or ended within `done_retention_s`), so nothing runs twice;
-        WorkQueueFull if its tier already holds `max_queued` queued items.
-        Wakes idle engine nodes."""
+        WorkQueueFull if its tier already holds `max_queued` queued items;
+        WorkQueueOverloaded if its tier admits by prediction and
+        `model.predicted_wait` (at `item.arrival`) exceeds the tier's budget.
+        Adds `item.work` to its tier's queued work and arrival rate. Wakes
+        idle engine nodes."""
 
     @abstractmethod
     async def cancel(
@@ -73,7 +96,9 @@ class WorkQueue(ABC):
         completed stays completed."""
 
     @abstractmethod
-    async def claim(self, node: str, max_items: int, now: float, lease_s: float) -> Claim:
+    async def claim(
+        self, node: str, max_items: int, now: float, lease_s: float, *, drain_rate: float = 0.0
+    ) -> Claim:
         """Return expired leases' items to their queues, then lease up to
         `max_items` to `node`, each from the tier `pick_tier` names at that
         moment, until `now + lease_s`, leaving items for the live nodes their
@@ -81,13 +106,16 @@ class WorkQueue(ABC):
         Binds a taken item's key to `node` unless a live node has it, and
         records `node` as live
         until `now + lease_s` with the room it has left (`max_items` less
-        what it took)."""
+        what it took) and the tokens/s it drains when full (`drain_rate`; 0:
+        unknown), which admission sums over the live nodes."""
 
     @abstractmethod
-    async def heartbeat(self, node: str, room: int, now: float, ttl_s: float) -> None:
-        """Record `node` as live until `now + ttl_s` with `room` free slots:
-        how long, and for how many items, other nodes hold its affinity
-        work back for it. A node whose room falls to 0 while work is queued
+    async def heartbeat(
+        self, node: str, room: int, now: float, ttl_s: float, *, drain_rate: float = 0.0
+    ) -> None:
+        """Record `node` as live until `now + ttl_s` with `room` free slots and
+        `drain_rate` (as `claim` does): how long, and for how many items,
+        other nodes hold its affinity work back for it. A node whose room falls to 0 while work is queued
         wakes the others, which may now take what they held back."""
 
     @abstractmethod
@@ -129,6 +157,11 @@ class WorkQueue(ABC):
     async def release(self, lease: Lease) -> bool:
         """Give the item back at once, at its original arrival (a node
         shutting down); False if the lease was already lost."""
+
+    @abstractmethod
+    async def load(self, now: float) -> FleetLoad:
+        """What admission sees at `now`: queued work and arrival rate per
+        tier, and the live nodes' drain rate and room."""
 
     @abstractmethod
     async def depth(self) -> dict[str, int]:
@@ -180,8 +213,9 @@ class MemoryWorkQueue(WorkQueue):
         self._completed: dict[str, float] = {}
         self._queued: dict[str, WorkItem] = {}
         self._tokens = itertools.count(1)
-        # Node -> (room, live until); affinity key -> (node, when bound).
-        self._nodes: dict[str, tuple[int, float]] = {}
+        # Node -> (room, live until, drain rate in milli-tokens/s);
+        # affinity key -> (node, when bound).
+        self._nodes: dict[str, tuple[int, float, int]] = {}
         self._bound: dict[str, tuple[str, float]] = {}
         # Fair tiers: tier -> tenant -> its queued items (only backlogged
         # tenants have a lane), tier -> tenant -> counter, tier -> the
@@ -191,6 +225,9 @@ class MemoryWorkQueue(WorkQueue):
         }
         self._counters: dict[str, dict[str, float]] = {name: {} for name in tiers.names()}
         self._served: dict[str, float] = {}
+        # Admission: tier -> tokens queued, tier -> arrival rate.
+        self._work = dict.fromkeys(tiers.names(), 0)
+        self._inflow = {name: ArrivalRate(tiers.inflow_tau_s) for name in tiers.names()}
         self.published: list[tuple[str, bytes]] = []
         """Replies `complete` published, in order (Redis publishes them)."""
         self.wakes = 0
@@ -202,8 +239,30 @@ class MemoryWorkQueue(WorkQueue):
             raise ValueError(f"duplicate work item id {item.id!r}")
         if max_queued is not None and len(self._queues[item.tier]) >= max_queued:
             raise WorkQueueFull(f"tier {item.tier!r} holds {max_queued} queued items")
+        tier = self.tiers.tier(item.tier)
+        if tier.admission and tier.budget_s is not None:
+            predicted = predicted_wait(self.tiers, item.tier, item.work, self._load(item.arrival))
+            if predicted is not None and predicted > tier.budget_s:
+                raise WorkQueueOverloaded(item.tier, predicted, tier.budget_s)
         self._push(item)
+        self._inflow[item.tier].add(item.work, item.arrival)
         self.wakes += 1
+
+    def _load(self, now: float) -> FleetLoad:
+        drain = room = 0
+        for node_room, until, rate in self._nodes.values():
+            if until > now:
+                drain += rate
+                room += node_room
+        return FleetLoad(
+            queued_work=dict(self._work),
+            inflow={name: rate.rate(now) for name, rate in self._inflow.items()},
+            drain=drain / 1000.0,
+            room=room,
+        )
+
+    async def load(self, now: float) -> FleetLoad:
+        return self._load(now)
 
     async def cancel(
         self, item_id: str, now: float, *, only_queued: bool = False
@@ -224,6 +283,7 @@ class MemoryWorkQueue(WorkQueue):
         entry = (item.arrival, item.id, item)
         bisect.insort(self._queues[item.tier], entry)
         self._queued[item.id] = item
+        self._work[item.tier] += item.work
         if self.tiers.fair:
             lanes = self._lanes[item.tier]
             if item.tenant not in lanes:
@@ -239,6 +299,7 @@ class MemoryWorkQueue(WorkQueue):
     def _unqueue(self, item: WorkItem) -> None:
         entry = (item.arrival, item.id, item)
         self._queues[item.tier].remove(entry)
+        self._work[item.tier] -= item.work
         if self.tiers.fair:
             lanes = self._lanes[item.tier]
             lanes[item.tenant].remove(entry)
@@ -279,7 +340,9 @@ class MemoryWorkQueue(WorkQueue):
     async def counters(self, tier: str) -> dict[str, float]:
         return dict(self._counters[tier])
 
-    async def claim(self, node: str, max_items: int, now: float, lease_s: float) -> Claim:
+    async def claim(
+        self, node: str, max_items: int, now: float, lease_s: float, *, drain_rate: float = 0.0
+    ) -> Claim:
         # In the Redis store's order (by lease end, then id): under fairness,
         # each refund and lift depends on the ones before it.
         expired = sorted(
@@ -294,11 +357,11 @@ class MemoryWorkQueue(WorkQueue):
         horizon = now - self.affinity_ttl_s
         for key in [k for k, (_, at) in self._bound.items() if at < horizon]:
             del self._bound[key]
-        for other in [n for n, (_, until) in self._nodes.items() if until <= now]:
+        for other in [n for n, (_, until, _) in self._nodes.items() if until <= now]:
             del self._nodes[other]
         # How many more items each other live node has room for, and so may
         # still have held back for it.
-        reserve = {n: room for n, (room, _) in self._nodes.items() if n != node and room > 0}
+        reserve = {n: room for n, (room, _, _) in self._nodes.items() if n != node and room > 0}
         held_back_until: float | None = None
         home: set[str] = set()
         away: set[str] = set()
@@ -342,12 +405,12 @@ class MemoryWorkQueue(WorkQueue):
             token = next(self._tokens)
             self._held[item.id] = _Held(item, node, token, expires_at)
             leases.append(Lease(item, node, token, expires_at))
-        self._set_room(node, max_items - len(leases), expires_at)
+        self._set_room(node, max_items - len(leases), expires_at, milli(drain_rate))
         return Claim(leases, held_back_until, frozenset(home), frozenset(away))
 
-    def _set_room(self, node: str, room: int, until: float) -> None:
-        before = self._nodes.get(node, (0, 0.0))[0]
-        self._nodes[node] = (room, until)
+    def _set_room(self, node: str, room: int, until: float, rate: int) -> None:
+        before = self._nodes.get(node, (0, 0.0, 0))[0]
+        self._nodes[node] = (room, until, rate)
         self._wake_if_full(before, room)
 
     def _wake_if_full(self, before: int, room: int) -> None:
@@ -356,11 +419,13 @@ class MemoryWorkQueue(WorkQueue):
         if before > 0 and room <= 0 and any(self._queues.values()):
             self.wakes += 1
 
-    async def heartbeat(self, node: str, room: int, now: float, ttl_s: float) -> None:
-        self._set_room(node, max(0, room), now + ttl_s)
+    async def heartbeat(
+        self, node: str, room: int, now: float, ttl_s: float, *, drain_rate: float = 0.0
+    ) -> None:
+        self._set_room(node, max(0, room), now + ttl_s, milli(drain_rate))
 
     async def leave(self, node: str) -> None:
-        room, _ = self._nodes.pop(node, (0, 0.0))
+        room, _, _ = self._nodes.pop(node, (0, 0.0, 0))
         self._wake_if_full(room, 0)
 
     async def bound_node(self, key: str) -> str | None:
@@ -389,8 +454,8 @@ class MemoryWorkQueue(WorkQueue):
             # The run's slot is free again: its node's record says so at
             # once, before the gateway hears of the end (and perhaps sends
             # the session's next turn).
-            room, until = self._nodes[held.node]
-            self._nodes[held.node] = (room + 1, until)
+            room, until, rate = self._nodes[held.node]
+            self._nodes[held.node] = (room + 1, until, rate)
         if self.tiers.fair and used is not None:
             item = held.item
             self._add_service(item.tier, item.tenant, used - item.charge)

@@ -262,6 +262,7 @@ class Gateway:
             tenant=tenant,
             tier=tier,
             session=session,
+            work=req.work,
         )
         stream = RequestStream(self, req, job, loop, reservation)
         self._streams[request_id] = stream
