@@ -490,17 +490,39 @@ def test_predicted_wait_is_work_ahead_over_what_drains_beyond_the_inflow():
                      drain=150.0, room=0)  # fmt: skip
     # Every node full: its own 100 tokens, then what is queued at or above std,
     # drained at 150 less gold's 50 tokens/s of arrivals.
-    assert predicted_wait(ADMIT, "std", 100, load) == (100 + 500 + 300) / 100.0
+    assert predicted_wait(ADMIT, "std", 100, load, T0) == (100 + 500 + 300) / 100.0
     # gold has nothing above it: no inflow counts, and std's queue is behind it.
-    assert predicted_wait(ADMIT, "gold", 100, load) == 600 / 150.0
+    assert predicted_wait(ADMIT, "gold", 100, load, T0) == 600 / 150.0
     # Free slots start that much work at once.
     roomy = dataclasses.replace(load, room=3)
-    assert predicted_wait(ADMIT, "std", 100, roomy) == 500 / 100.0
-    assert predicted_wait(ADMIT, "std", 400, roomy) == 0.0
+    assert predicted_wait(ADMIT, "std", 100, roomy, T0) == 500 / 100.0
+    assert predicted_wait(ADMIT, "std", 400, roomy, T0) == 0.0
     # Arrivals above as fast as the fleet drains: never served.
-    assert predicted_wait(ADMIT, "std", 100, dataclasses.replace(load, drain=50.0)) == math.inf
+    assert predicted_wait(ADMIT, "std", 100, dataclasses.replace(load, drain=50.0), T0) == math.inf
     # No node reports a rate: no evidence, no prediction.
-    assert predicted_wait(ADMIT, "std", 100, dataclasses.replace(load, drain=0.0)) is None
+    assert predicted_wait(ADMIT, "std", 100, dataclasses.replace(load, drain=0.0), T0) is None
+
+
+def test_predicted_wait_counts_delay_work_aged_to_the_newcomers_level():
+    # batch (2) ages past its 5 s budget, a level per 2 s: it reaches gold's
+    # level 0 after 9 s, where equal levels go to the older head.
+    tiers = FleetTiers.of(
+        {"gold": 0, "batch": 2}, interval_s=2.0, max_boost=2,
+        budgets={"gold": 10.0, "batch": 5.0}, delays=["batch"],
+    )  # fmt: skip
+    load = FleetLoad(queued_work={"gold": 0, "batch": 1900}, inflow={}, drain=200.0, room=0,
+                     oldest={"batch": T0})  # fmt: skip
+    # 19 s on, the batch items that arrived in the first 10 s (taken as
+    # spread evenly) have climbed, and more climb at 1900 / 19 tokens/s.
+    rate = 1900 / 19
+    assert predicted_wait(tiers, "gold", 100, load, T0 + 19) == pytest.approx(
+        (100 + rate * 10) / (200 - rate)
+    )
+    # Before 9 s nothing of batch has climbed that far.
+    assert predicted_wait(tiers, "gold", 100, load, T0 + 8.9) == 100 / 200.0
+    # Without ageing it never does.
+    still = dataclasses.replace(tiers, max_boost=0)
+    assert predicted_wait(still, "gold", 100, load, T0 + 19) == 100 / 200.0
 
 
 async def test_admission_refuses_what_would_wait_past_its_budget(admit):

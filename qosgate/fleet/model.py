@@ -22,9 +22,10 @@ for (below); a tier with nothing the claiming node may take is passed over.
 
 Admission, at enqueue (`predicted_wait`): as one node predicts a request's
 wait, from the tokens queued ahead of it (its tier and every tier that
-outranks it) over the rate the live engine nodes drain tokens (each node
-measures its own while it is full, and reports it with its room), less the
-rate at which work keeps arriving in the tiers that outrank it. A `reject`
+outranks it, and `delay`-tier work old enough to have climbed to its level)
+over the rate the live engine nodes drain tokens (each node measures its own
+while it is full, and reports it with its room), less the rate at which work
+keeps arriving in the tiers that outrank it or climbing to it. A `reject`
 tier refuses at the door an item whose predicted wait exceeds its budget,
 instead of letting it expire in the queue.
 
@@ -52,13 +53,13 @@ never whether the most urgent work runs now: every item held back is one
 the bound node, having room, takes at once.
 
 Where the fleet differs from one node (docs/FLEET.md lists it): no batch
-windows or reserved slots, room counted in sequence slots rather than KV
-tokens, and no account of `delay`-tier work that will climb past a newcomer
-in the wait it predicts.
+windows or reserved slots, and room counted in sequence slots rather than KV
+tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 from collections.abc import Iterable, Mapping
@@ -281,14 +282,19 @@ class FleetLoad:
     """Tokens/s the live engine nodes complete, summed (0: none reports)."""
     room: int
     """Free sequence slots of the live engine nodes, summed."""
+    oldest: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    """Tier -> arrival of its oldest queued item (non-empty tiers)."""
 
 
-def predicted_wait(tiers: FleetTiers, tier: str, work: int, load: FleetLoad) -> float | None:
-    """How long an item of `work` tokens entering `tier` is expected to wait
-    before a node takes it; None when no live node reports a drain rate (no
-    evidence, so no refusal). One node's rule (Scheduler.submit), over the
-    fleet; mirrored by the enqueue script in redis_store.py, operation for
-    operation, so that both stores decide alike to the last bit."""
+def predicted_wait(
+    tiers: FleetTiers, tier: str, work: int, load: FleetLoad, now: float
+) -> float | None:
+    """How long an item of `work` tokens entering `tier` at `now` is expected
+    to wait before a node takes it; None when no live node reports a drain
+    rate (no evidence, so no refusal). One node's rule (Scheduler.submit),
+    over the fleet; mirrored by the enqueue script in redis_store.py,
+    operation for operation, so that both stores decide alike to the last
+    bit."""
     if load.drain <= 0.0:
         return None
     mine = tiers.tier(tier).priority
@@ -300,12 +306,35 @@ def predicted_wait(tiers: FleetTiers, tier: str, work: int, load: FleetLoad) -> 
             ahead += load.queued_work.get(other.name, 0)
             if other.priority < mine:
                 inflow += load.inflow.get(other.name, 0.0)
+        elif other.delays and tiers.max_boost and other.budget_s is not None:
+            aged, rate = _aged_work(tiers, other, mine, load, now)
+            ahead += aged
+            inflow += rate
     if load.room > 0:
         ahead = max(0.0, ahead - load.room * work)
     if ahead <= 0.0:
         return 0.0
     drain = load.drain - inflow
     return ahead / drain if drain > 0.0 else math.inf
+
+
+def _aged_work(
+    tiers: FleetTiers, other: FleetTier, level: int, load: FleetLoad, now: float
+) -> tuple[float, float]:
+    """Work of a `delay` tier that has aged to `level` by now (so goes ahead
+    of a newcomer there: equal levels go to the older head), and the rate in
+    tokens/s at which more gets there; as Scheduler._aged_work, with the
+    tier's arrivals taken as spread evenly from its oldest to now."""
+    climb = other.priority - level
+    oldest = load.oldest.get(other.name)
+    if oldest is None or climb > tiers.max_boost or other.budget_s is None:
+        return 0.0, 0.0
+    threshold = now - other.budget_s - climb * tiers.interval_s
+    span = now - oldest
+    if oldest > threshold or span <= 0:
+        return 0.0, 0.0
+    rate = load.queued_work.get(other.name, 0) / span
+    return rate * min(span, threshold - oldest), rate
 
 
 def lane_key(item: WorkItem) -> str:

@@ -232,7 +232,7 @@ local function inflow_add(tier, tokens, now)
   redis.call('HSET', KEYS[K_INFLOW], tier, string.format('%.17g', sum + tokens))
 end
 -- Mirrors model.predicted_wait (nil: no live node reports a drain rate).
-local function predicted_wait(tier, work, now)
+local function predicted_wait(tier, work, now, interval, max_boost)
   local drain, room = 0, 0
   for _, node in ipairs(redis.call('ZRANGEBYSCORE', KEYS[K_SEEN], '(' .. now, '+inf')) do
     drain = drain + tonumber(redis.call('HGET', KEYS[K_RATE], node) or '0')
@@ -249,6 +249,22 @@ local function predicted_wait(tier, work, now)
     if T.prio[name] <= mine then
       ahead = ahead + tonumber(redis.call('HGET', KEYS[K_QWORK], name) or '0')
       if T.prio[name] < mine then inflow = inflow + inflow_rate(name, now) end
+    elseif T.delays[name] and max_boost > 0 and T.budget[name] then
+      -- Mirrors model._aged_work.
+      local climb = T.prio[name] - mine
+      local head = redis.call('ZRANGE', T.q[name], 0, 0, 'WITHSCORES')[2]
+      if head and climb <= max_boost then
+        local oldest, at = tonumber(head), tonumber(now)
+        local threshold = at - T.budget[name] - climb * interval
+        local span = at - oldest
+        if not (oldest > threshold or span <= 0) then
+          local rate = tonumber(redis.call('HGET', KEYS[K_QWORK], name) or '0') / span
+          local aged = threshold - oldest
+          if span < aged then aged = span end
+          ahead = ahead + rate * aged
+          inflow = inflow + rate
+        end
+      end
     end
   end
   if room > 0 then
@@ -263,14 +279,14 @@ end
 """
 
 # ARGV: id, tier, tenant, arrival, payload, attempt, max_queued (0: no cap),
-# wake channel, affinity key ('' for none), charge, lane member, work, then
-# the tier args. Returns 1, 0 (duplicate), -1 (full) or {-2, the predicted
+# wake channel, affinity key ('' for none), charge, lane member, work,
+# interval_s, max_boost, then the tier args. Returns 1, 0 (duplicate), -1 (full) or {-2, the predicted
 # wait} (refused by admission).
 _ENQUEUE = (
     _PRELUDE
     + """
 local id = ARGV[1]
-tier_args(13)
+tier_args(15)
 if redis.call('HEXISTS', KEYS[K_TIER], id) == 1
     or redis.call('ZSCORE', KEYS[K_DONE], id) then
   return 0
@@ -281,7 +297,8 @@ if cap > 0 and redis.call('ZCARD', T.q[ARGV[2]]) >= cap then
 end
 local work = tonumber(ARGV[12])
 if T.admit[ARGV[2]] and T.budget[ARGV[2]] then
-  local predicted = predicted_wait(ARGV[2], work, ARGV[4])
+  local predicted = predicted_wait(ARGV[2], work, ARGV[4], tonumber(ARGV[13]),
+                                   tonumber(ARGV[14]))
   if predicted and predicted > T.budget[ARGV[2]] then
     return {-2, string.format('%.17g', predicted)}
   end
@@ -602,7 +619,7 @@ class RedisWorkQueue(WorkQueue):
         args = [
             item.id, item.tier, item.tenant, repr(item.arrival), item.payload, item.attempt,
             max_queued or 0, self.wake_channel, item.affinity, repr(item.charge), lane_key(item),
-            item.work,
+            item.work, repr(self.tiers.interval_s), self.tiers.max_boost,
         ]  # fmt: skip
         result = await self._run(self._enqueue, [*args, *self._tier_args])
         if isinstance(result, list):
@@ -705,7 +722,9 @@ class RedisWorkQueue(WorkQueue):
             pipe.zrangebyscore(self._field["seen"], f"({now!r}", "+inf")
             pipe.hgetall(self._field["rate"])
             pipe.hgetall(self._field["room"])
-            work, sums, lasts, live, rates, rooms = await self._guard(pipe.execute())
+            for tier in tiers:
+                pipe.zrange(self._queue[tier], 0, 0, withscores=True)
+            work, sums, lasts, live, rates, rooms, *heads = await self._guard(pipe.execute())
         tau = self.tiers.inflow_tau_s
         inflow: dict[str, float] = {}
         for tier in tiers:
@@ -721,6 +740,7 @@ class RedisWorkQueue(WorkQueue):
             inflow=inflow,
             drain=sum(int(rates.get(node, 0)) for node in live) / 1000.0,
             room=sum(int(rooms.get(node, 0)) for node in live),
+            oldest={tier: float(head[0][1]) for tier, head in zip(tiers, heads) if head},
         )
 
     async def depth(self) -> dict[str, int]:

@@ -241,7 +241,8 @@ class MemoryWorkQueue(WorkQueue):
             raise WorkQueueFull(f"tier {item.tier!r} holds {max_queued} queued items")
         tier = self.tiers.tier(item.tier)
         if tier.admission and tier.budget_s is not None:
-            predicted = predicted_wait(self.tiers, item.tier, item.work, self._load(item.arrival))
+            now = item.arrival
+            predicted = predicted_wait(self.tiers, item.tier, item.work, self._load(now), now)
             if predicted is not None and predicted > tier.budget_s:
                 raise WorkQueueOverloaded(item.tier, predicted, tier.budget_s)
         self._push(item)
@@ -259,6 +260,7 @@ class MemoryWorkQueue(WorkQueue):
             inflow={name: rate.rate(now) for name, rate in self._inflow.items()},
             drain=drain / 1000.0,
             room=room,
+            oldest={name: queue[0][0] for name, queue in self._queues.items() if queue},
         )
 
     async def load(self, now: float) -> FleetLoad:
