@@ -400,7 +400,8 @@ async def test_complete_publishes_its_reply_only_when_it_completes(queue):
             message = await listener.get_message(timeout=5.0)
             if message is not None and message["type"] == "message":
                 got.append((message["channel"].decode(), message["data"]))
-    assert got == [(queue.wake_channel, b"1"), (channel, b"done:a")]
+    # The enqueue's wake names the tier (a full node may preempt for it).
+    assert got == [(queue.wake_channel, b"q:gold"), (channel, b"done:a")]
     await listener.aclose()
 
 
@@ -466,6 +467,31 @@ async def test_tiers_still_come_first_and_age_under_fairness(fair):
     # with gold and older.
     assert await ids(fair, T0 + 4.0, 1) == ["s-old"]
     assert await ids(fair, T0 + 4.0) == ["g2", "g"]
+
+
+# -- preemption -----------------------------------------------------------------
+
+
+async def test_preempt_gives_a_run_back_only_while_more_urgent_work_is_uncovered(queue):
+    await queue.enqueue(item("s", "silver", T0, tenant="a", charge=5.0))
+    [lease] = (await queue.claim("n1", 1, T0, LEASE)).leases
+    # Nothing more urgent is queued: no reason to give it back.
+    assert not await queue.preempt(lease, T0 + 1)
+    await queue.enqueue(item("g", "gold", T0 + 1))
+    # Another live node has a free slot for gold: still no reason.
+    await queue.heartbeat("n2", 1, T0 + 1, LEASE)
+    assert not await queue.preempt(lease, T0 + 1)
+    await queue.heartbeat("n2", 0, T0 + 1, LEASE)
+    assert await queue.preempt(lease, T0 + 1)
+    # Back at its arrival (as a release, which refunds its charge too), and
+    # its node has the slot for gold.
+    assert await queue.status("s") == "queued"
+    assert (await queue.load(T0 + 1)).room == 1
+    assert not await queue.preempt(lease, T0 + 1), "the lease is gone"
+    claim = await queue.claim("n1", 1, T0 + 1, LEASE)
+    assert [lease.item.id for lease in claim.leases] == ["g"]
+    [again] = (await queue.claim("n2", 1, T0 + 2, LEASE)).leases
+    assert (again.item.id, again.item.attempt) == ("s", 1)
 
 
 # -- admission ------------------------------------------------------------------
@@ -775,6 +801,7 @@ async def test_stores_agree_on_random_operations_and_lose_nothing(request, fairn
     keys = ["session:a", "session:b", "tenant:c"]
     held_back = 0  # claims that left work for another node
     refused = 0  # enqueues refused by admission
+    preempted = 0
     wakes = Wakes(stores[1])
     await wakes.__aenter__()
     now = T0 + 0.1
@@ -840,7 +867,7 @@ async def test_stores_agree_on_random_operations_and_lose_nothing(request, fairn
                     completed.add(target)
             elif roll < 0.85 and leases:
                 pair = rng.choice(leases)
-                action = rng.choice(["renew", "complete", "complete", "release"])
+                action = rng.choice(["renew", "complete", "complete", "release", "preempt"])
                 if action == "renew":
                     lease_s = rng.choice([0.5, 2.0])
                     got = [await s.renew(pair[i], now, lease_s) for i, s in enumerate(stores)]
@@ -854,9 +881,13 @@ async def test_stores_agree_on_random_operations_and_lose_nothing(request, fairn
                     if got[0]:
                         assert pair[0].item.id not in completed, "completed twice"
                         completed.add(pair[0].item.id)
-                else:
+                elif action == "release":
                     got = [await s.release(pair[i]) for i, s in enumerate(stores)]
                     assert got[0] == got[1]
+                else:
+                    got = [await s.preempt(pair[i], now) for i, s in enumerate(stores)]
+                    assert got[0] == got[1]
+                    preempted += got[0]
             else:
                 now += rng.choice([0.0, 0.25, 0.5, 0.75, 1.0, 2.0])
 
@@ -873,7 +904,9 @@ async def test_stores_agree_on_random_operations_and_lose_nothing(request, fairn
                 assert statuses.count("queued") == sum(depth[0].values())
                 assert statuses.count("leased") == leased[0]
                 assert {i for i, s in zip(enqueued, statuses) if s == "completed"} == completed
-        assert completed and leases and held_back and refused, "the run exercised too little"
+        assert completed and leases and held_back and refused and preempted, (
+            "the run exercised too little"
+        )
         assert await wakes.count() == stores[0].wakes
     finally:
         await wakes.__aexit__()

@@ -31,15 +31,16 @@ LIMIT_S = 20.0
 
 
 def make_policy(
-    redis_url: str, prefix: str, scheduler: dict[str, Any] | None = None, **tier_overrides: Any
-) -> PolicyConfig:
+    redis_url: str, prefix: str, scheduler: dict[str, Any] | None = None,
+    batch: dict[str, Any] | None = None, **tier_overrides: Any,
+) -> PolicyConfig:  # fmt: skip
     interactive = {"priority": 0, "max_queue_wait_ms": 60_000, **tier_overrides}
     return PolicyConfig.model_validate({
         "scheduler": scheduler or {},
         "backend": {"kind": "sim", "speed": 4.0, "max_num_seqs": 2},
         "tiers": {
             "interactive": interactive,
-            "batch": {"priority": 2, "on_timeout": "delay"},
+            "batch": {"priority": 2, "on_timeout": "delay", **(batch or {})},
         },
         "default_tier": "interactive",
         "fleet": {"role": "gateway", "url": redis_url, "key_prefix": prefix, "lease_s": 1.0},
@@ -79,12 +80,12 @@ class Fleet:
 
     def submit(self, tier: str = "interactive", max_tokens: int = 8,
                stream: bool = True, session: str | None = None,
-               tenant: str = "t") -> RequestStream:  # fmt: skip
+               tenant: str = "t", prompt_tokens: int = 8) -> RequestStream:  # fmt: skip
         return self.gateway.submit(
             request_id=uuid.uuid4().hex, tenant=tenant, tier=tier, endpoint="chat",
             body={"model": "sim-llama3-8b", "messages": [], "max_tokens": max_tokens,
                   "stream": stream},
-            prompt_tokens=8, max_tokens=max_tokens, session=session,
+            prompt_tokens=prompt_tokens, max_tokens=max_tokens, session=session,
         )  # fmt: skip
 
 
@@ -259,6 +260,38 @@ async def test_the_fleet_refuses_at_the_door_what_would_wait_past_its_budget(
             assert (await reader)[1] == 8 and (await patient_reader)[1] == 8
         assert admitted.request.outcome is Outcome.COMPLETED
         assert patient.request.outcome is Outcome.COMPLETED
+
+
+async def test_a_full_node_sends_back_a_preemptible_run_for_more_urgent_work(
+    redis_server, prefix
+):
+    policy = make_policy(
+        redis_server.url, prefix, scheduler={"preemption": True}, batch={"preemptible": True}
+    )
+    async with Fleet(policy, engines=1, seqs=1) as fleet:
+        engine = fleet.engines[0]
+        started: asyncio.Queue[str] = asyncio.Queue()
+        take = engine._start
+
+        def start(lease: Any) -> None:
+            take(lease)
+            started.put_nowait(lease.item.id)
+
+        engine._start = start  # type: ignore[method-assign]
+        async with asyncio.timeout(LIMIT_S):
+            # A long prompt: the batch run spends about a second in prefill,
+            # with no output yet, filling the node's one slot.
+            batch = fleet.submit(tier="batch", prompt_tokens=150_000, max_tokens=4)
+            batch_reader = asyncio.ensure_future(read_all(batch))
+            assert await started.get() == batch.request.id
+            urgent = fleet.submit(max_tokens=8)
+            assert await read_all(urgent) == (filler_text(0, 8), 8)
+            assert not batch_reader.done(), "interactive went first"
+            assert await batch_reader == (filler_text(0, 4), 4)
+        assert engine.preempted == 1
+        # Taken, sent back, taken again, the urgent one in between.
+        assert [await started.get() for _ in range(2)] == [urgent.request.id, batch.request.id]
+        assert {batch.request.outcome, urgent.request.outcome} == {Outcome.COMPLETED}
 
 
 async def test_a_stopping_node_gives_its_work_to_another(redis_server, prefix):

@@ -50,6 +50,10 @@ from .store import WorkQueueError
 
 log = logging.getLogger(__name__)
 
+# As one node: an item sent back this often (preempted, or its node lost) is
+# no longer chosen, so a steady stream of urgent work cannot livelock it.
+_MAX_PREEMPTIONS = 2
+
 
 class _Outbox:
     """Events for gateways, published once per loop turn per gateway, in order."""
@@ -107,6 +111,14 @@ class EngineNode:
             sched.drain_rate_tau_s, sched.initial_drain_rate or DEFAULT_DRAIN_RATE
         )
         self.lease_s = fleet.lease_s
+        self._tiers = policy.tiers
+        self._preemption = sched.preemption and sched.policy != "fcfs"
+        # Items whose output has begun to go out: never preempted, since what
+        # a client has seen cannot be taken back.
+        self._streaming: set[str] = set()
+        self._preempting: asyncio.Task[None] | None = None
+        self.preempted = 0
+        """Items this node gave back for more urgent work (for stats and tests)."""
         self.cancel_channel = f"{self.store.base}cancel"
         self._outbox = _Outbox(self.store.redis)
         self._runs: dict[str, asyncio.Task[None]] = {}
@@ -153,9 +165,10 @@ class EngineNode:
         for handle in (self._wake_handle, self._expiry_timer):
             if handle is not None:
                 handle.cancel()
-        if self._claiming is not None:
-            with contextlib.suppress(Exception):
-                await self._claiming
+        for chore in (self._claiming, self._preempting):
+            if chore is not None:
+                with contextlib.suppress(Exception):
+                    await chore
         # After the last claim, which records this node's room.
         with contextlib.suppress(WorkQueueError):
             await self.store.leave(self.node)
@@ -191,6 +204,7 @@ class EngineNode:
             "completed": self.completed,
             "free_slots": self.backend.capacity().free_slots,
             "drain_rate_tokens_per_s": self.drain.rate,
+            "preempted": self.preempted,
             "affinity": dict(self.affinity),
         }
 
@@ -204,6 +218,9 @@ class EngineNode:
                     continue
                 if message["channel"] == wake_channel:
                     self.wake()
+                    data = message["data"]
+                    if self._preemption and data.startswith(b"q:"):
+                        self._consider_preempting(data[2:].decode(errors="replace"))
                 else:
                     task = self._runs.get(message["data"].decode(errors="replace"))
                     if task is not None:
@@ -285,6 +302,50 @@ class EngineNode:
         self._expiry_timer = None
         self.wake()
 
+    # -- preemption ----------------------------------------------------------
+
+    def _consider_preempting(self, tier: str) -> None:
+        """Work of `tier` was queued: if this node is full, send back the
+        newest run of the least important preemptible tier below it that has
+        not begun its output (the store decides whether it is still needed,
+        so that one queued item costs at most the runs it needs)."""
+        if self._preempting is not None or self._stopping or self._room() > 0:
+            return
+        waiting = self._tiers.get(tier)
+        if waiting is None:
+            return
+        victim: Lease | None = None
+        victim_priority = waiting.priority
+        for item_id, lease in self._leases.items():  # in the order taken
+            config = self._tiers.get(lease.item.tier)
+            if (config is None or not config.preemptible or item_id in self._streaming
+                    or lease.item.attempt >= _MAX_PREEMPTIONS):  # fmt: skip
+                continue
+            # The least important tier below the waiting one; in it, the
+            # newest run (taken last).
+            if config.priority > waiting.priority and config.priority >= victim_priority:
+                victim, victim_priority = lease, config.priority
+        if victim is None:
+            return
+        self._preempting = asyncio.get_running_loop().create_task(self._preempt(victim))
+
+    async def _preempt(self, lease: Lease) -> None:
+        try:
+            given_back = await self.store.preempt(lease, time.time())
+        except WorkQueueError as exc:
+            log.warning("work item %s: could not preempt it: %s", lease.item.id, exc)
+            given_back = False
+        finally:
+            self._preempting = None
+        task = self._runs.get(lease.item.id)
+        if given_back and task is not None:
+            # Back in its queue at its arrival: stop running it here. Its
+            # gateway heard nothing of it yet, or hears the re-run's output
+            # after what it has (the lease's fencing token moved on).
+            self.preempted += 1
+            log.info("work item %s: preempted for more urgent work", lease.item.id)
+            task.cancel()
+
     # -- running -------------------------------------------------------------
 
     def _start(self, lease: Lease) -> None:
@@ -319,6 +380,7 @@ class EngineNode:
             finally:
                 self._runs.pop(item_id, None)
                 self._leases.pop(item_id, None)
+                self._streaming.discard(item_id)
                 self._note_load()
                 self.wake()
 
@@ -341,6 +403,7 @@ class EngineNode:
                     )
                     await self._end(lease, reply_to, event, self._used(job, output))
                     return
+                self._streaming.add(item_id)
                 self._outbox.put(reply_to, event)
         except BackendUnavailable as exc:
             log.warning("work item %s: the backend failed (%s); given back", item_id, exc)

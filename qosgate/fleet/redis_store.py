@@ -203,6 +203,12 @@ local function wake_if_full(before, room, wake)
     redis.call('PUBLISH', wake, '1')
   end
 end
+-- A run's slot is free again: its node's record says so at once.
+local function give_slot_back(holder)
+  if redis.call('HEXISTS', KEYS[K_ROOM], holder) == 1 then
+    redis.call('HINCRBY', KEYS[K_ROOM], holder, 1)
+  end
+end
 local function set_room(node, room, live_until, rate, wake)
   local before = tonumber(redis.call('HGET', KEYS[K_ROOM], node) or '0')
   redis.call('HSET', KEYS[K_ROOM], node, room)
@@ -314,7 +320,8 @@ redis.call('HSET', KEYS[K_LANE], id, ARGV[11])
 redis.call('HSET', KEYS[K_WORK], id, ARGV[12])
 push(id)
 inflow_add(ARGV[2], work, ARGV[4])
-redis.call('PUBLISH', ARGV[8], '1')
+-- Names the tier, so that a full node can tell whether to preempt for it.
+redis.call('PUBLISH', ARGV[8], 'q:' .. ARGV[2])
 return 1
 """
 )
@@ -494,12 +501,9 @@ _COMPLETE = (
 local id = ARGV[1]
 tier_args(6)
 if not holds(id, ARGV[2]) then return 0 end
--- The run's slot is free again: its node's record says so at once, before
--- the gateway hears of the end (and perhaps sends the session's next turn).
-local holder = redis.call('HGET', KEYS[K_NODE], id)
-if redis.call('HEXISTS', KEYS[K_ROOM], holder) == 1 then
-  redis.call('HINCRBY', KEYS[K_ROOM], holder, 1)
-end
+-- Before the gateway hears of the end (and perhaps sends the session's
+-- next turn).
+give_slot_back(redis.call('HGET', KEYS[K_NODE], id))
 if T.fair and ARGV[5] ~= '' then
   add_service(redis.call('HGET', KEYS[K_TIER], id), redis.call('HGET', KEYS[K_TENANT], id),
               ARGV[5])
@@ -534,6 +538,30 @@ if tier then
 end
 if redis.call('ZSCORE', KEYS[K_DONE], id) then return 3 end
 return 0
+"""
+)
+
+# ARGV: id, token, now, then the tier args. Mirrors MemoryWorkQueue.preempt.
+_PREEMPT = (
+    _PRELUDE
+    + """
+local id = ARGV[1]
+tier_args(4)
+if not holds(id, ARGV[2]) then return 0 end
+local mine = T.prio[redis.call('HGET', KEYS[K_TIER], id)]
+local urgent = 0
+for i = 1, T.n do
+  if T.prio[T.names[i]] < mine then urgent = urgent + redis.call('ZCARD', T.q[T.names[i]]) end
+end
+local room = 0
+for _, node in ipairs(redis.call('ZRANGEBYSCORE', KEYS[K_SEEN], '(' .. ARGV[3], '+inf')) do
+  room = room + tonumber(redis.call('HGET', KEYS[K_ROOM], node) or '0')
+end
+if urgent <= room then return 0 end
+local holder = redis.call('HGET', KEYS[K_NODE], id)
+requeue(id)
+give_slot_back(holder)
+return 1
 """
 )
 
@@ -577,7 +605,8 @@ class RedisWorkQueue(WorkQueue):
         self.base = base
         """What every fleet key and channel name starts with."""
         self.wake_channel = base + "wake"
-        """Published on every enqueue: idle engine nodes claim on it."""
+        """Published on every enqueue (`q:<tier>`), and when a node fills up
+        while work is queued: idle engine nodes claim on it."""
         self._field = {name: base + name for name in _FIELDS}
         self._queue = {tier: f"{base}q:{tier}" for tier in tiers.names()}
         self._keys = [self._field[name] for name in _FIELDS]
@@ -594,6 +623,7 @@ class RedisWorkQueue(WorkQueue):
         self._renew = self._redis.register_script(_RENEW)
         self._complete = self._redis.register_script(_COMPLETE)
         self._release = self._redis.register_script(_RELEASE)
+        self._preempt = self._redis.register_script(_PREEMPT)
         self._cancel = self._redis.register_script(_CANCEL)
         self._heartbeat = self._redis.register_script(_HEARTBEAT)
         self._leave = self._redis.register_script(_LEAVE)
@@ -708,6 +738,10 @@ class RedisWorkQueue(WorkQueue):
     async def release(self, lease: Lease) -> bool:
         args = [lease.item.id, lease.token, *self._tier_args]
         return bool(await self._run(self._release, args))
+
+    async def preempt(self, lease: Lease, now: float) -> bool:
+        args = [lease.item.id, lease.token, repr(now), *self._tier_args]
+        return bool(await self._run(self._preempt, args))
 
     async def counters(self, tier: str) -> dict[str, float]:
         rows = await self._guard(self._redis.zrange(self._counter[tier], 0, -1, withscores=True))

@@ -164,6 +164,15 @@ class WorkQueue(ABC):
         tier, and the live nodes' drain rate and room."""
 
     @abstractmethod
+    async def preempt(self, lease: Lease, now: float) -> bool:
+        """Give a running item back to its queue, at its original arrival and
+        with its charge refunded (as `release`), to make room for more urgent
+        work, if that is still needed: when the items queued in tiers that
+        outrank the item's outnumber the free slots of the live nodes. The
+        holder's room record gains the slot. False (and nothing changes) if
+        the lease was lost or no such work is left uncovered."""
+
+    @abstractmethod
     async def depth(self) -> dict[str, int]:
         """Queued items per tier (every tier, zeros included)."""
 
@@ -452,12 +461,9 @@ class MemoryWorkQueue(WorkQueue):
         if held is None:
             return False
         del self._held[held.item.id]
-        if held.node in self._nodes:
-            # The run's slot is free again: its node's record says so at
-            # once, before the gateway hears of the end (and perhaps sends
-            # the session's next turn).
-            room, until, rate = self._nodes[held.node]
-            self._nodes[held.node] = (room + 1, until, rate)
+        # Before the gateway hears of the end (and perhaps sends the
+        # session's next turn).
+        self._give_slot_back(held.node)
         if self.tiers.fair and used is not None:
             item = held.item
             self._add_service(item.tier, item.tenant, used - item.charge)
@@ -475,6 +481,25 @@ class MemoryWorkQueue(WorkQueue):
             return False
         self._requeue(held)
         return True
+
+    async def preempt(self, lease: Lease, now: float) -> bool:
+        held = self._current(lease)
+        if held is None:
+            return False
+        mine = self.tiers.tier(held.item.tier).priority
+        urgent = sum(len(self._queues[t.name]) for t in self.tiers.tiers if t.priority < mine)
+        room = sum(node_room for node_room, until, _ in self._nodes.values() if until > now)
+        if urgent <= room:
+            return False
+        self._requeue(held)
+        self._give_slot_back(held.node)
+        return True
+
+    def _give_slot_back(self, node: str) -> None:
+        """A run's slot is free again: its node's record says so at once."""
+        if node in self._nodes:
+            room, until, rate = self._nodes[node]
+            self._nodes[node] = (room + 1, until, rate)
 
     async def depth(self) -> dict[str, int]:
         return {name: len(q) for name, q in self._queues.items()}
