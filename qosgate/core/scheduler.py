@@ -34,8 +34,36 @@ _FINISHED = RequestState.FINISHED
 _DEFAULT_OUTPUT_ESTIMATE = 256.0
 # A request preempted this often is no longer chosen as a victim, so a
 # preemptible tier cannot be livelocked by a steady stream of higher work.
-_MAX_PREEMPTIONS = 2
+MAX_PREEMPTIONS = 2
 FCFS_QUEUE = "*"
+
+
+def ageing_boost(
+    now: float, oldest_arrival: float, budget_s: float, interval_s: float, max_boost: int
+) -> int:
+    """Levels a `delay` tier has climbed by `now`: one per `interval_s` its
+    oldest request has waited past its budget, at most `max_boost`. The
+    fleet's tier choice (qosgate/fleet) uses it too, and its Lua mirrors it."""
+    over = now - oldest_arrival - budget_s
+    if over < interval_s:
+        return 0
+    levels = int(over / interval_s)
+    return levels if levels < max_boost else max_boost
+
+
+def aged_work(
+    now: float, oldest_arrival: float, work: float, budget_s: float, climb: int, interval_s: float
+) -> tuple[float, float]:
+    """Of a `delay` tier's queued `work`, the part that has aged `climb`
+    levels by now, and the rate in tokens/s at which more does: only the
+    oldest arrival is known, so arrivals are taken as spread evenly between
+    it and now. The fleet's admission uses it too, and its Lua mirrors it."""
+    threshold = now - budget_s - climb * interval_s
+    span = now - oldest_arrival
+    if oldest_arrival > threshold or span <= 0:
+        return 0.0, 0.0
+    rate = work / span
+    return rate * min(span, threshold - oldest_arrival), rate
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,11 +307,7 @@ class Scheduler:
         # a request climbs to the top by budget + max_boost * interval.
         if not self._max_boost or not queue.delays or queue.budget_s is None:
             return 0
-        over = now - oldest.arrival - queue.budget_s
-        if over < self._interval:
-            return 0
-        levels = int(over / self._interval)
-        return levels if levels < self._max_boost else self._max_boost
+        return ageing_boost(now, oldest.arrival, queue.budget_s, self._interval, self._max_boost)
 
     def _aged_work(self, queue: TierQueue, level: int, now: float) -> tuple[float, float]:
         """Work of a delay tier that has aged to `level` or better by now (it
@@ -296,12 +320,7 @@ class Scheduler:
         oldest = queue.oldest()
         if oldest is None or climb > self._max_boost or queue.budget_s is None:
             return 0.0, 0.0
-        threshold = now - queue.budget_s - climb * self._interval
-        span = now - oldest.arrival
-        if oldest.arrival > threshold or span <= 0:
-            return 0.0, 0.0
-        rate = queue.work / span
-        return rate * min(span, threshold - oldest.arrival), rate
+        return aged_work(now, oldest.arrival, queue.work, queue.budget_s, climb, self._interval)
 
     def level(self, queue: TierQueue, now: float) -> int | None:
         """The effective priority level a non-empty queue competes at now."""
@@ -486,7 +505,7 @@ class Scheduler:
                 continue
             for victim in reversed(queue.running.values()):
                 # Output already streamed to a client cannot be taken back.
-                if victim.preemptions < _MAX_PREEMPTIONS and victim.first_token_at is None:
+                if victim.preemptions < MAX_PREEMPTIONS and victim.first_token_at is None:
                     self._requeue(victim, now)
                     plan.preempt = [victim]
                     return

@@ -15,8 +15,8 @@ Every third of `lease_s` the node records in the store that it is live,
 how much room it has and how many tokens/s it completes while full (a
 heartbeat; each claim records the same): other nodes leave it the work whose
 session it last ran only while it is live and has room, and the gateways'
-admission divides the queued work by the live nodes' summed rates. A stopping node
-takes its record out first.
+admission divides the queued work by the live nodes' summed rates. A
+stopping node takes its record out first.
 
 Each claimed item runs in a task of its own: its output goes back to the
 gateway holding the client, batched per gateway per event-loop turn; the
@@ -42,6 +42,7 @@ from redis.exceptions import RedisError
 from qosgate.backends.base import Backend, BackendError, BackendUnavailable, Chunk, GenerationJob
 from qosgate.config.models import FleetConfig, PolicyConfig
 from qosgate.core.admission import DEFAULT_DRAIN_RATE, DrainRateEstimator
+from qosgate.core.scheduler import MAX_PREEMPTIONS
 
 from . import wire
 from .gateway import default_node_id, fleet_store
@@ -49,10 +50,6 @@ from .model import Lease, ServiceMeter
 from .store import WorkQueueError
 
 log = logging.getLogger(__name__)
-
-# As one node: an item sent back this often (preempted, or its node lost) is
-# no longer chosen, so a steady stream of urgent work cannot livelock it.
-_MAX_PREEMPTIONS = 2
 
 
 class _Outbox:
@@ -239,7 +236,8 @@ class EngineNode:
     def _note_load(self) -> None:
         """Tell the drain estimate whether the time from now on is measured:
         only while the node is full is what it completes what it can do."""
-        self.drain.advance(asyncio.get_running_loop().time(), bool(self._runs) and self._room() <= 0)
+        full = bool(self._runs) and self._room() <= 0
+        self.drain.advance(asyncio.get_running_loop().time(), full)
 
     def wake(self) -> None:
         """Claim soon if there is room; any number of wakes before it costs one claim."""
@@ -318,8 +316,10 @@ class EngineNode:
         victim_priority = waiting.priority
         for item_id, lease in self._leases.items():  # in the order taken
             config = self._tiers.get(lease.item.tier)
+            # As one node caps preemptions (here: runs sent back, preempted or
+            # lost), so a steady stream of urgent work cannot livelock an item.
             if (config is None or not config.preemptible or item_id in self._streaming
-                    or lease.item.attempt >= _MAX_PREEMPTIONS):  # fmt: skip
+                    or lease.item.attempt >= MAX_PREEMPTIONS):  # fmt: skip
                 continue
             # The least important tier below the waiting one; in it, the
             # newest run (taken last).

@@ -7,8 +7,8 @@ ordering that matters happens in the shared queue, across every replica.
 
 `generate` puts the job in its tier's queue (refused with 429 when the tier's
 `max_queue_len` is reached fleet-wide, and with 503 `overloaded` when the
-store predicts it would wait past its tier's budget) and yields what the engine node that
-takes it publishes back on this replica's reply channel. A tier whose
+store predicts it would wait past its tier's budget) and yields what the
+engine node that takes it publishes back on this replica's reply channel. A tier whose
 `on_timeout` is `reject` gets a timer at its queue budget: if the item is
 still queued then, it is taken out and the request ends `expired`. A client
 that goes away takes its item out of the queue, or tells the node running it

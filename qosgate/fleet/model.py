@@ -67,6 +67,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from qosgate.config.models import PolicyConfig
+from qosgate.core.scheduler import aged_work, ageing_boost
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,16 +239,12 @@ class FleetTiers:
 def boost(tier: FleetTier, oldest_arrival: float, now: float, interval_s: float,
           max_boost: int) -> int:
     """Levels a tier has climbed by `now` because of its oldest item's wait:
-    one per `interval_s` past a `delay` tier's budget, at most `max_boost`.
-    The arithmetic is the in-process scheduler's, step for step."""
+    one per `interval_s` past a `delay` tier's budget, at most `max_boost`:
+    the in-process scheduler's rule."""
     if max_boost <= 0 or not tier.delays or tier.budget_s is None:
         return 0
-    over = now - oldest_arrival - tier.budget_s
-    if over < interval_s:
-        # Also what keeps a replica's clock a little ahead of ours from
-        # making a wait negative.
-        return 0
-    return min(max_boost, math.floor(over / interval_s))
+    # A replica's clock a little ahead of ours gives a negative wait: no levels.
+    return ageing_boost(now, oldest_arrival, tier.budget_s, interval_s, max_boost)
 
 
 def effective_level(tier: FleetTier, oldest_arrival: float, now: float, tiers: FleetTiers) -> int:
@@ -329,12 +326,8 @@ def _aged_work(
     oldest = load.oldest.get(other.name)
     if oldest is None or climb > tiers.max_boost or other.budget_s is None:
         return 0.0, 0.0
-    threshold = now - other.budget_s - climb * tiers.interval_s
-    span = now - oldest
-    if oldest > threshold or span <= 0:
-        return 0.0, 0.0
-    rate = load.queued_work.get(other.name, 0) / span
-    return rate * min(span, threshold - oldest), rate
+    work = load.queued_work.get(other.name, 0)
+    return aged_work(now, oldest, work, other.budget_s, climb, tiers.interval_s)
 
 
 def lane_key(item: WorkItem) -> str:

@@ -237,14 +237,18 @@ local function inflow_add(tier, tokens, now)
   end
   redis.call('HSET', KEYS[K_INFLOW], tier, string.format('%.17g', sum + tokens))
 end
--- Mirrors model.predicted_wait (nil: no live node reports a drain rate).
-local function predicted_wait(tier, work, now, interval, max_boost)
+-- The live nodes' drain rate (tokens/s) and free slots, summed.
+local function live_load(now)
   local drain, room = 0, 0
   for _, node in ipairs(redis.call('ZRANGEBYSCORE', KEYS[K_SEEN], '(' .. now, '+inf')) do
     drain = drain + tonumber(redis.call('HGET', KEYS[K_RATE], node) or '0')
     room = room + tonumber(redis.call('HGET', KEYS[K_ROOM], node) or '0')
   end
-  drain = drain / 1000.0
+  return drain / 1000.0, room
+end
+-- Mirrors model.predicted_wait (nil: no live node reports a drain rate).
+local function predicted_wait(tier, work, now, interval, max_boost)
+  local drain, room = live_load(now)
   if drain <= 0 then return nil end
   local mine = T.prio[tier]
   local ahead = 0.0
@@ -256,7 +260,7 @@ local function predicted_wait(tier, work, now, interval, max_boost)
       ahead = ahead + tonumber(redis.call('HGET', KEYS[K_QWORK], name) or '0')
       if T.prio[name] < mine then inflow = inflow + inflow_rate(name, now) end
     elseif T.delays[name] and max_boost > 0 and T.budget[name] then
-      -- Mirrors model._aged_work.
+      -- Mirrors model._aged_work and core.scheduler.aged_work.
       local climb = T.prio[name] - mine
       local head = redis.call('ZRANGE', T.q[name], 0, 0, 'WITHSCORES')[2]
       if head and climb <= max_boost then
@@ -553,10 +557,7 @@ local urgent = 0
 for i = 1, T.n do
   if T.prio[T.names[i]] < mine then urgent = urgent + redis.call('ZCARD', T.q[T.names[i]]) end
 end
-local room = 0
-for _, node in ipairs(redis.call('ZRANGEBYSCORE', KEYS[K_SEEN], '(' .. ARGV[3], '+inf')) do
-  room = room + tonumber(redis.call('HGET', KEYS[K_ROOM], node) or '0')
-end
+local _, room = live_load(ARGV[3])
 if urgent <= room then return 0 end
 local holder = redis.call('HGET', KEYS[K_NODE], id)
 requeue(id)

@@ -115,8 +115,9 @@ class WorkQueue(ABC):
     ) -> None:
         """Record `node` as live until `now + ttl_s` with `room` free slots and
         `drain_rate` (as `claim` does): how long, and for how many items,
-        other nodes hold its affinity work back for it. A node whose room falls to 0 while work is queued
-        wakes the others, which may now take what they held back."""
+        other nodes hold its affinity work back for it. A node whose room
+        falls to 0 while work is queued wakes the others, which may now take
+        what they held back."""
 
     @abstractmethod
     async def leave(self, node: str) -> None:
@@ -488,8 +489,7 @@ class MemoryWorkQueue(WorkQueue):
             return False
         mine = self.tiers.tier(held.item.tier).priority
         urgent = sum(len(self._queues[t.name]) for t in self.tiers.tiers if t.priority < mine)
-        room = sum(node_room for node_room, until, _ in self._nodes.values() if until > now)
-        if urgent <= room:
+        if urgent <= self._load(now).room:
             return False
         self._requeue(held)
         self._give_slot_back(held.node)
