@@ -176,7 +176,9 @@ class OpenAIBackend:
             # Concurrency is capped per upstream here; aiohttp's own pool cap
             # (100 by default) would otherwise queue requests out of sight.
             connector=aiohttp.TCPConnector(limit=0),
-            json_serialize=_json_text,
+            # One session serves every tenant: a cookie an upstream set in
+            # one tenant's answer must not ride along on another's request.
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         self._loop = asyncio.get_running_loop()
         self._started = True
@@ -207,7 +209,12 @@ class OpenAIBackend:
             self._session = None
 
     def ready(self) -> bool:
-        return self._started and not self._closed and any(u.healthy for u in self._upstreams)
+        # Asked at least once per dispatch: a plain loop, not any() over a generator.
+        if self._started and not self._closed:
+            for upstream in self._upstreams:
+                if upstream.healthy:
+                    return True
+        return False
 
     # -- capacity ----------------------------------------------------------
 
@@ -336,14 +343,18 @@ class OpenAIBackend:
         assert self._session is not None
         path = "/chat/completions" if job.endpoint == "chat" else "/completions"
         url = upstream.url + path
-        headers = {"Accept": "text/event-stream", **upstream.headers}
+        headers = {
+            "Accept": "text/event-stream",
+            "Content-Type": "application/json",
+            **upstream.headers,
+        }
         response: aiohttp.ClientResponse | None = None
         finished = False
         try:
             try:
                 response = await self._session.post(
                     url,
-                    json=self._request_body(job),
+                    data=orjson.dumps(self._request_body(job)),
                     headers=headers,
                     timeout=self._stream_timeout if job.streamed else self._whole_timeout,
                 )
@@ -567,10 +578,6 @@ class _Call:
                 loop.call_soon_threadsafe(self.backend._notify)
 
 
-def _json_text(value: Any) -> str:
-    return orjson.dumps(value).decode()
-
-
 def _whole_answer(endpoint: str, raw: bytes, where: str) -> Chunk:
     """A non-streamed completion as one chunk: its text, its usage, and for
     chat the message's other fields (tool calls, ...) under raw["message"]."""
@@ -728,18 +735,26 @@ class _EventStream:
         self.ready.append(final)
 
     def _event(self, raw_data: bytes) -> None:
-        # Decoded as a whole, with the same result as line by line: a newline
-        # is never part of a multi-byte character.
-        data = raw_data.decode("utf-8", "replace")
-        if data.strip() == "[DONE]":
+        # Once per token: the common shapes take the short ways, with the same
+        # result as the general ones beside them.
+        if raw_data == b"[DONE]":
             self._finish(done=True)
             return
         try:
-            payload = orjson.loads(data)
-        except orjson.JSONDecodeError as exc:
-            raise self._malformed(f"not JSON: {data[:200]!r}") from exc
+            payload = orjson.loads(raw_data)
+        except orjson.JSONDecodeError:
+            # Decoded as a whole, with the same result as line by line: a
+            # newline is never part of a multi-byte character.
+            data = raw_data.decode("utf-8", "replace")
+            if data.strip() == "[DONE]":
+                self._finish(done=True)
+                return
+            try:
+                payload = orjson.loads(data)
+            except orjson.JSONDecodeError as exc:
+                raise self._malformed(f"not JSON: {data[:200]!r}") from exc
         if not isinstance(payload, dict):
-            raise self._malformed(f"not an object: {data[:200]!r}")
+            raise self._malformed(f"not an object: {raw_data[:200].decode('utf-8', 'replace')!r}")
         if payload.get("error") is not None:
             raise BackendError(
                 f"upstream {self.where} failed mid-stream: "
@@ -755,25 +770,31 @@ class _EventStream:
             if choices is not None:
                 raise self._malformed("choices is not an array")
             return
-        choice = next((c for c in choices if isinstance(c, dict) and c.get("index", 0) == 0), None)
-        if choice is None:
-            return
-        raw: dict[str, Any] = {
-            k: v
-            for k, v in choice.items()
-            if k not in ("index", "finish_reason", "text", "delta") and v is not None
-        }
+        choice = choices[0] if choices else None
+        if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+            choice = next(
+                (c for c in choices if isinstance(c, dict) and c.get("index", 0) == 0), None
+            )
+            if choice is None:
+                return
+        if choice.keys() <= _CHOICE_FIELDS and choice.get("logprobs") is None:
+            raw: dict[str, Any] = {}
+        else:
+            raw = {k: v for k, v in choice.items() if k not in _OWN_CHOICE_FIELDS and v is not None}
         if self.chat:
             delta = choice.get("delta") or {}
             if not isinstance(delta, dict):
                 raise self._malformed("delta is not an object")
             text = delta.get("content") or ""
-            extra = {
-                k: v for k, v in delta.items() if k not in ("content", "role") and v is not None
-            }
-            if extra:
-                raw["delta"] = extra
-            produced = bool(text) or bool(extra)
+            if delta.keys() <= _OWN_DELTA_FIELDS:
+                produced = bool(text)
+            else:
+                extra = {
+                    k: v for k, v in delta.items() if k not in _OWN_DELTA_FIELDS and v is not None
+                }
+                if extra:
+                    raw["delta"] = extra
+                produced = bool(text) or bool(extra)
         else:
             text = choice.get("text") or ""
             produced = bool(text)
@@ -790,3 +811,10 @@ class _EventStream:
         elif text or tokens or raw:
             self._counted += tokens
             self.ready.append(Chunk(text=text, tokens=tokens, raw=raw))
+
+
+_OWN_CHOICE_FIELDS = frozenset({"index", "finish_reason", "text", "delta"})
+"""A streamed choice's fields the chunk carries itself; the rest goes in `raw`."""
+_CHOICE_FIELDS = _OWN_CHOICE_FIELDS | {"logprobs"}
+"""A choice with no fields but these (and no logprobs) has nothing for `raw`."""
+_OWN_DELTA_FIELDS = frozenset({"content", "role"})

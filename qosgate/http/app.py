@@ -526,10 +526,15 @@ async def _read_json(request: web.Request) -> Any:
             raise UnsupportedMediaType(mime[:100])
     timeout_s = request.app[STATE].policy.server.body_timeout_s
     try:
-        # A client trickling its body would otherwise hold the handler (and
-        # the connection) for as long as it likes.
-        async with asyncio.timeout(timeout_s):
+        if request.content.is_eof():
+            # The whole body came with the headers (the usual case): reading
+            # it cannot wait, so it needs no timer.
             raw = await request.read()
+        else:
+            # A client trickling its body would otherwise hold the handler
+            # (and the connection) for as long as it likes.
+            async with asyncio.timeout(timeout_s):
+                raw = await request.read()
     except TimeoutError:
         raise RequestTimeout(
             f"The request body did not arrive within {timeout_s:g} s."
@@ -898,8 +903,7 @@ async def _write(
     that wait keeps a reader that stopped from holding its backend slot."""
     transport = request.transport
     if (
-        not last
-        and transport is not None
+        transport is not None
         and not request.protocol.writing_paused
         and transport.get_write_buffer_size() + len(data) + _WRITE_SLACK
         <= transport.get_write_buffer_limits()[1]
@@ -907,7 +911,10 @@ async def _write(
         # This write cannot wait: the transport stays below its high-water
         # mark, so aiohttp has nothing to drain. Most writes are like this,
         # and skip the timer (a few microseconds each, per token).
-        await response.write(data)
+        if last:
+            await response.write_eof(data)
+        else:
+            await response.write(data)
         return
     try:
         async with asyncio.timeout(stall_s):

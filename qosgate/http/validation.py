@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Annotated, Any, Literal
 
+import orjson
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -307,11 +308,25 @@ def _has_lone_surrogate(value: Any) -> bool:
     return False
 
 
+# orjson reads an integer beyond 64 bits as a float, where Python's json keeps
+# it exact (and validation then names the field): such bodies take the slow path.
+_LONG_NUMBER = re.compile(rb"[0-9]{20}")
+
+
 def parse_json(raw: bytes) -> Any:
     """The body as JSON, or BadRequest. Hostile input (invalid UTF-8, NaN,
     numbers with thousands of digits, nesting deep enough to exhaust the
     parser's recursion, escapes of unpaired surrogates) all land here as a
     400, never as a crash."""
+    if not _LONG_NUMBER.search(raw):
+        # The common case, in a fifth of the time. orjson refuses everything
+        # the path below refuses (NaN, infinities, invalid UTF-8, unpaired
+        # surrogates, nesting past its depth limit); what it refuses goes on
+        # to the path below, whose messages are the ones clients see.
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
     try:
         text = raw.decode("utf-8")
         value = json.loads(text, parse_constant=_no_constants, parse_float=_finite)

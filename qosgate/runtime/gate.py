@@ -303,8 +303,8 @@ class Gateway:
         self._timer_at = when
         self._timer = self._get_loop().call_at(when, self._on_timer)
 
-    def _capacity(self) -> BackendCapacity:
-        if not self._backend.ready():
+    def _capacity(self, ready: bool) -> BackendCapacity:
+        if not ready:
             # Requests wait in their queues (where they can still expire) for
             # the backend to come up; its listener wakes the dispatcher then.
             return BackendCapacity(0, 0, None)
@@ -337,8 +337,9 @@ class Gateway:
                     stream._end(down)
             return
         while True:
-            cap = self._capacity()
-            plan = self._scheduler.schedule(now, cap, backend_ready=self._backend.ready())
+            ready = self._backend.ready()
+            cap = self._capacity(ready)
+            plan = self._scheduler.schedule(now, cap, backend_ready=ready)
             self._carry_out(plan, cap, now)
             # A preemption frees room this same instant can use; a backend that
             # is down frees none, and asking again would only preempt more.
