@@ -165,7 +165,7 @@ def _serve_command(args: argparse.Namespace, *, demo: bool) -> int:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(serve(
                 policy, args.host, args.port, on_ready=on_ready, policy_path=args.config,
-                environ=environ,
+                environ=environ, freeze_startup=True,
             ))
     except (BackendNotImplemented, KeyRingError) as exc:
         print(f"qosgate: {exc}", file=sys.stderr)
