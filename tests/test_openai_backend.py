@@ -37,6 +37,8 @@ class FakeUpstream:
         self.status = 500
         self.status_headers: dict[str, str] = {}
         self.status_body: Any = {"error": {"message": "boom", "type": "server_error"}}
+        self.answer_headers: dict[str, str] = {}
+        """Sent with every whole (non-streamed) answer."""
         self.release = asyncio.Event()
         # When set, the end of the body waits for it after [DONE] was sent.
         self.eof_gate: asyncio.Event | None = None
@@ -183,7 +185,7 @@ class FakeUpstream:
             done = self.completion_tokens or len(self.pieces)
             answer["usage"] = {"prompt_tokens": 5, "completion_tokens": done,
                                "total_tokens": 5 + done}
-        return web.json_response(answer)
+        return web.json_response(answer, headers=self.answer_headers)
 
 
 class Harness:
@@ -811,6 +813,23 @@ async def test_whole_answers_reuse_the_connection(h):
             break
         await stream.aclose()
     assert len({r["peer"] for r in up.requests}) == 1
+
+
+async def test_a_cookie_an_upstream_sets_is_never_sent_back(h):
+    # One client session serves every tenant: a cookie set in one tenant's
+    # answer must not ride along on the next tenant's request. By name, not
+    # by address: aiohttp's default jar ignores cookies from bare IPs anyway.
+    up = await h.upstream("up0")
+    up.answer_headers = {"Set-Cookie": "sid=tenant-a-secret; Path=/"}
+    backend = OpenAIBackend(OpenAIBackendConfig(
+        upstreams=[{"url": f"http://localhost:{up.port}/v1"}], health_interval_s=3600.0,
+    ))  # fmt: skip
+    await backend.start()
+    h.backends.append(backend)
+    await collect(backend.generate(whole_job()))
+    await collect(backend.generate(whole_job()))
+    assert len(up.requests) == 2
+    assert "Cookie" not in up.requests[1]["headers"]
 
 
 async def test_closing_a_held_whole_answer_disconnects_the_upstream(h):

@@ -537,6 +537,16 @@ class _Call:
         return self
 
     async def __anext__(self) -> Chunk:
+        events = self._events
+        if (
+            events is not None
+            and events.ready
+            and not events.ended
+            and not (self.aborted or self._done)
+        ):
+            # Parsed already, and not the stream's end (which _run holds until
+            # the body's end is read): no need to resume the generator.
+            return events.ready.popleft()
         if self._done:
             raise StopAsyncIteration
         if self._error is not None:

@@ -19,7 +19,6 @@ import socket
 import struct
 import time
 import traceback
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -135,8 +134,7 @@ def build_app(
     )
     # Every response the tenant gets, streamed or not, error or not, carries
     # its quota as it stood once checked.
-    app.on_response_prepare.append(_add_ratelimit_headers)
-    app.on_response_prepare.append(_close_when_draining)
+    app.on_response_prepare.append(_before_headers)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/v1/models", _models)
@@ -157,7 +155,10 @@ def _admin_token(policy: PolicyConfig, environ: Mapping[str, str]) -> str | None
     return token or None
 
 
-async def _close_when_draining(request: web.Request, response: web.StreamResponse) -> None:
+async def _before_headers(request: web.Request, response: web.StreamResponse) -> None:
+    headers = request.get(RATELIMIT)
+    if headers:
+        response.headers.update(headers)
     # A keep-alive client of a stopping gateway must reconnect (to another
     # replica) for its next request.
     if request.app[STATE].gateway.draining:
@@ -166,19 +167,14 @@ async def _close_when_draining(request: web.Request, response: web.StreamRespons
         response.headers["Connection"] = "close"
 
 
-async def _add_ratelimit_headers(request: web.Request, response: web.StreamResponse) -> None:
-    headers = request.get(RATELIMIT)
-    if headers:
-        response.headers.update(headers)
-
-
 # --------------------------------------------------------------------------
 # Errors
 
 
 @web.middleware
 async def _error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    request_id = uuid.uuid4().hex
+    # 128 random bits, as a UUID4's hex but without building the UUID.
+    request_id = os.urandom(16).hex()
     request[REQUEST_ID] = request_id
     # Every line logged while this request is served carries its id (and,
     # once known, its tenant and tier).
@@ -692,9 +688,8 @@ async def _json_response(stream: RequestStream, call: _Call) -> web.Response:
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         kind = "text_completion"
-    return web.json_response(
-        dumps=_json_text,
-        data={
+    body = orjson.dumps(
+        {
             "id": call.response_id,
             "object": kind,
             "created": call.created,
@@ -703,6 +698,7 @@ async def _json_response(stream: RequestStream, call: _Call) -> web.Response:
             "usage": _usage(call, tally.tokens, tally.usage),
         }
     )
+    return web.Response(body=body, content_type="application/json", charset="utf-8")
 
 
 def _json_text(value: Any) -> str:
