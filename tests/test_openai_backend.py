@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from qosgate.backends.base import BackendError, BackendUnavailable, Chunk, GenerationJob
-from qosgate.backends.openai import UNKNOWN_KV_TOKENS, OpenAIBackend
+from qosgate.backends.openai import UNKNOWN_KV_TOKENS, OpenAIBackend, _EventStream
 from qosgate.config.models import OpenAIBackendConfig
 
 # A guard against a hang, never a wait: every await below ends on an event.
@@ -266,7 +266,8 @@ async def collect(stream) -> list[Chunk]:
 
 
 async def served_by(backend: OpenAIBackend, j: GenerationJob) -> str:
-    return (await collect(backend.generate(j)))[0].text
+    """The name of the upstream that answered (its text starts with it)."""
+    return "".join(c.text for c in await collect(backend.generate(j))).split(" ")[0]
 
 
 async def first(stream) -> Chunk:
@@ -294,9 +295,14 @@ async def test_chat_streams_chunks_with_usage_and_passes_fields_through(h):
     }
     chunks = await collect(backend.generate(job(max_tokens=16, body=body)))
 
-    assert [c.text for c in chunks] == ["up0", " says", " hi", ""]
-    assert [c.finish_reason for c in chunks] == [None, None, None, "stop"]
+    # Deltas that arrive in one read may come as one chunk; the one with
+    # fields of its own never merges with plain text.
+    assert "".join(c.text for c in chunks) == "up0 says hi"
+    assert chunks[0].text == "up0"
+    assert [c.finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["stop"]
+    assert chunks[-1].text == ""
     assert chunks[0].raw == {"delta": {"reasoning_content": "hmm"}}
+    assert all(not c.raw for c in chunks[1:])
     assert chunks[-1].usage == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
     assert sum(c.tokens for c in chunks) == 3
     sent = up.requests[0]
@@ -336,7 +342,7 @@ async def test_running_usage_counts_tokens_per_chunk(h):
     up.tokens_per_delta_usage, up.completion_tokens = 2, 6
     backend = await h.backend([up])
     chunks = await collect(backend.generate(job("completions")))
-    assert [c.tokens for c in chunks] == [2, 2, 2, 0]
+    assert sum(c.tokens for c in chunks[:-1]) == 6 and chunks[-1].tokens == 0
     assert chunks[-1].usage["completion_tokens"] == 6
 
 
@@ -347,6 +353,33 @@ async def test_without_upstream_usage_tokens_are_counted_as_deltas(h):
     chunks = await collect(backend.generate(job()))
     assert sum(c.tokens for c in chunks) == 3
     assert chunks[-1].finish_reason == "stop" and chunks[-1].usage is None
+
+
+def _sse(*payloads: Any) -> bytes:
+    return b"".join(
+        b"data: " + (p if isinstance(p, bytes) else json.dumps(p).encode()) + b"\n\n"
+        for p in payloads
+    )
+
+
+def _delta(text: str, **extra: Any) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": {"content": text, **extra}, "finish_reason": None}]}
+
+
+def test_text_that_arrives_in_one_read_is_one_chunk_and_fields_stay_apart():
+    events = _EventStream("chat", "up")
+    events.feed(_sse(_delta("a"), _delta("b"), _delta("c", tool_calls=[{"id": "t"}]), _delta("d")))
+    assert [(c.text, c.tokens, c.raw) for c in events.ready] == [
+        ("ab", 2, {}), ("c", 1, {"delta": {"tool_calls": [{"id": "t"}]}}), ("d", 1, {}),
+    ]
+    taken = events.ready.popleft()
+    # What was taken is never added to; the next read starts a new piece.
+    events.ready.clear()
+    events.feed(_sse(_delta("e"), _delta("f")))
+    assert taken.text == "ab" and [c.text for c in events.ready] == ["ef"]
+    events.feed(_sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}, b"[DONE]"))
+    assert events.ended and events.ready[-1].finish_reason == "stop"
+    assert [c.text for c in events.ready] == ["ef", ""]
 
 
 # -- routing and capacity --------------------------------------------------
@@ -448,7 +481,7 @@ async def test_tenant_affinity_is_sticky_and_falls_back_when_saturated(h):
         up.mode = "hold"
         up.release.clear()
     held = backend.generate(job(tenant="acme"))
-    assert (await first(held)).text == home
+    assert (await first(held)).text.split(" ")[0] == home
     other = backend.generate(job(tenant="acme"))
     assert (await first(other)).text != home
     for up in ups:
@@ -474,7 +507,7 @@ async def test_session_affinity_is_sticky_across_tenants_and_falls_back(h):
         up.mode = "hold"
         up.release.clear()
     held = backend.generate(job(session="s-1"))
-    assert (await first(held)).text == home
+    assert (await first(held)).text.split(" ")[0] == home
     other = backend.generate(job(session="s-1"))
     assert (await first(other)).text != home
     for up in ups:

@@ -820,7 +820,16 @@ class _EventStream:
             self._final = Chunk(text=text, tokens=tokens, finish_reason=str(finish), raw=raw)
         elif text or tokens or raw:
             self._counted += tokens
-            self.ready.append(Chunk(text=text, tokens=tokens, raw=raw))
+            ready = self.ready
+            last = ready[-1] if ready else None
+            if last is not None and not raw and not last.raw:
+                # Text that arrived in one read goes on as one piece: it reaches
+                # the client at the same moment either way, in one write, and
+                # each piece costs a trip through every layer above.
+                last.text += text
+                last.tokens += tokens
+            else:
+                ready.append(Chunk(text=text, tokens=tokens, raw=raw))
 
 
 _OWN_CHOICE_FIELDS = frozenset({"index", "finish_reason", "text", "delta"})
