@@ -372,14 +372,17 @@ def test_text_that_arrives_in_one_read_is_one_chunk_and_fields_stay_apart():
     assert [(c.text, c.tokens, c.raw) for c in events.ready] == [
         ("ab", 2, {}), ("c", 1, {"delta": {"tool_calls": [{"id": "t"}]}}), ("d", 1, {}),
     ]
-    taken = events.ready.popleft()
-    # What was taken is never added to; the next read starts a new piece.
     events.ready.clear()
     events.feed(_sse(_delta("e"), _delta("f")))
-    assert taken.text == "ab" and [c.text for c in events.ready] == ["ef"]
+    taken = events.ready.popleft()
+    # What was taken is never added to, though it was the last piece made:
+    # the next read starts a new one.
+    events.feed(_sse(_delta("g"), _delta("h")))
+    assert taken.text == "ef" and taken.tokens == 2
+    assert [c.text for c in events.ready] == ["gh"]
     events.feed(_sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}, b"[DONE]"))
     assert events.ended and events.ready[-1].finish_reason == "stop"
-    assert [c.text for c in events.ready] == ["ef", ""]
+    assert [c.text for c in events.ready] == ["gh", ""]
 
 
 # -- routing and capacity --------------------------------------------------

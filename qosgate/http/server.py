@@ -147,8 +147,8 @@ async def serve(
 def _freeze_startup_objects() -> None:
     # The modules, the policy, the app and the backend live as long as the
     # process, yet every full collection would walk all of them (some 60,000
-    # objects, about 30 ms, every few thousand requests: a tenth of a
-    # millisecond's CPU per request at its worst, B1). Frozen, the collector
+    # objects, about 30 ms, every few thousand streamed requests: B1 measured
+    # collections at 18 µs a request, 10 once frozen). Frozen, the collector
     # walks only what requests made. Collected first, so no garbage is frozen.
     gc.collect()
     gc.freeze()
