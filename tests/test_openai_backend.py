@@ -385,6 +385,49 @@ def test_text_that_arrives_in_one_read_is_one_chunk_and_fields_stay_apart():
     assert [c.text for c in events.ready] == ["gh", ""]
 
 
+def _read_whole(blocks: list[bytes]) -> tuple[str, int, list, dict | None, str | None]:
+    events = _EventStream("chat", "up")
+    for block in blocks:
+        events.feed(block)
+    events.end()
+    assert events.error is None
+    chunks = list(events.ready)
+    return (
+        "".join(c.text for c in chunks),
+        sum(c.tokens for c in chunks),
+        [c.raw for c in chunks if c.raw],
+        chunks[-1].usage,
+        chunks[-1].finish_reason,
+    )
+
+
+def test_every_form_of_event_reads_the_same_whatever_the_reads():
+    # The usual one-line events, then the other forms SSE allows: a comment,
+    # `data:` without its space, an event in two data lines, other fields,
+    # runs of blank lines; CRLF line ends come in a read of their own.
+    lf = (
+        _sse(_delta("a"), _delta("b"))
+        + b": keep-alive\n\n"
+        + b"data:" + json.dumps(_delta("c")).encode() + b"\n\n\n\n"
+        + b'data: {"choices": [{"index": 0,\ndata: "delta": {"content": "d"}}]}\n\n'
+        + b"event: message\nid: 7\n" + _sse(_delta("e", tool_calls=[{"id": "t"}]))
+    )
+    crlf = b"data: " + json.dumps(_delta("f")).encode() + b"\r\n\r\n"
+    end = _sse(
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
+        {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 6}},
+        b"[DONE]",
+    )
+    expected = ("abcdef", 6, [{"delta": {"tool_calls": [{"id": "t"}]}}],
+                {"prompt_tokens": 3, "completion_tokens": 6}, "length")
+    assert _read_whole([lf, crlf, end]) == expected
+    body = lf + crlf + end
+    # Cut at every event's end, and at every n bytes.
+    assert _read_whole([e + b"\n\n" for e in body.split(b"\n\n")]) == expected
+    for size in (1, 2, 3, 7, 64):
+        assert _read_whole([body[i : i + size] for i in range(0, len(body), size)]) == expected
+
+
 # -- routing and capacity --------------------------------------------------
 
 

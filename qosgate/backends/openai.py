@@ -706,6 +706,27 @@ class _EventStream:
         return BackendError(f"upstream {self.where} sent a malformed stream: {why}")
 
     def _parse(self, block: bytes) -> None:
+        if self._partial or self._data or b"\r" in block:
+            self._parse_lines(block)
+            return
+        # At an event boundary, with no CR: split on the blank lines. Events
+        # that are one `data: ` line (what OpenAI-compatible servers send) go
+        # straight to _event; the general reader takes any other, with a
+        # blank line after it, and the unfinished tail. Same result as
+        # reading the block line by line, in a fraction of the calls.
+        events = block.split(b"\n\n")
+        tail = events.pop()
+        for event in events:
+            if event.startswith(b"data: ") and b"\n" not in event:
+                self._event(event[6:])
+            else:
+                self._parse_lines(event + b"\n\n")
+            if self.ended:
+                return
+        if tail:
+            self._parse_lines(tail)
+
+    def _parse_lines(self, block: bytes) -> None:
         lines = block.split(b"\n")
         if self._partial:
             lines[0] = self._partial + lines[0]

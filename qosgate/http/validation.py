@@ -265,7 +265,7 @@ def validate_body(endpoint: Endpoint, body: Any, served_models: Iterable[str]) -
     if models and parsed.model not in models:
         raise ModelNotFound(parsed.model)
     for name in _INTEGER_FIELDS:
-        if name in type(parsed).model_fields and isinstance(body.get(name), float):
+        if isinstance(body.get(name), float) and name in type(parsed).model_fields:
             body[name] = getattr(parsed, name)
     return parsed
 

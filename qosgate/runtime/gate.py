@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from enum import Enum
 from typing import Any, Literal
 
@@ -75,6 +75,10 @@ class Gateway:
         # of their own.
         self._policy = policy
         self._backend = backend
+        # Only a backend that can end for good (an engine that died) says so.
+        self._gone: Callable[[], BackendUnavailable | None] | None = getattr(
+            backend, "gone", None
+        )
         self.quotas = quotas if quotas is not None else QuotaGuard.from_policy(policy)
         """Reserves at the door (the HTTP layer asks it) and settles here."""
         self.observer = observer if observer is not None else Observer(policy)
@@ -318,7 +322,7 @@ class Gateway:
         )
 
     def _backend_down(self) -> BackendUnavailableError | None:
-        probe = getattr(self._backend, "gone", None)
+        probe = self._gone
         error = probe() if probe is not None else None
         if error is None:
             return None
