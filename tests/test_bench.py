@@ -130,6 +130,8 @@ class Upstream:
         """The request number of each request received (from its prompt's "[rid] ")."""
         self.sessions: list[tuple[int, str | None]] = []
         """(request number, the X-Session-Id it carried) per request received."""
+        self.connections: set[Any] = set()
+        """The client addresses (one per connection) requests came from."""
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -152,6 +154,8 @@ class Upstream:
         prompt = body["messages"][0]["content"]
         self.rids.append(int(prompt[1 : prompt.index("]")]))
         self.sessions.append((self.rids[-1], request.headers.get("X-Session-Id")))
+        assert request.transport is not None
+        self.connections.add(request.transport.get_extra_info("peername"))
         action = self.script[self.count % len(self.script)]
         self.count += 1
         self.seen[action] = self.seen.get(action, 0) + 1
@@ -188,6 +192,9 @@ class Upstream:
             final = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
                      "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
             await response.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
+            if action == "late_end":
+                # The body's end comes after the client has read [DONE].
+                await asyncio.sleep(0.01)
             await response.write_eof()
             return response
         finally:
@@ -244,6 +251,21 @@ async def test_sessions_give_every_request_its_conversation_header(
     assert all(header == f"s{rid % 3}" for rid, header in upstream.sessions[:sent])
     assert len(upstream.sessions) > sent
     assert {header for _, header in upstream.sessions[sent:]} == {None}
+
+
+async def test_a_stream_is_read_to_its_end_so_its_connection_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("QG_BENCH_TEST_KEY", "k")
+    data = fake_scenario(mode="sweep", sweep={"concurrency": [1], "requests": 6})
+    del data["duration_s"]
+    out = tmp_path / "out.json"
+    async with Upstream(("late_end",)) as upstream:
+        rc = await bench(upstream.url, str(write(tmp_path, data)), "--json", str(out),
+                         "--workers", "1")
+    assert rc == 0
+    assert json.loads(out.read_text())["policies"]["run"]["totals"]["completed"] == 6
+    assert upstream.count == 6 and len(upstream.connections) == 1
 
 
 async def test_sweep_gives_one_row_per_concurrency_level(

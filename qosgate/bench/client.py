@@ -248,6 +248,15 @@ class Job:
         output = reported if reported is not None else chunks
         if not done:
             return first, output, "incomplete_stream", None
+        # Read on to the body's end, as OpenAI's own client does: a response
+        # released with its body unread closes its connection, and a server
+        # whose body ends a moment after [DONE] would pay for a new connection
+        # on the next request (and its CPU figures with it).
+        try:
+            while await response.content.readany():
+                pass
+        except aiohttp.ClientPayloadError:
+            pass  # the answer came whole; only the connection is not reused
         return first, output, None, None
 
     def _read_body(self, raw: bytes) -> tuple[int, str | None]:
