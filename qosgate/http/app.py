@@ -599,12 +599,15 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
             prompt=body.get("messages") if endpoint == "chat" else body.get("prompt"),
         )
     reservation = None
-    try:
-        decision = await gateway.quotas.reserve(
-            identity.tenant, prompt_tokens + max_tokens, request_id
-        )
-    except QuotaStoreDown as exc:
-        raise QuotaStoreUnavailable(str(exc), retry_after_s=exc.retry_after_s) from None
+    decision = None
+    # A tenant without limits has nothing to reserve: no coroutine to run.
+    if gateway.quotas.limits(identity.tenant) is not None:
+        try:
+            decision = await gateway.quotas.reserve(
+                identity.tenant, prompt_tokens + max_tokens, request_id
+            )
+        except QuotaStoreDown as exc:
+            raise QuotaStoreUnavailable(str(exc), retry_after_s=exc.retry_after_s) from None
     if decision is not None:
         request[RATELIMIT] = ratelimit_headers(decision.states)
         _record_quota(gateway, identity.tenant, decision.states)

@@ -77,12 +77,7 @@ def request_finished(req: Request, usage: tuple[int, int] | None) -> None:
     """The one line per finished request: outcome, waits, TTFT and tokens.
     Never the prompt (the record holds none)."""
     assert req.outcome is not None and req.finished_at is not None
-
-    def ms(start: float | None, end: float | None) -> float | None:
-        if start is None or end is None:
-            return None
-        return round((end - start) * 1000, 3)
-
+    ms = _ms
     request_log.info(
         "request",
         request_id=req.id,
@@ -96,3 +91,9 @@ def request_finished(req: Request, usage: tuple[int, int] | None) -> None:
         completion_tokens=usage[1] if usage else 0,
         preemptions=req.preemptions,
     )
+
+
+def _ms(start: float | None, end: float | None) -> float | None:
+    if start is None or end is None:
+        return None
+    return round((end - start) * 1000, 3)

@@ -449,8 +449,9 @@ class RequestStream:
         self._output_tokens = 0
         self._error: GatewayError | None = None
         self._agen: AsyncIterator[Chunk] | None = None
-        # The backend's stream while one is being read.
-        self._backend_stream: AsyncIterator[Chunk] | None = None
+        # The `ready` of the backend's stream while one is being read (None
+        # for a stream that cannot tell).
+        self._backend_ready: Callable[[], bool] | None = None
 
     def __aiter__(self) -> AsyncIterator[Chunk]:
         if self._agen is None:
@@ -463,7 +464,7 @@ class RequestStream:
         at once. False when the backend's stream cannot tell."""
         # Nothing between two chunks of one backend stream waits: once a chunk
         # has gone out the request is no longer preempted.
-        ready = getattr(self._backend_stream, "ready", None)
+        ready = self._backend_ready
         return ready is not None and ready()
 
     async def aclose(self) -> None:
@@ -562,7 +563,8 @@ class RequestStream:
                     gen = gw._backend.generate(self._job)
                 except Exception as exc:
                     raise self._fail(_map_backend_error(req, exc)) from exc
-                self._backend_stream = gen
+                self._backend_ready = getattr(gen, "ready", None)
+                closed = False
                 try:
                     while True:
                         try:
@@ -596,12 +598,14 @@ class RequestStream:
                             # Closed before the last chunk goes out: a consumer
                             # that stops reading at it leaves nothing open.
                             await _close_quietly(gen)
+                            closed = True
                             yield chunk
                             return
                         yield chunk
                 finally:
-                    self._backend_stream = None
-                    await _close_quietly(gen)
+                    self._backend_ready = None
+                    if not closed:
+                        await _close_quietly(gen)
                 if req.finished:
                     break
                 # Preempted: back to waiting for dispatch.
