@@ -69,14 +69,18 @@ def start_build(source: Path, upstream_url: str, tmp: Path, name: str) -> tuple[
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(policy, sort_keys=False))
     entry = (
-        f"import sys; sys.path.insert(0, {str(source)!r}); "
-        "from qosgate.cli import main; sys.exit(main(sys.argv[1:]))"
+        f"import sys; sys.path.insert(0, {str(source)!r}); import qosgate.cli; "
+        f"assert qosgate.cli.__file__.startswith({str(source)!r}), qosgate.cli.__file__; "
+        "sys.exit(qosgate.cli.main(sys.argv[1:]))"
     )
+    # Run from `source` too: `-c` puts the working directory first on the
+    # path, and this checkout's package must not stand in for the other's.
     child = Child(
         name,
         [sys.executable, "-c", entry, "serve", "--config", str(path),
          "--host", "127.0.0.1", "--port", "0"],
         tmp,
+        cwd=source,
     )  # fmt: skip
     return child, _announced_url(child)
 

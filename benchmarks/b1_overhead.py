@@ -122,11 +122,11 @@ def cpu_seconds(pid: int) -> float:
 class Child:
     """A process this script starts, whose first stdout line says it is ready."""
 
-    def __init__(self, name: str, argv: list[str], log_dir: Path) -> None:
+    def __init__(self, name: str, argv: list[str], log_dir: Path, cwd: Path = ROOT) -> None:
         self.name = name
         self.stderr_path = log_dir / f"{name}.stderr"
         self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=self.stderr_path.open("wb"), cwd=ROOT, text=True
+            argv, stdout=subprocess.PIPE, stderr=self.stderr_path.open("wb"), cwd=cwd, text=True
         )
         self.first_line = self.proc.stdout.readline().strip() if self.proc.stdout else ""
         if not self.first_line:
