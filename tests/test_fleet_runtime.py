@@ -17,13 +17,17 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp.test_utils import TestServer
+from prometheus_client.parser import text_string_to_metric_families
 
 from qosgate.backends.sim_live import SimBackend, filler_text
 from qosgate.config.models import FleetConfig, PolicyConfig
 from qosgate.core.request import Outcome
 from qosgate.fleet.engine import EngineNode
 from qosgate.fleet.gateway import FleetBackend
+from qosgate.http.app import build_app
 from qosgate.runtime.errors import Expired, Overloaded, QueueFull
 from qosgate.runtime.gate import Gateway, RequestStream
 
@@ -370,3 +374,43 @@ async def test_tenants_of_a_tier_share_the_fleet_by_service_not_arrival(redis_se
         assert order == ["a", "b", "a", "a", "a"]
         counters = await store.counters("interactive")
         assert counters["a"] > counters["b"] > 0
+
+
+async def test_a_replicas_metrics_show_the_fleet_queue_read_from_redis(redis_server, prefix):
+    policy = make_policy(redis_server.url, prefix)
+    async with Fleet(policy, engines=1, seqs=1) as fleet:
+        server = TestServer(build_app(fleet.gateway, policy, environ={}))
+        await server.start_server()
+        readers: list[asyncio.Future[Any]] = []
+        try:
+            async with asyncio.timeout(LIMIT_S), Enqueues(fleet) as enqueues:
+                held = fleet.submit(max_tokens=5000)
+                await first_chunk(held)
+                queued = [fleet.submit(), fleet.submit(), fleet.submit(tier="batch")]
+                readers = [asyncio.ensure_future(read_all(s)) for s in queued]
+                await enqueues.wait(4)
+                async with aiohttp.ClientSession() as http:
+                    async with http.get(str(server.make_url("/metrics"))) as response:
+                        assert response.status == 200
+                        text = await response.text()
+            samples = {
+                (s.name, s.labels.get("tier")): s.value
+                for family in text_string_to_metric_families(text)
+                for s in family.samples
+                if s.name.startswith("qosgate_fleet_")
+            }
+            # The replica's own queue is empty: everything waits in Redis.
+            assert samples == {
+                ("qosgate_fleet_queue_depth", "interactive"): 2.0,
+                ("qosgate_fleet_queue_depth", "batch"): 1.0,
+                ("qosgate_fleet_running", None): 1.0,
+            }
+            assert "qosgate_queue_depth" not in {
+                s.name for f in text_string_to_metric_families(text) for s in f.samples
+                if s.value > 0
+            }
+        finally:
+            for reader in readers:
+                reader.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
+            await server.close()

@@ -19,6 +19,7 @@ from tests.http_support import (
     ScriptedBackend,
     live_app,
     make_policy,
+    words,
 )
 
 # Metric families (counters without their _total suffix), as DESIGN.md section 7 names them.
@@ -201,3 +202,49 @@ async def test_prompts_are_logged_only_when_enabled():
             assert logged[0]["prompt"] == body["messages"]
         else:
             assert logged == []
+
+
+class _FleetReplicaBackend(ScriptedBackend):
+    """A backend that reports the fleet's shared queue, or cannot (None), or
+    hangs while reading it."""
+
+    def __init__(self, levels: dict | None, *, hang: bool = False) -> None:
+        super().__init__(lambda job: words(job))
+        self.levels = levels
+        self.hang = hang
+        self.reads = 0
+
+    async def fleet_levels(self) -> dict | None:
+        self.reads += 1
+        if self.hang:
+            await asyncio.Event().wait()
+        return self.levels
+
+
+async def test_fleet_levels_are_read_at_each_scrape_and_left_out_when_unreadable(monkeypatch):
+    import qosgate.http.app as app_module
+
+    monkeypatch.setattr(app_module, "_FLEET_LEVELS_TIMEOUT_S", 0.05)
+    levels = {"queued": {"interactive": 3, "batch": 0}, "running": 2}
+    backend = _FleetReplicaBackend(levels)
+    async with live_app(make_policy(), backend) as live, aiohttp.ClientSession() as http:
+        samples = await scrape(http, live.url)
+        assert samples[("qosgate_fleet_queue_depth", (("tier", "interactive"),))] == 3
+        assert samples[("qosgate_fleet_queue_depth", (("tier", "batch"),))] == 0
+        assert samples[("qosgate_fleet_running", ())] == 2
+        # Redis unreadable (None), then too slow (the timeout): the scrape
+        # still answers, and the fleet series are gone rather than stale.
+        for backend.levels, backend.hang in ((None, False), (levels, True)):
+            samples = await scrape(http, live.url)
+            assert not [k for k in samples if k[0].startswith("qosgate_fleet_")]
+            assert {"qosgate_fleet_queue_depth", "qosgate_fleet_running"} <= samples[
+                ("families", ())
+            ]
+        assert backend.reads == 3
+
+
+async def test_one_node_declares_the_fleet_families_without_samples():
+    async with live_app() as live, aiohttp.ClientSession() as http:
+        samples = await scrape(http, live.url)
+    assert not [k for k in samples if k[0].startswith("qosgate_fleet_")]
+    assert {"qosgate_fleet_queue_depth", "qosgate_fleet_running"} <= samples[("families", ())]

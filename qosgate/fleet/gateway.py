@@ -153,6 +153,16 @@ class FleetBackend:
     def count_prompt_tokens(self, endpoint: str, body: dict[str, Any]) -> int:
         return self._count(endpoint, body)
 
+    async def fleet_levels(self) -> dict[str, Any] | None:
+        """The shared queue as it stands: `queued` per tier, and `running` (the
+        items engine nodes hold). None while Redis cannot be read."""
+        try:
+            queued = await self.store.depth()
+            running = await self.store.leased()
+        except WorkQueueError:
+            return None
+        return {"queued": queued, "running": running}
+
     # -- replies -------------------------------------------------------------
 
     async def _read(self) -> None:

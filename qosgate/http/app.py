@@ -266,8 +266,23 @@ def _record_quota(gateway: Gateway, tenant: str, states: Any) -> None:
         gateway.observer.metrics.quota(tenant, min(tokens))
 
 
+_FLEET_LEVELS_TIMEOUT_S = 2.0
+"""How long a scrape waits for the fleet's shared queue before answering without it."""
+
+
 async def _metrics(request: web.Request) -> web.Response:
-    registry = request.app[STATE].gateway.observer.metrics.registry
+    gateway = request.app[STATE].gateway
+    metrics = gateway.observer.metrics
+    read_fleet = getattr(gateway.backend, "fleet_levels", None)
+    if read_fleet is not None:
+        # A replica's own queue only holds work on its way to the fleet; the
+        # backlog operators watch is in the shared queue, read as scraped.
+        try:
+            async with asyncio.timeout(_FLEET_LEVELS_TIMEOUT_S):
+                metrics.fleet_levels = await read_fleet()
+        except TimeoutError:
+            metrics.fleet_levels = None
+    registry = metrics.registry
     response = web.Response(body=generate_latest(registry))
     response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
     return response

@@ -187,6 +187,35 @@ class _Events(Collector):
         yield quota
 
 
+class _FleetLevels(Collector):
+    """The fleet's shared queue as last read (fleet mode), at scrape time.
+
+    The families are declared on every gateway, so that one dashboard serves
+    one node and a fleet; they carry samples only in fleet mode, and none
+    while the shared queue cannot be read (a gauge that kept its last value
+    would look healthy)."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        levels = self._metrics.fleet_levels
+        depth = GaugeMetricFamily(
+            f"{PREFIX}fleet_queue_depth",
+            "Requests queued in the fleet's shared queue (fleet mode), read when scraped",
+            labels=["tier"],
+        )
+        running = GaugeMetricFamily(
+            f"{PREFIX}fleet_running",
+            "Fleet requests held by engine nodes (fleet mode), read when scraped",
+        )
+        if levels is not None:
+            for tier, queued in levels["queued"].items():
+                depth.add_metric([tier], queued)
+            running.add_metric([], levels["running"])
+        yield from (depth, running)
+
+
 class GatewayMetrics:
     def __init__(
         self,
@@ -242,6 +271,10 @@ class GatewayMetrics:
         self.quota_remaining: dict[str, float] = {}
         """Tenant (or "all") -> tokens its tightest token limit still allows."""
         self.registry.register(_Events(self))
+        self.fleet_levels: dict[str, Any] | None = None
+        """The fleet's shared queue as last read (`queued` per tier, `running`),
+        set before each scrape in fleet mode; None otherwise."""
+        self.registry.register(_FleetLevels(self))
         self.recent_ttft: dict[str, collections.deque[float]] = collections.defaultdict(
             lambda: collections.deque(maxlen=RECENT)
         )
