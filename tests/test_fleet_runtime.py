@@ -28,7 +28,7 @@ from qosgate.core.request import Outcome
 from qosgate.fleet.engine import EngineNode
 from qosgate.fleet.gateway import FleetBackend
 from qosgate.http.app import build_app
-from qosgate.runtime.errors import Expired, Overloaded, QueueFull
+from qosgate.runtime.errors import Expired, GatewayError, Overloaded, QueueFull
 from qosgate.runtime.gate import Gateway, RequestStream
 
 LIMIT_S = 20.0
@@ -414,3 +414,42 @@ async def test_a_replicas_metrics_show_the_fleet_queue_read_from_redis(redis_ser
                 reader.cancel()
             await asyncio.gather(*readers, return_exceptions=True)
             await server.close()
+
+
+async def test_replica_and_node_come_back_when_redis_does(own_redis_server, prefix):
+    # Redis restarts (a failover, an upgrade): the requests in flight then end
+    # with an error, and the fleet serves again once Redis is back, with no
+    # process restarted.
+    policy = make_policy(own_redis_server.url, prefix)
+    async with Fleet(policy, engines=1) as fleet:
+        changed = asyncio.Event()
+        gateway_listener = fleet.backend._listener
+        assert gateway_listener is not None
+
+        def listener() -> None:
+            gateway_listener()
+            changed.set()
+
+        async def until_ready(ready: bool) -> None:
+            while fleet.backend.ready() != ready:
+                changed.clear()
+                await changed.wait()
+
+        fleet.backend.set_capacity_listener(listener)
+        async with asyncio.timeout(LIMIT_S):
+            assert await read_all(fleet.submit(max_tokens=4)) == (filler_text(0, 4), 4)
+            own_redis_server.stop()
+            lost = fleet.submit(max_tokens=4)
+            with pytest.raises(GatewayError):
+                await read_all(lost)
+            assert lost.request.outcome is Outcome.BACKEND_ERROR
+            await until_ready(False)
+            own_redis_server.start()
+            # Queued at the replica until it is connected again, then run by
+            # the node once it is too.
+            again = [fleet.submit(max_tokens=4) for _ in range(2)]
+            answers = await asyncio.gather(*(read_all(s) for s in again))
+            assert fleet.backend.ready()
+        assert answers == [(filler_text(0, 4), 4)] * 2
+        assert {s.request.outcome for s in again} == {Outcome.COMPLETED}
+        assert fleet.engines[0].ready()

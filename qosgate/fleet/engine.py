@@ -47,6 +47,7 @@ from qosgate.core.scheduler import MAX_PREEMPTIONS
 from . import wire
 from .gateway import default_node_id, fleet_store
 from .model import Lease, ServiceMeter
+from .redis_store import RECONNECT_FIRST_S, RECONNECT_MAX_S
 from .store import WorkQueueError
 
 log = logging.getLogger(__name__)
@@ -142,8 +143,7 @@ class EngineNode:
     async def start(self) -> None:
         self.backend.set_capacity_listener(self.wake)
         await self.backend.start()
-        self._pubsub = self.store.redis.pubsub()
-        await self._pubsub.subscribe(self.store.wake_channel, self.cancel_channel)
+        await self._subscribe()
         loop = asyncio.get_running_loop()
         self._listener = loop.create_task(self._listen(), name="fleet-wake")
         self._arm_renewal()
@@ -207,26 +207,48 @@ class EngineNode:
 
     # -- claiming ------------------------------------------------------------
 
+    async def _subscribe(self) -> None:
+        self._pubsub = await self.store.subscribe(self.store.wake_channel, self.cancel_channel)
+
     async def _listen(self) -> None:
+        """Wakes and cancellations. When the channel is lost (Redis restarts,
+        the network breaks), subscribe again with backoff; meanwhile the node
+        claims only on its timers (a failed claim retries in a second), and
+        once back it claims whatever was queued."""
         wake_channel = self.store.wake_channel.encode()
-        try:
-            async for message in self._pubsub.listen():
-                if message.get("type") != "message":
-                    continue
-                if message["channel"] == wake_channel:
+        backoff = RECONNECT_FIRST_S
+        while True:
+            try:
+                if self._pubsub is None:
+                    await self._subscribe()
+                    log.warning("the fleet's wake channel is back")
+                    backoff = RECONNECT_FIRST_S
                     self.wake()
-                    data = message["data"]
-                    if self._preemption and data.startswith(b"q:"):
-                        self._consider_preempting(data[2:].decode(errors="replace"))
-                else:
-                    task = self._runs.get(message["data"].decode(errors="replace"))
-                    if task is not None:
-                        task.cancel()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - without wakes the node would sit idle
-            log.error("lost the fleet's wake channel: %r; the node stops taking work", exc)
-            self._stopping = True
+                async for message in self._pubsub.listen():
+                    if message.get("type") != "message":
+                        continue
+                    if message["channel"] == wake_channel:
+                        self.wake()
+                        data = message["data"]
+                        if self._preemption and data.startswith(b"q:"):
+                            self._consider_preempting(data[2:].decode(errors="replace"))
+                    else:
+                        task = self._runs.get(message["data"].decode(errors="replace"))
+                        if task is not None:
+                            task.cancel()
+                raise ConnectionError("the wake channel ended")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - without wakes the node would sit idle
+                if self._pubsub is not None:
+                    log.error("lost the fleet's wake channel: %r; reconnecting", exc)
+                    pubsub, self._pubsub = self._pubsub, None
+                    with contextlib.suppress(RedisError, OSError):
+                        await pubsub.aclose()
+                # A retry of a lost connection, not a poll: it stops once
+                # subscribed again.
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, RECONNECT_MAX_S)
 
     def _room(self) -> int:
         if self._stopping or not self.backend.ready():

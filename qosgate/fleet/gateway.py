@@ -45,7 +45,7 @@ from qosgate.runtime.errors import Expired, Overloaded, QueueFull
 
 from . import wire
 from .model import FleetTiers, ServiceMeter, WorkItem
-from .redis_store import RedisWorkQueue
+from .redis_store import RECONNECT_FIRST_S, RECONNECT_MAX_S, RedisWorkQueue
 from .store import WorkQueueError, WorkQueueFull, WorkQueueOverloaded
 
 log = logging.getLogger(__name__)
@@ -118,11 +118,22 @@ class FleetBackend:
     # -- lifecycle -----------------------------------------------------------
 
     async def start(self) -> None:
-        self._pubsub = self.store.redis.pubsub()
         # Subscribed before any request is queued, so no reply can come first.
-        await self._pubsub.subscribe(self.reply_channel)
+        await self._subscribe()
         self._reader = asyncio.get_running_loop().create_task(self._read(), name="fleet-replies")
-        self._ready = True
+        self._set_ready(True)
+
+    async def _subscribe(self) -> None:
+        self._pubsub = await self.store.subscribe(self.reply_channel)
+
+    async def _drop_subscription(self) -> None:
+        pubsub, self._pubsub = self._pubsub, None
+        if pubsub is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await pubsub.aclose()
+
+    def _set_ready(self, ready: bool) -> None:
+        self._ready = ready
         if self._listener is not None:
             self._listener()
 
@@ -136,9 +147,7 @@ class FleetBackend:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
-        if self._pubsub is not None:
-            with contextlib.suppress(RedisError, OSError):
-                await self._pubsub.aclose()
+        await self._drop_subscription()
         await self.store.close()
 
     def ready(self) -> bool:
@@ -166,28 +175,46 @@ class FleetBackend:
     # -- replies -------------------------------------------------------------
 
     async def _read(self) -> None:
-        try:
-            async for message in self._pubsub.listen():
-                if message.get("type") != "message":
-                    continue
-                try:
-                    events = wire.decode_events(message["data"])
-                except ValueError:
-                    log.error("dropped a malformed message on %s", self.reply_channel)
-                    continue
-                for event in events:
-                    waiting = self._waiting.get(event[0])
-                    if waiting is not None:
-                        waiting.events.put_nowait(event)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - every waiting request must hear of it
-            log.error("lost the fleet's reply channel: %r", exc)
-            self._ready = False
-            for request_id, waiting in self._waiting.items():
-                waiting.events.put_nowait(
-                    wire.error_event(request_id, wire.LOCAL_TOKEN, "unavailable", str(exc))
-                )
+        """Relay replies to the requests waiting for them. When the channel is
+        lost (Redis restarts, the network breaks), the requests in flight end
+        with an error (their replies may be gone), the replica is not ready,
+        and it subscribes again with backoff; ready again once it has."""
+        backoff = RECONNECT_FIRST_S
+        while True:
+            try:
+                if self._pubsub is None:
+                    await self._subscribe()
+                    log.warning("the fleet's reply channel is back")
+                    backoff = RECONNECT_FIRST_S
+                    self._set_ready(True)
+                async for message in self._pubsub.listen():
+                    if message.get("type") != "message":
+                        continue
+                    try:
+                        events = wire.decode_events(message["data"])
+                    except ValueError:
+                        log.error("dropped a malformed message on %s", self.reply_channel)
+                        continue
+                    for event in events:
+                        waiting = self._waiting.get(event[0])
+                        if waiting is not None:
+                            waiting.events.put_nowait(event)
+                raise ConnectionError("the reply channel ended")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - every waiting request must hear of it
+                if self._ready:
+                    log.error("lost the fleet's reply channel: %r; reconnecting", exc)
+                    self._set_ready(False)
+                    for request_id, waiting in self._waiting.items():
+                        waiting.events.put_nowait(
+                            wire.error_event(request_id, wire.LOCAL_TOKEN, "unavailable", str(exc))
+                        )
+                await self._drop_subscription()
+                # A retry of a lost connection, not a poll: it stops once
+                # subscribed again.
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, RECONNECT_MAX_S)
 
     # -- requests ------------------------------------------------------------
 

@@ -39,10 +39,13 @@ this store disagree with the memory one.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -58,6 +61,10 @@ from .store import (
 )
 
 _CANCELLED: dict[int, ItemStatus | None] = {0: None, 1: "queued", 2: "leased", 3: "completed"}
+
+RECONNECT_FIRST_S = 0.05
+RECONNECT_MAX_S = 5.0
+"""Backoff between attempts to subscribe again after losing a pub/sub channel."""
 
 _FIELDS = (
     "tier",
@@ -598,8 +605,17 @@ class RedisWorkQueue(WorkQueue):
             tiers, done_retention_s=done_retention_s, affinity_ttl_s=affinity_ttl_s
         )
         if client is None:
+            # One retry on a fresh connection, so that a pooled connection the
+            # server dropped (a restart) is not taken for an outage, as the
+            # quota store does. A script that had in fact run before its
+            # connection broke is refused the second time (an id enqueued
+            # twice) or harmless (a claim's extra leases run out and go back).
             client = aioredis.Redis.from_url(
-                url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
+                url,
+                socket_timeout=socket_timeout_s,
+                socket_connect_timeout=socket_timeout_s,
+                retry=Retry(NoBackoff(), retries=1),
+                retry_on_error=[RedisConnectionError],
             )
         self._redis = client
         base = f"{{{key_prefix}}}fleet:"
@@ -633,6 +649,19 @@ class RedisWorkQueue(WorkQueue):
     def redis(self) -> aioredis.Redis:
         """The client, for the fleet's pub/sub (which shares its pool)."""
         return self._redis
+
+    async def subscribe(self, *channels: str) -> Any:
+        """A pub/sub connection subscribed to `channels`; closed again if the
+        subscription fails (the caller retries with a backoff of
+        RECONNECT_FIRST_S, doubling to RECONNECT_MAX_S)."""
+        pubsub = self._redis.pubsub()
+        try:
+            await pubsub.subscribe(*channels)
+        except BaseException:
+            with contextlib.suppress(RedisError, OSError):
+                await pubsub.aclose()
+            raise
+        return pubsub
 
     async def _guard(self, call: Any) -> Any:
         try:
