@@ -94,7 +94,7 @@ async def test_the_dashboard_shows_the_load_as_it_runs(admin_env):
         busy_queue = await chart(page, "queue-chart")
         assert busy_queue != idle_queue
         legend = await page.inner_text("#queue-legend")
-        assert "interactive 4" in legend
+        assert "interactive 4" in legend and "(fleet)" not in legend
 
         gate.set()
         assert await asyncio.gather(*calls) == [200] * 6
@@ -129,4 +129,42 @@ async def test_without_the_token_the_page_says_so(admin_env):
         # Under the page's own Content-Security-Policy, its script runs.
         await page.wait_for_selector("#token-form:not([hidden])", timeout=15000)
         assert "admin token" in (await page.inner_text("#status")).lower()
+        await browser.close()
+
+
+class _ReplicaBackend(ScriptedBackend):
+    """A fleet replica's backend, as the dashboard sees it: the shared queue."""
+
+    def __init__(self) -> None:
+        async def answer(job: GenerationJob) -> AsyncIterator[Chunk]:
+            yield Chunk(text="ok", tokens=1, finish_reason="stop")
+
+        super().__init__(answer)
+
+    async def fleet_levels(self) -> dict:
+        return {"queued": {"interactive": 7, "batch": 0}, "running": 3}
+
+
+async def test_a_fleet_replica_draws_the_shared_queue_beside_its_own(admin_env):
+    async with live_app(make_policy(POLICY), _ReplicaBackend()) as live, \
+            aiohttp.ClientSession() as http, async_playwright() as pw:
+        async with http.get(live.url + "/admin/stats",
+                            headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+            assert (await r.json())["fleet"] == {
+                "queued": {"interactive": 7, "batch": 0}, "running": 3,
+            }
+        browser = await pw.chromium.launch(
+            executable_path=chromium(), headless=True, args=["--no-sandbox"]
+        )
+        context = await browser.new_context(bypass_csp=True)
+        page = await context.new_page()
+        await page.goto(f"{live.url}/dashboard#token={ADMIN}")
+        await page.wait_for_function(
+            "window.qosgate && (window.qosgate.series.queue['interactive (fleet)'] || []).includes(7)",
+            timeout=15000,
+        )
+        legend = await page.inner_text("#queue-legend")
+        assert "interactive (fleet) 7" in legend and "interactive 0" in legend
+        backend = await page.inner_text("#backend-table")
+        assert "running on engine nodes" in backend and "3" in backend
         await browser.close()

@@ -270,18 +270,24 @@ _FLEET_LEVELS_TIMEOUT_S = 2.0
 """How long a scrape waits for the fleet's shared queue before answering without it."""
 
 
+async def _fleet_levels(gateway: Gateway) -> dict[str, Any] | None:
+    """The fleet's shared queue (fleet mode), or None: one node, or Redis not
+    read in time. A replica's own queue only holds work on its way to the
+    fleet; the backlog operators watch is in the shared queue, read as asked."""
+    read = getattr(gateway.backend, "fleet_levels", None)
+    if read is None:
+        return None
+    try:
+        async with asyncio.timeout(_FLEET_LEVELS_TIMEOUT_S):
+            return await read()
+    except TimeoutError:
+        return None
+
+
 async def _metrics(request: web.Request) -> web.Response:
     gateway = request.app[STATE].gateway
     metrics = gateway.observer.metrics
-    read_fleet = getattr(gateway.backend, "fleet_levels", None)
-    if read_fleet is not None:
-        # A replica's own queue only holds work on its way to the fleet; the
-        # backlog operators watch is in the shared queue, read as scraped.
-        try:
-            async with asyncio.timeout(_FLEET_LEVELS_TIMEOUT_S):
-                metrics.fleet_levels = await read_fleet()
-        except TimeoutError:
-            metrics.fleet_levels = None
+    metrics.fleet_levels = await _fleet_levels(gateway)
     registry = metrics.registry
     response = web.Response(body=generate_latest(registry))
     response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
@@ -472,6 +478,7 @@ async def _admin_stats(request: web.Request) -> web.Response:
             "tiers": tiers,
             **stats_view(gateway.observer.metrics),
             "quotas": await _quota_view(state),
+            "fleet": await _fleet_levels(gateway),
         },
     )
 

@@ -366,6 +366,19 @@ def _schemas(models: Sequence[str]) -> dict[str, Any]:
                 "ttft": {"type": "object"},
                 "batches": {"type": "object"},
                 "quotas": _ref("schemas", "QuotaUse"),
+                "fleet": {
+                    "description": "Fleet mode: the shared queue as read from Redis "
+                    "(null on one node, or when Redis was not read in time).",
+                    "type": ["object", "null"],
+                    "required": ["queued", "running"],
+                    "properties": {
+                        "queued": {
+                            "type": "object",
+                            "additionalProperties": {"type": "integer", "minimum": 0},
+                        },
+                        "running": {"type": "integer", "minimum": 0},
+                    },
+                },
             },
         },
         "Quotas": {
