@@ -118,7 +118,8 @@ async def test_open_loop_against_the_gateway_counts_every_request(tmp_path: Path
 
 class Upstream:
     """Answers request n (in arrival order) by `script[n % len(script)]`:
-    ok, 429, 503, cut (a stream that breaks off) or error_event."""
+    ok, 429, 503, cut (a stream that breaks off), error_event or long_tail
+    (a long body after [DONE])."""
 
     def __init__(self, script: tuple[str, ...]) -> None:
         self.script = script
@@ -192,9 +193,13 @@ class Upstream:
             final = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
                      "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
             await response.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
-            if action == "late_end":
-                # The body's end comes after the client has read [DONE].
-                await asyncio.sleep(0.01)
+            if action == "long_tail":
+                # A megabyte of SSE comments after [DONE] (any client skips
+                # them): more than a client buffers unread, so one that stops
+                # at [DONE] leaves the body before its end, whatever the timing.
+                for _ in range(1024):
+                    await response.write(b": " + b"x" * 1021 + b"\n")
+                await response.write(b"\n")
             await response.write_eof()
             return response
         finally:
@@ -260,7 +265,7 @@ async def test_a_stream_is_read_to_its_end_so_its_connection_is_kept(
     data = fake_scenario(mode="sweep", sweep={"concurrency": [1], "requests": 6})
     del data["duration_s"]
     out = tmp_path / "out.json"
-    async with Upstream(("late_end",)) as upstream:
+    async with Upstream(("long_tail",)) as upstream:
         rc = await bench(upstream.url, str(write(tmp_path, data)), "--json", str(out),
                          "--workers", "1")
     assert rc == 0
