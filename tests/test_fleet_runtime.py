@@ -140,6 +140,36 @@ async def first_chunk(stream: RequestStream) -> str:
     raise AssertionError("the stream ended without output")
 
 
+async def crash(backend: FleetBackend) -> None:
+    """What a replica that dies leaves behind: nothing subscribed to its reply
+    channel any more, and nothing of its own cancelled."""
+    assert backend._reader is not None
+    backend._reader.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await backend._reader
+    await backend._drop_subscription()
+
+
+def record_starts(engine: EngineNode) -> asyncio.Queue[str]:
+    """The ids of the items `engine` starts, in order."""
+    started: asyncio.Queue[str] = asyncio.Queue()
+    take = engine._start
+
+    def start(lease: Any) -> None:
+        take(lease)
+        started.put_nowait(lease.item.id)
+
+    engine._start = start  # type: ignore[method-assign]
+    return started
+
+
+async def ended(engine: EngineNode, item_id: str) -> None:
+    task = engine._runs.get(item_id)
+    if task is not None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 async def test_the_answer_comes_back_whole_streamed_or_not(redis_server, prefix):
     async with Fleet(make_policy(redis_server.url, prefix), engines=2) as fleet:
         async with asyncio.timeout(LIMIT_S):
@@ -274,14 +304,7 @@ async def test_a_full_node_sends_back_a_preemptible_run_for_more_urgent_work(
     )
     async with Fleet(policy, engines=1, seqs=1) as fleet:
         engine = fleet.engines[0]
-        started: asyncio.Queue[str] = asyncio.Queue()
-        take = engine._start
-
-        def start(lease: Any) -> None:
-            take(lease)
-            started.put_nowait(lease.item.id)
-
-        engine._start = start  # type: ignore[method-assign]
+        started = record_starts(engine)
         async with asyncio.timeout(LIMIT_S):
             # A long prompt: the batch run spends about a second in prefill,
             # with no output yet, filling the node's one slot.
@@ -414,6 +437,86 @@ async def test_a_replicas_metrics_show_the_fleet_queue_read_from_redis(redis_ser
                 reader.cancel()
             await asyncio.gather(*readers, return_exceptions=True)
             await server.close()
+
+
+async def test_the_run_of_a_replica_that_crashed_stops_at_the_next_renewal(
+    redis_server, prefix
+):
+    # The replica holding the client dies mid-stream (OOM-killed, its host
+    # lost): nobody can receive the output, so the node stops generating it
+    # instead of filling a sequence slot for nobody until the end.
+    async with Fleet(make_policy(redis_server.url, prefix), engines=1) as fleet:
+        engine = fleet.engines[0]
+        store = fleet.backend.store
+        async with asyncio.timeout(LIMIT_S):
+            stream = fleet.submit(max_tokens=5000)
+            await first_chunk(stream)
+            item_id = stream.request.id
+            assert engine.status()["running"] == 1
+            await crash(fleet.backend)
+            await ended(engine, item_id)
+            assert engine.status()["running"] == 0
+            assert engine.completed == 0, "it ran to its end for nobody"
+            assert engine.orphaned == 1
+            assert engine.backend.capacity().free_slots == 2
+            # Ended in the store too: no other node takes it over and runs it
+            # again once the lease would have run out.
+            assert await store.status(item_id) == "completed"
+            assert await store.leased() == 0
+
+
+async def test_an_item_queued_by_a_replica_that_crashed_is_dropped_when_claimed(
+    redis_server, prefix
+):
+    policy = make_policy(redis_server.url, prefix)
+    assert policy.fleet is not None
+    async with Fleet(policy, engines=1, seqs=1) as fleet:
+        engine = fleet.engines[0]
+        store = fleet.backend.store
+        other = FleetBackend(
+            policy, policy.fleet.model_copy(update={"node_id": "gw2"}),
+            models=("sim-llama3-8b",), count_prompt_tokens=lambda e, b: 8,
+        )  # fmt: skip
+        doomed = Gateway(policy, other)
+        await doomed.start()
+        restarted = FleetBackend(
+            policy, policy.fleet.model_copy(update={"node_id": "gw2"}),
+            models=("sim-llama3-8b",), count_prompt_tokens=lambda e, b: 8,
+        )  # fmt: skip
+        started = record_starts(engine)
+        reader: asyncio.Future[Any] | None = None
+        try:
+            async with asyncio.timeout(LIMIT_S), Enqueues(fleet) as enqueues:
+                running = fleet.submit(max_tokens=400)
+                await first_chunk(running)
+                assert await started.get() == running.request.id
+                orphan = doomed.submit(
+                    request_id=uuid.uuid4().hex, tenant="t", tier="interactive",
+                    endpoint="chat", body={"model": "sim-llama3-8b", "messages": []},
+                    prompt_tokens=8, max_tokens=400,
+                )  # fmt: skip
+                reader = asyncio.ensure_future(read_all(orphan))
+                await enqueues.wait(2)
+                assert await store.status(orphan.request.id) == "queued"
+                await crash(other)
+                # Restarted under the same name (a fixed node_id, a pod that kept
+                # its name), it waits for none of what its old self queued.
+                await restarted.start()
+                # The node's one slot frees, and it claims the dead replica's item.
+                await running.aclose()
+                assert await started.get() == orphan.request.id
+                await ended(engine, orphan.request.id)
+            assert engine.completed == 0, "it ran to its end for nobody"
+            assert engine.orphaned == 1
+            assert await store.status(orphan.request.id) == "completed"
+            assert await store.leased() == 0
+            assert engine.backend.capacity().free_slots == 1
+        finally:
+            if reader is not None:
+                reader.cancel()
+                await asyncio.gather(reader, return_exceptions=True)
+            await doomed.close()
+            await restarted.close()
 
 
 async def test_replica_and_node_come_back_when_redis_does(own_redis_server, prefix):

@@ -121,6 +121,13 @@ class EngineNode:
         self._outbox = _Outbox(self.store.redis)
         self._runs: dict[str, asyncio.Task[None]] = {}
         self._leases: dict[str, Lease] = {}
+        # The reply channel of each item held, and the channels seen with a
+        # subscriber since the last renewal: a run whose gateway is gone is
+        # stopped rather than run for nobody.
+        self._replies: dict[str, str] = {}
+        self._live_replies: set[str] = set()
+        self.orphaned = 0
+        """Runs stopped because no gateway waited for them any more (for stats and tests)."""
         self._claiming: asyncio.Task[None] | None = None
         self._again = False
         self._wake_handle: asyncio.Handle | None = None
@@ -202,6 +209,7 @@ class EngineNode:
             "free_slots": self.backend.capacity().free_slots,
             "drain_rate_tokens_per_s": self.drain.rate,
             "preempted": self.preempted,
+            "orphaned": self.orphaned,
             "affinity": dict(self.affinity),
         }
 
@@ -296,6 +304,10 @@ class EngineNode:
                         self.affinity[claim.placement(lease.item.id)] += 1
                     self._start(lease)
                 self._note_load()
+                # After the start, so that checking costs the runs no time; a
+                # gateway already seen waiting since the last renewal is not
+                # asked about again.
+                await self._stop_orphans([lease.item.id for lease in claim.leases], fresh=False)
                 if len(claim.leases) < room:
                     # Nothing more for this node: the next work is a new
                     # enqueue (a wake), another node filling up (a wake), a
@@ -381,6 +393,7 @@ class EngineNode:
             log.error("work item %s: %s; dropped", item_id, exc)
             self._hold(item_id, self._complete(lease, None))
             return
+        self._replies[item_id] = reply_to
         try:
             gen = self.backend.generate(job)
         except BackendUnavailable as exc:
@@ -402,6 +415,7 @@ class EngineNode:
             finally:
                 self._runs.pop(item_id, None)
                 self._leases.pop(item_id, None)
+                self._replies.pop(item_id, None)
                 self._streaming.discard(item_id)
                 self._note_load()
                 self.wake()
@@ -445,6 +459,44 @@ class EngineNode:
         event = wire.error_event(item_id, lease.token, "backend_error",
                                  "the backend ended the stream early")  # fmt: skip
         await self._end(lease, reply_to, event, self._used(job, output))
+
+    async def _stop_orphans(self, item_ids: list[str], *, fresh: bool) -> None:
+        """Stop the runs of `item_ids` that nobody waits for: no connection
+        subscribes to their reply channel any more, because the gateway replica
+        that queued them crashed or stopped. Each is ended in the store first
+        (so that its lease is not taken over and run again elsewhere), then its
+        run is cancelled, which aborts it in the backend. With `fresh`, every
+        channel is asked about anew; otherwise only those not seen live since."""
+        channels = {self._replies[i] for i in item_ids if i in self._replies}
+        if not fresh:
+            channels -= self._live_replies
+        if not channels:
+            if fresh:
+                self._live_replies = set()
+            return
+        try:
+            counts = await self.store.subscribers(channels)
+        except WorkQueueError as exc:
+            log.warning("could not tell whether gateways still wait: %s", exc)
+            return
+        live = {channel for channel, count in counts.items() if count > 0}
+        self._live_replies = live if fresh else self._live_replies | live
+        gone = {channel for channel, count in counts.items() if count == 0}
+        for item_id in item_ids:
+            if self._replies.get(item_id) not in gone:
+                continue
+            task = self._runs.get(item_id)
+            if task is None or task.done():
+                continue
+            try:
+                await self.store.cancel(item_id, time.time())
+            except WorkQueueError as exc:
+                # Still leased: the next renewal asks again.
+                log.warning("work item %s: could not end it: %s", item_id, exc)
+                continue
+            log.warning("work item %s: the gateway that queued it is gone; stopped", item_id)
+            self.orphaned += 1
+            task.cancel()
 
     def _used(self, job: GenerationJob, output_tokens: int) -> float | None:
         """The service a run used, which settles its tenant's counter (fair tiers)."""
@@ -496,6 +548,8 @@ class EngineNode:
                 )
             except WorkQueueError as exc:
                 log.warning("heartbeat failed: %s", exc)
+        # Before the renewals: an orphan cancelled here fails its renewal below.
+        await self._stop_orphans(list(self._leases), fresh=True)
         for item_id, lease in list(self._leases.items()):
             try:
                 renewed = await self.store.renew(lease, now, self.lease_s)

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
@@ -105,7 +106,10 @@ class FleetBackend:
         self.node = fleet.node_id or default_node_id()
         self.store = fleet_store(policy, fleet)
         self._meter = ServiceMeter(policy) if self.store.tiers.fair else None
-        self.reply_channel = f"{self.store.base}reply:{self.node}"
+        # One channel per start, not per name: engine nodes stop the runs of a
+        # replica that no one subscribes for any more, and a replica restarted
+        # under the same name must not look like the one that crashed.
+        self.reply_channel = f"{self.store.base}reply:{self.node}:{secrets.token_hex(4)}"
         self.cancel_channel = f"{self.store.base}cancel"
         self._waiting: dict[str, _Waiting] = {}
         self._pubsub: Any = None

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -662,6 +663,18 @@ class RedisWorkQueue(WorkQueue):
                 await pubsub.aclose()
             raise
         return pubsub
+
+    async def subscribers(self, channels: Iterable[str]) -> dict[str, int]:
+        """How many connections subscribe to each channel now (PUBSUB NUMSUB):
+        0 on a gateway's reply channel means nobody waits for its replies."""
+        names = list(channels)
+        if not names:
+            return {}
+        counts = await self._guard(self._redis.pubsub_numsub(*names))
+        return {
+            (name.decode() if isinstance(name, bytes) else name): int(count)
+            for name, count in counts
+        }
 
     async def _guard(self, call: Any) -> Any:
         try:
