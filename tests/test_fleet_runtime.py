@@ -22,9 +22,11 @@ import pytest
 from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
+from qosgate.backends.base import Chunk
 from qosgate.backends.sim_live import SimBackend, filler_text
 from qosgate.config.models import FleetConfig, PolicyConfig
 from qosgate.core.request import Outcome
+from qosgate.fleet import wire
 from qosgate.fleet.engine import EngineNode
 from qosgate.fleet.gateway import FleetBackend
 from qosgate.http.app import build_app
@@ -517,6 +519,61 @@ async def test_an_item_queued_by_a_replica_that_crashed_is_dropped_when_claimed(
                 await asyncio.gather(reader, return_exceptions=True)
             await doomed.close()
             await restarted.close()
+
+
+class _GatedPipelines:
+    """The node's Redis client, whose pipelines wait at `execute` until let go:
+    a test's way to act while a publish is on its way."""
+
+    def __init__(self, redis: Any) -> None:
+        self._redis = redis
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+
+    def pipeline(self, **kwargs: Any) -> Any:
+        gate = self
+        pipe = self._redis.pipeline(**kwargs)
+        execute = pipe.execute
+
+        async def gated() -> Any:
+            gate.entered.set()
+            await gate.release.wait()
+            return await execute()
+
+        pipe.execute = gated
+        return pipe
+
+
+async def test_cancelling_a_run_as_it_ends_does_not_drop_other_runs_output(redis_server, prefix):
+    # A run's last step publishes whatever output is pending for every
+    # gateway. Its own gateway going away cancels it there; the other
+    # gateways' output must still go out.
+    async with Fleet(make_policy(redis_server.url, prefix), engines=1) as fleet:
+        engine = fleet.engines[0]
+        redis = fleet.backend.store.redis
+        listener = redis.pubsub()
+        await listener.subscribe("other-replica")
+        gated = _GatedPipelines(redis)
+        engine._outbox._redis = gated
+        try:
+            async with asyncio.timeout(LIMIT_S):
+                theirs = wire.chunk_event("their-item", 1, Chunk(text="kept", tokens=1))
+                engine._outbox.put("other-replica", theirs)
+                ending = asyncio.ensure_future(engine._end(
+                    None, "gone-replica", wire.error_event("my-item", 1, "backend_error", "x"),
+                ))  # type: ignore[arg-type]  # fmt: skip
+                await gated.entered.wait()
+                ending.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await ending
+                gated.release.set()
+                async for message in listener.listen():
+                    if message["type"] == "message":
+                        assert wire.decode_events(message["data"]) == [theirs]
+                        break
+        finally:
+            gated.release.set()
+            await listener.aclose()
 
 
 async def test_replica_and_node_come_back_when_redis_does(own_redis_server, prefix):

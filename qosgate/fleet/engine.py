@@ -507,8 +507,10 @@ class EngineNode:
     async def _end(
         self, lease: Lease, reply_to: str, event: wire.Event, used: float | None = None
     ) -> None:
-        # Everything before the end goes out before it.
-        await self._outbox.flush()
+        # Everything before the end goes out before it. Shielded: the flush
+        # carries other runs' output too, which cancelling this run (its
+        # gateway went away) must not drop.
+        await asyncio.shield(self._outbox.flush())
         await self._complete(lease, (reply_to, wire.encode_events([event])), used)
 
     async def _complete(
