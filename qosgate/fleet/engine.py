@@ -24,7 +24,9 @@ last chunk (or the error that ends it) is published by the same Lua step
 that completes the item, so the gateway hears of the end exactly when it
 happened. A renewal timer extends every held lease each third of `lease_s`;
 a lease found lost (cancelled by its gateway, or taken over after this node
-stalled) stops its run. On shutdown the node releases what it has not
+stalled) stops its run. So does a gateway found gone: at each renewal, and
+after each claim, the node asks Redis whether anyone still subscribes to the
+reply channels of its items, and ends those nobody waits for. On shutdown the node releases what it has not
 finished, so other nodes take it at once, at its original arrival.
 """
 
@@ -550,8 +552,6 @@ class EngineNode:
                 )
             except WorkQueueError as exc:
                 log.warning("heartbeat failed: %s", exc)
-        # Before the renewals: an orphan cancelled here fails its renewal below.
-        await self._stop_orphans(list(self._leases), fresh=True)
         for item_id, lease in list(self._leases.items()):
             try:
                 renewed = await self.store.renew(lease, now, self.lease_s)
@@ -567,3 +567,5 @@ class EngineNode:
                     task.cancel()
             else:
                 self._leases[item_id] = renewed
+        # After the renewals, which a slow answer here must not hold back.
+        await self._stop_orphans(list(self._leases), fresh=True)
