@@ -38,10 +38,12 @@ LIMIT_S = 20.0
 
 def make_policy(
     redis_url: str, prefix: str, scheduler: dict[str, Any] | None = None,
-    batch: dict[str, Any] | None = None, **tier_overrides: Any,
+    batch: dict[str, Any] | None = None, tenants: list[dict[str, Any]] | None = None,
+    **tier_overrides: Any,
 ) -> PolicyConfig:  # fmt: skip
     interactive = {"priority": 0, "max_queue_wait_ms": 60_000, **tier_overrides}
     return PolicyConfig.model_validate({
+        "tenants": tenants or [],
         "scheduler": scheduler or {},
         "backend": {"kind": "sim", "speed": 4.0, "max_num_seqs": 2},
         "tiers": {
@@ -519,6 +521,51 @@ async def test_an_item_queued_by_a_replica_that_crashed_is_dropped_when_claimed(
                 await asyncio.gather(reader, return_exceptions=True)
             await doomed.close()
             await restarted.close()
+
+
+async def test_a_client_gone_while_its_item_waits_in_redis_is_not_charged(redis_server, prefix):
+    # As on one node (docs/QUOTAS.md): cancelled while queued is refunded in
+    # full; once a node has started the request, its prompt is charged.
+    policy = make_policy(redis_server.url, prefix, tenants=[
+        {"id": "t", "tier": "interactive", "quotas": {"tokens_per_minute": 1_000_000}},
+    ])  # fmt: skip
+    async with Fleet(policy, engines=1, seqs=1) as fleet:
+        quotas = fleet.gateway.quotas
+
+        async def submit(max_tokens: int) -> tuple[RequestStream, Any]:
+            request_id = uuid.uuid4().hex
+            decision = await quotas.reserve("t", 8 + max_tokens, request_id)
+            assert decision is not None and decision.admitted
+            stream = fleet.gateway.submit(
+                request_id=request_id, tenant="t", tier="interactive", endpoint="chat",
+                body={"model": "sim-llama3-8b", "messages": [], "stream": True},
+                prompt_tokens=8, max_tokens=max_tokens, reservation=decision.reservation,
+            )  # fmt: skip
+            return stream, decision.reservation
+
+        replies = fleet.backend.store.redis.pubsub()
+        await replies.subscribe(fleet.backend.reply_channel)
+        async with asyncio.timeout(LIMIT_S), Enqueues(fleet) as enqueues:
+            running, held = await submit(400)
+            await first_chunk(running)
+            # The node said it started the run before it sent any output.
+            async for message in replies.listen():
+                if message["type"] == "message":
+                    events = wire.decode_events(message["data"])
+                    assert events[0][:3] == (running.request.id, events[0][1], wire.STARTED)
+                    break
+            await replies.aclose()
+            queued, waited = await submit(8)
+            reader = asyncio.ensure_future(read_all(queued))
+            await enqueues.wait(2)
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            await running.aclose()
+        assert queued.request.outcome is Outcome.CANCELLED
+        assert (waited.settled, waited.charged) == (True, 0), "it never ran"
+        assert running.request.outcome is Outcome.CANCELLED
+        assert held.settled and held.charged is not None and held.charged > 8
 
 
 class _GatedPipelines:

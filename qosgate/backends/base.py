@@ -109,7 +109,10 @@ class Backend(Protocol):
         end aborts the work. Raises BackendError / BackendUnavailable.
 
         The iterator may also have `ready() -> bool`: True when its next chunk
-        is at hand, so that `__anext__` will not wait (see `RequestStream.ready`)."""
+        is at hand, so that `__anext__` will not wait (see `RequestStream.ready`),
+        and `started() -> bool`, for a backend that queues what it takes (the
+        fleet's): False while the job waits there, so that a request cancelled
+        then is refunded as one cancelled in the gateway's own queue."""
 
     def abort(self, request_id: str) -> None:
         """Stop a running request (preemption, client gone). Idempotent.

@@ -406,6 +406,7 @@ class EngineNode:
             event = wire.error_event(item_id, lease.token, "backend_error", str(exc))
             self._hold(item_id, self._end(lease, reply_to, event))
             return
+        self._outbox.put(reply_to, wire.started_event(item_id, lease.token))
         self._hold(item_id, self._run(lease, job, reply_to, gen))
 
     def _hold(self, item_id: str, work: Coroutine[Any, Any, None]) -> None:

@@ -32,7 +32,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +86,30 @@ class _Waiting:
     events: asyncio.Queue[wire.Event] = field(default_factory=asyncio.Queue)
     ended: bool = False
     expiry: asyncio.TimerHandle | None = None
+    started: bool = False
+    """An engine node has started it (its `started` event, or any output, came)."""
+
+
+class _FleetStream:
+    """A request's output from the fleet, and whether a node has started it."""
+
+    __slots__ = ("_gen", "_waiting")
+
+    def __init__(self, gen: AsyncGenerator[Chunk, None], waiting: _Waiting) -> None:
+        self._gen = gen
+        self._waiting = waiting
+
+    def __aiter__(self) -> _FleetStream:
+        return self
+
+    def __anext__(self) -> Awaitable[Chunk]:
+        return self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        await self._gen.aclose()
+
+    def started(self) -> bool:
+        return self._waiting.started
 
 
 class FleetBackend:
@@ -201,7 +225,12 @@ class FleetBackend:
                         continue
                     for event in events:
                         waiting = self._waiting.get(event[0])
-                        if waiting is not None:
+                        if waiting is None:
+                            continue
+                        # Noted as it arrives, not as the request's reader gets
+                        # to it: a client may go away in between.
+                        waiting.started = True
+                        if event[2] != wire.STARTED:
                             waiting.events.put_nowait(event)
                 raise ConnectionError("the reply channel ended")
             except asyncio.CancelledError:
@@ -229,7 +258,7 @@ class FleetBackend:
             raise BackendError(f"request {job.request_id!r} is already running")
         waiting = _Waiting()
         self._waiting[job.request_id] = waiting
-        return self._stream(job, waiting)
+        return _FleetStream(self._stream(job, waiting), waiting)
 
     async def _stream(self, job: GenerationJob, waiting: _Waiting) -> AsyncIterator[Chunk]:
         request_id = job.request_id

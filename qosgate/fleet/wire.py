@@ -21,6 +21,9 @@ from qosgate.backends.base import Chunk, GenerationJob
 
 CHUNK = "c"
 ERROR = "e"
+STARTED = "s"
+"""An engine node has handed the item to its backend: from here a request
+cancelled by its client is charged for what ran (its prompt at least)."""
 
 ErrorKind = Literal["backend_error", "unavailable", "expired"]
 
@@ -76,6 +79,10 @@ def chunk_event(request_id: str, token: int, chunk: Chunk) -> Event:
     return (request_id, token, CHUNK, data)
 
 
+def started_event(request_id: str, token: int) -> Event:
+    return (request_id, token, STARTED, None)
+
+
 def error_event(request_id: str, token: int, kind: ErrorKind, message: str) -> Event:
     return (request_id, token, ERROR, [kind, message])
 
@@ -99,7 +106,7 @@ def decode_events(message: bytes) -> list[Event]:
             or len(event) != 4
             or not isinstance(event[0], str)
             or not isinstance(event[1], int)
-            or event[2] not in (CHUNK, ERROR)
+            or event[2] not in (CHUNK, ERROR, STARTED)
         ):
             raise ValueError("malformed fleet message: bad event")
         out.append((event[0], event[1], event[2], event[3]))

@@ -452,6 +452,9 @@ class RequestStream:
         # The `ready` of the backend's stream while one is being read (None
         # for a stream that cannot tell).
         self._backend_ready: Callable[[], bool] | None = None
+        # The `started` of the last backend stream, for a backend that queues
+        # what it takes (None: it ran from the hand-over).
+        self._backend_started: Callable[[], bool] | None = None
 
     def __aiter__(self) -> AsyncIterator[Chunk]:
         if self._agen is None:
@@ -532,7 +535,13 @@ class RequestStream:
         (metrics), including a request cancelled mid-way; a request refused,
         expired, failed by the backend, or cancelled before it ran is not."""
         req = self.request
-        if req.outcome is Outcome.COMPLETED or (req.outcome is Outcome.CANCELLED and self._ran):
+        ran = self._ran
+        started = self._backend_started
+        if ran and started is not None and not started():
+            # Handed to a backend that queues it (the fleet's), and still
+            # waiting there: as if cancelled in the gateway's own queue.
+            ran = False
+        if req.outcome is Outcome.COMPLETED or (req.outcome is Outcome.CANCELLED and ran):
             prompt = self._reported_prompt
             if prompt is None:
                 prompt = req.prompt_tokens
@@ -564,6 +573,7 @@ class RequestStream:
                 except Exception as exc:
                     raise self._fail(_map_backend_error(req, exc)) from exc
                 self._backend_ready = getattr(gen, "ready", None)
+                self._backend_started = getattr(gen, "started", None)
                 closed = False
                 try:
                     while True:
