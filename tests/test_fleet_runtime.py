@@ -144,6 +144,13 @@ async def first_chunk(stream: RequestStream) -> str:
     raise AssertionError("the stream ended without output")
 
 
+def fleet_waits(fleet: Fleet, tier: str = "interactive") -> float | None:
+    """How many of the replica's requests engine nodes started (the count of
+    qosgate_fleet_queue_wait_seconds)."""
+    registry = fleet.gateway.observer.metrics.registry
+    return registry.get_sample_value("qosgate_fleet_queue_wait_seconds_count", {"tier": tier})
+
+
 async def crash(backend: FleetBackend) -> None:
     """What a replica that dies leaves behind: nothing subscribed to its reply
     channel any more, and nothing of its own cancelled."""
@@ -182,6 +189,8 @@ async def test_the_answer_comes_back_whole_streamed_or_not(redis_server, prefix)
         assert answers == [(filler_text(0, 12), 12)] * 6
         assert {s.request.outcome for s in streams} == {Outcome.COMPLETED}
         assert sum(e.completed for e in fleet.engines) == 6
+        # Each one's wait in the shared queue, as the replica saw it end.
+        assert fleet_waits(fleet) == 6
         assert await fleet.backend.store.leased() == 0
         assert sum((await fleet.backend.store.depth()).values()) == 0
 
@@ -424,8 +433,16 @@ async def test_a_replicas_metrics_show_the_fleet_queue_read_from_redis(redis_ser
                 (s.name, s.labels.get("tier")): s.value
                 for family in text_string_to_metric_families(text)
                 for s in family.samples
-                if s.name.startswith("qosgate_fleet_")
+                if s.name in ("qosgate_fleet_queue_depth", "qosgate_fleet_running")
             }
+            # Only the held one has been started by a node, and has its wait.
+            waits = [
+                (s.name, s.labels.get("tier"), s.value)
+                for family in text_string_to_metric_families(text)
+                for s in family.samples
+                if s.name == "qosgate_fleet_queue_wait_seconds_count"
+            ]
+            assert waits == [("qosgate_fleet_queue_wait_seconds_count", "interactive", 1.0)]
             # The replica's own queue is empty: everything waits in Redis.
             assert samples == {
                 ("qosgate_fleet_queue_depth", "interactive"): 2.0,
@@ -564,6 +581,7 @@ async def test_a_client_gone_while_its_item_waits_in_redis_is_not_charged(redis_
             await running.aclose()
         assert queued.request.outcome is Outcome.CANCELLED
         assert (waited.settled, waited.charged) == (True, 0), "it never ran"
+        assert fleet_waits(fleet) == 1, "only the one a node started waited its turn out"
         assert running.request.outcome is Outcome.CANCELLED
         assert held.settled and held.charged is not None and held.charged > 8
 

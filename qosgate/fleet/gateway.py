@@ -88,6 +88,9 @@ class _Waiting:
     expiry: asyncio.TimerHandle | None = None
     started: bool = False
     """An engine node has started it (its `started` event, or any output, came)."""
+    tier: str = ""
+    queued_at: float | None = None
+    """Wall-clock time it went into the shared queue."""
 
 
 class _FleetStream:
@@ -140,6 +143,7 @@ class FleetBackend:
         self._reader: asyncio.Task[None] | None = None
         self._ready = False
         self._listener: Callable[[], None] | None = None
+        self._start_listener: Callable[[str, float], None] | None = None
         # Cancellations in flight, so that close() can wait for them.
         self._chores: set[asyncio.Task[Any]] = set()
 
@@ -187,6 +191,11 @@ class FleetBackend:
     def set_capacity_listener(self, listener: Callable[[], None]) -> None:
         self._listener = listener
 
+    def set_start_listener(self, listener: Callable[[str, float], None]) -> None:
+        """`listener(tier, waited_s)` is called when an engine node starts a
+        request of this replica, with how long it waited in the shared queue."""
+        self._start_listener = listener
+
     def count_prompt_tokens(self, endpoint: str, body: dict[str, Any]) -> int:
         return self._count(endpoint, body)
 
@@ -229,7 +238,9 @@ class FleetBackend:
                             continue
                         # Noted as it arrives, not as the request's reader gets
                         # to it: a client may go away in between.
-                        waiting.started = True
+                        if not waiting.started:
+                            waiting.started = True
+                            self._started(waiting)
                         if event[2] != wire.STARTED:
                             waiting.events.put_nowait(event)
                 raise ConnectionError("the reply channel ended")
@@ -249,6 +260,11 @@ class FleetBackend:
                 await asyncio.sleep(backoff)
                 backoff = min(2 * backoff, RECONNECT_MAX_S)
 
+    def _started(self, waiting: _Waiting) -> None:
+        listener = self._start_listener
+        if listener is not None and waiting.queued_at is not None:
+            listener(waiting.tier, time.time() - waiting.queued_at)
+
     # -- requests ------------------------------------------------------------
 
     def generate(self, job: GenerationJob) -> AsyncIterator[Chunk]:
@@ -256,7 +272,7 @@ class FleetBackend:
             raise BackendUnavailable("the fleet's queue is not reachable")
         if job.request_id in self._waiting:
             raise BackendError(f"request {job.request_id!r} is already running")
-        waiting = _Waiting()
+        waiting = _Waiting(tier=job.tier)
         self._waiting[job.request_id] = waiting
         return _FleetStream(self._stream(job, waiting), waiting)
 
@@ -278,6 +294,8 @@ class FleetBackend:
                 else 0.0,
                 work=job.work or job.prompt_tokens + job.max_tokens,
             )
+            # Before the enqueue returns, a node may already have started it.
+            waiting.queued_at = item.arrival
             try:
                 await self.store.enqueue(item, max_queued=tier.max_queue_len)
             except WorkQueueFull as exc:

@@ -116,6 +116,12 @@ class GatewayMetrics:
             f"{PREFIX}queue_wait_seconds", "Time queued before dispatch", ["tier"],
             buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.fleet_queue_wait = Histogram(
+            f"{PREFIX}fleet_queue_wait_seconds",
+            "Fleet mode: time a replica's request waited in the shared queue before "
+            "an engine node started it", ["tier"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.ttft = Histogram(
             f"{PREFIX}ttft_seconds", "Time to first token", ["tier"],
             buckets=LATENCY_BUCKETS, registry=r,
@@ -189,6 +195,10 @@ class GatewayMetrics:
 
     def dispatched(self, req: Request, now: float) -> None:
         self._child(self.queue_wait, req.tier).observe(max(0.0, now - req.arrival))
+
+    def fleet_started(self, tier: str, waited_s: float) -> None:
+        """An engine node started a request this replica queued in the fleet."""
+        self._child(self.fleet_queue_wait, tier).observe(max(0.0, waited_s))
 
     def released(self, batches: Iterable[tuple[str, int, float]]) -> None:
         for _tier, size, wait in batches:

@@ -84,6 +84,11 @@ class Gateway:
         self.observer = observer if observer is not None else Observer(policy)
         """Metrics and the request log, fed at each event of a request."""
         self.observer.metrics.watch(self.snapshot)
+        # A backend that queues what it takes (the fleet's) reports when the
+        # waiting there ends.
+        on_start = getattr(backend, "set_start_listener", None)
+        if on_start is not None:
+            on_start(self.observer.metrics.fleet_started)
         self._scheduler = Scheduler(policy, drain_rate_hint=drain_rate_hint)
         self._loop: asyncio.AbstractEventLoop | None = None
         # Requests admitted and not yet finished.
