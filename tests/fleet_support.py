@@ -170,19 +170,31 @@ class Fleet:
         """The gateways' API URLs, as `qosgate bench` takes them."""
         return ",".join(g.url for g in self.gateways)
 
-    def outcomes(self) -> dict[str, int]:
-        """Every gateway's `qosgate_requests_total`, summed by outcome."""
-        counts: dict[str, int] = {}
+    def _metric_lines(self, name: str) -> list[str]:
+        """Every gateway's sample lines of metric `name` (labelled or not)."""
+        lines = []
         for gateway in self.gateways:
             base = gateway.url.removesuffix("/v1")
             with urllib.request.urlopen(base + "/metrics", timeout=10) as response:
                 text = response.read().decode()
-            for line in text.splitlines():
-                if line.startswith("qosgate_requests_total{"):
-                    labels, value = line.rsplit(" ", 1)
-                    outcome = labels.split('outcome="', 1)[1].split('"', 1)[0]
-                    counts[outcome] = counts.get(outcome, 0) + int(float(value))
+            lines += [
+                line for line in text.splitlines()
+                if line.startswith((name + "{", name + " "))
+            ]  # fmt: skip
+        return lines
+
+    def outcomes(self) -> dict[str, int]:
+        """Every gateway's `qosgate_requests_total`, summed by outcome."""
+        counts: dict[str, int] = {}
+        for line in self._metric_lines("qosgate_requests_total"):
+            labels, value = line.rsplit(" ", 1)
+            outcome = labels.split('outcome="', 1)[1].split('"', 1)[0]
+            counts[outcome] = counts.get(outcome, 0) + int(float(value))
         return counts
+
+    def total(self, name: str) -> float:
+        """Metric `name` summed over every gateway and label set."""
+        return sum(float(line.rsplit(" ", 1)[1]) for line in self._metric_lines(name))
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.tail()}" for p in [*self.engines, *self.gateways])

@@ -91,6 +91,10 @@ async def test_killing_an_engine_node_loses_no_request(tmp_path: Path):
         assert all(usage and usage["completion_tokens"] == TOKENS for _, _, usage in answers)
         outcomes = await asyncio.to_thread(fleet.outcomes)
         assert outcomes == {"completed": REQUESTS}, outcomes
+        # Each request's wait in the shared queue, observed once by its own
+        # replica, however many runs it took.
+        waits = await asyncio.to_thread(fleet.total, "qosgate_fleet_queue_wait_seconds_count")
+        assert waits == REQUESTS
     except BaseException:
         print(fleet.logs())
         raise
