@@ -465,8 +465,13 @@ def table(result: dict[str, Any]) -> str:
     for check in result["targets"]:
         verdict = "PASS" if check["passed"] else "FAIL"
         lines.append(f"  {verdict}  {check['name']}: {fmt(check['value'], '.3f')}")
-        lines.append(f"        info  floor proxy: {fmt(check.get('floor_value'), '.3f')},"
-                     f" qosgate over floor: {fmt(check.get('qosgate_over_floor'), '.3f')}")
+        floor = check.get("floor_value")
+        # Where the bare proxy alone misses the threshold, no gateway on this
+        # stack meets it on this machine: say so beside the verdict.
+        alone = (" (the floor alone misses it)"
+                 if floor is not None and floor >= check["threshold"] else "")
+        lines.append(f"        info  floor proxy: {fmt(floor, '.3f')},"
+                     f" qosgate over floor: {fmt(check.get('qosgate_over_floor'), '.3f')}{alone}")
     lines.append("")
     lines.append(f"run took {result['run_s']:.0f} s")
     if result["failures"]:
