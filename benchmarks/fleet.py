@@ -127,6 +127,10 @@ def home_share(engines: dict[str, Any]) -> dict[str, Any]:
     return {**counts, "home_share": round(counts["home"] / max(1, counts["home"] + counts["away"]), 3)}
 
 
+def fmt_s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
 def kill_later(fleet: Fleet, after_s: float, killed: dict[str, Any]) -> None:
     """SIGKILL the second engine node `after_s` into the run (a benchmark's
     timer: the run itself is another program)."""
@@ -192,6 +196,10 @@ def main() -> int:
                 result[name]["offered_rps"] = round(load * capacity, 3)
                 result[name]["affinity"] = affinity
                 result[name]["gateway_outcomes"] = fleet.outcomes()
+                # How long requests waited in Redis before a node started
+                # them, as the replicas measured it (a request ended while
+                # queued is not in it).
+                result[name]["fleet_queue_wait"] = fleet.fleet_waits()
                 result[name]["engines"] = {
                     e.name: e.get("/fleet") for e in fleet.engines if e.proc.poll() is None
                 }
@@ -229,6 +237,9 @@ def main() -> int:
         share = result[name]["sessions"]
         print(f"{name}: {share['home']} of {share['home'] + share['away']} follow-up turns on "
               f"their session's node ({share['home_share']:.0%})")
+    for tier, wait in fleet["fleet_queue_wait"].items():
+        print(f"fleet: {tier} waited in Redis p50 {fmt_s(wait['p50_s'])}, "
+              f"p99 {fmt_s(wait['p99_s'])} ({wait['count']:.0f} started)")
     print(f"kill: {kill['sent']} sent, {kill['completed']} completed, {kill['rejected']} refused, "
           f"{kill['errors']} errors, {kill['lost']} lost; gateways counted {kill_answered}")
     if args.json_path:

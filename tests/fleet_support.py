@@ -71,6 +71,26 @@ def policy(
     return doc
 
 
+def bucket_quantile(cumulative: dict[float, float], q: float) -> float | None:
+    """The q-quantile of a histogram given as upper bound -> cumulative count,
+    interpolated linearly within its bucket (Prometheus' histogram_quantile);
+    the highest finite bound if it falls in the +Inf bucket."""
+    bounds = sorted(cumulative)
+    total = cumulative[bounds[-1]] if bounds else 0.0
+    if total <= 0:
+        return None
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for bound in bounds:
+        count = cumulative[bound]
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = bound, count
+    return lower
+
+
 def environ() -> dict[str, str]:
     env = dict(os.environ)
     env.update({f"QG_FLEET_{tier.upper()}": key for tier, key in KEYS.items()})
@@ -191,6 +211,25 @@ class Fleet:
             outcome = labels.split('outcome="', 1)[1].split('"', 1)[0]
             counts[outcome] = counts.get(outcome, 0) + int(float(value))
         return counts
+
+    def fleet_waits(self) -> dict[str, dict[str, float | None]]:
+        """Per tier, the count and the p50 / p99 (seconds) of
+        qosgate_fleet_queue_wait_seconds, its buckets summed over the gateways
+        (each observes only its own requests), read as Prometheus'
+        histogram_quantile reads them."""
+        buckets: dict[str, dict[float, float]] = {}
+        for line in self._metric_lines("qosgate_fleet_queue_wait_seconds_bucket"):
+            labels, value = line.rsplit(" ", 1)
+            tier = labels.split('tier="', 1)[1].split('"', 1)[0]
+            le = float(labels.split('le="', 1)[1].split('"', 1)[0])
+            per_tier = buckets.setdefault(tier, {})
+            per_tier[le] = per_tier.get(le, 0.0) + float(value)
+        return {
+            tier: {"count": cumulative[max(cumulative)],
+                   "p50_s": bucket_quantile(cumulative, 0.50),
+                   "p99_s": bucket_quantile(cumulative, 0.99)}
+            for tier, cumulative in sorted(buckets.items())
+        }  # fmt: skip
 
     def total(self, name: str) -> float:
         """Metric `name` summed over every gateway and label set."""

@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 from qosgate.backends.sim_live import filler_text
-from tests.fleet_support import KEYS, Fleet
+from tests.fleet_support import KEYS, Fleet, bucket_quantile
 
 LIMIT_S = 60.0
 REQUESTS = 40
@@ -63,6 +63,16 @@ async def ask(session: aiohttp.ClientSession, url: str, stream: bool, chat: str,
 
 
 @pytest.mark.timeout(180)
+def test_a_quantile_is_read_from_buckets_as_prometheus_reads_it():
+    inf = float("inf")
+    # Half of 10 in the first bucket: its upper bound; interpolated inside one.
+    assert bucket_quantile({0.1: 5, 0.5: 10, inf: 10}, 0.5) == 0.1
+    assert bucket_quantile({0.1: 0, 0.5: 10, inf: 10}, 0.5) == pytest.approx(0.3)
+    # In the +Inf bucket: the highest finite bound. Nothing observed: None.
+    assert bucket_quantile({0.1: 5, 0.5: 10, inf: 20}, 0.99) == 0.5
+    assert bucket_quantile({0.1: 0, inf: 0}, 0.5) is None
+
+
 async def test_killing_an_engine_node_loses_no_request(tmp_path: Path):
     fleet = await asyncio.to_thread(Fleet, tmp_path, gateways=3, engines=2, speed=1.0, seqs=4,
                                     lease_s=1.0)  # fmt: skip
@@ -95,6 +105,9 @@ async def test_killing_an_engine_node_loses_no_request(tmp_path: Path):
         # replica, however many runs it took.
         waits = await asyncio.to_thread(fleet.total, "qosgate_fleet_queue_wait_seconds_count")
         assert waits == REQUESTS
+        by_tier = await asyncio.to_thread(fleet.fleet_waits)
+        assert set(by_tier) == {"batch"} and by_tier["batch"]["count"] == REQUESTS
+        assert 0.0 <= by_tier["batch"]["p50_s"] <= by_tier["batch"]["p99_s"] < LIMIT_S
     except BaseException:
         print(fleet.logs())
         raise
