@@ -91,8 +91,14 @@ def encode_events(events: list[Event]) -> bytes:
     return orjson.dumps(events)
 
 
+KINDS = (CHUNK, ERROR, STARTED)
+
+
 def decode_events(message: bytes) -> list[Event]:
-    """The events of one message; ValueError if it is not a list of events."""
+    """The events of one message; ValueError if it is not a list of events.
+    An event of a kind this version does not know (sent by a newer engine node
+    during an upgrade) is left out, not taken for a broken message: that would
+    drop the other events with it."""
     try:
         events = orjson.loads(message)
     except orjson.JSONDecodeError as exc:
@@ -106,10 +112,11 @@ def decode_events(message: bytes) -> list[Event]:
             or len(event) != 4
             or not isinstance(event[0], str)
             or not isinstance(event[1], int)
-            or event[2] not in (CHUNK, ERROR, STARTED)
+            or not isinstance(event[2], str)
         ):
             raise ValueError("malformed fleet message: bad event")
-        out.append((event[0], event[1], event[2], event[3]))
+        if event[2] in KINDS:
+            out.append((event[0], event[1], event[2], event[3]))
     return out
 
 
