@@ -706,6 +706,22 @@ async def test_no_more_is_held_back_than_the_bound_node_has_room_for(queue):
     assert await ids(queue, T0 + 5, 5, "n1") == ["s0"]
 
 
+async def test_a_fair_claim_looks_past_many_tenants_whose_items_are_held_back(fair):
+    # Twelve tenants' next turns are each left for n1, which has room for all
+    # of them; n2 still finds, behind them, the one item nobody waits for.
+    for i in range(12):
+        await fair.enqueue(item(f"p{i}", "gold", T0 + i, tenant=f"t{i:02}",
+                                affinity=f"session:s{i}"))  # fmt: skip
+    assert len(await ids(fair, T0 + 12, 24, "n1")) == 12  # bound; 12 slots left
+    for i in range(12):
+        await fair.enqueue(item(f"q{i}", "gold", T0 + 13 + i / 10, tenant=f"t{i:02}",
+                                affinity=f"session:s{i}"))  # fmt: skip
+    await fair.enqueue(item("z", "gold", T0 + 15, tenant="zz"))
+    # Counters tie (no charges), so tenants go by name: all twelve t's first.
+    assert await ids(fair, T0 + 16, 1, "n2") == ["z"]
+    assert sorted(await ids(fair, T0 + 17, 12, "n1")) == sorted(f"q{i}" for i in range(12))
+
+
 async def test_a_completion_gives_its_node_the_slot_back_at_once(queue):
     await queue.enqueue(item("s1", "gold", T0, affinity="session:s"))
     [lease] = (await queue.claim("n1", 1, T0, LEASE)).leases  # n1 now full

@@ -348,6 +348,7 @@ return 1
 _CLAIM = (
     _PRELUDE
     + """
+local BACKLOG_PAGE = 8
 local now = tonumber(ARGV[1])
 local node = ARGV[2]
 local max_items = tonumber(ARGV[3])
@@ -414,14 +415,22 @@ while #out < max_items do
   local tier = T.names[best]
   local id, lane
   if T.fair then
-    for _, tenant in ipairs(redis.call('ZRANGE', T.backlog[tier], 0, -1)) do
-      lane = tier .. '\\0' .. tenant
-      local member = lane_head(tier, tenant, skipped[lane] or 0)
-      if member then
-        id = string.sub(member, #tenant + 19)
-        break
+    -- A page of backlogged tenants at a time, least served first: the first
+    -- one almost always has an item to take, and reading the whole backlog
+    -- for every item would cost a claim O(tenants) per item.
+    local from = 0
+    repeat
+      local page = redis.call('ZRANGE', T.backlog[tier], from, from + BACKLOG_PAGE - 1)
+      for _, tenant in ipairs(page) do
+        lane = tier .. '\\0' .. tenant
+        local member = lane_head(tier, tenant, skipped[lane] or 0)
+        if member then
+          id = string.sub(member, #tenant + 19)
+          break
+        end
       end
-    end
+      from = from + BACKLOG_PAGE
+    until id or #page < BACKLOG_PAGE
   else
     lane = tier
     id = redis.call('ZRANGE', T.q[tier], skipped[lane] or 0, skipped[lane] or 0)[1]
