@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.redis_server import RedisServer
 
@@ -190,26 +191,27 @@ class Fleet:
         """The gateways' API URLs, as `qosgate bench` takes them."""
         return ",".join(g.url for g in self.gateways)
 
-    def _metric_lines(self, name: str) -> list[str]:
-        """Every gateway's sample lines of metric `name` (labelled or not)."""
-        lines = []
+    def _samples(self, name: str) -> list[tuple[dict[str, str], float]]:
+        """Every gateway's samples of `name` (a sample name, such as a
+        histogram's `_bucket`), read with prometheus_client's own parser."""
+        found = []
         for gateway in self.gateways:
             base = gateway.url.removesuffix("/v1")
             with urllib.request.urlopen(base + "/metrics", timeout=10) as response:
                 text = response.read().decode()
-            lines += [
-                line for line in text.splitlines()
-                if line.startswith((name + "{", name + " "))
+            found += [
+                (sample.labels, sample.value)
+                for family in text_string_to_metric_families(text)
+                for sample in family.samples
+                if sample.name == name
             ]  # fmt: skip
-        return lines
+        return found
 
     def outcomes(self) -> dict[str, int]:
         """Every gateway's `qosgate_requests_total`, summed by outcome."""
         counts: dict[str, int] = {}
-        for line in self._metric_lines("qosgate_requests_total"):
-            labels, value = line.rsplit(" ", 1)
-            outcome = labels.split('outcome="', 1)[1].split('"', 1)[0]
-            counts[outcome] = counts.get(outcome, 0) + int(float(value))
+        for labels, value in self._samples("qosgate_requests_total"):
+            counts[labels["outcome"]] = counts.get(labels["outcome"], 0) + int(value)
         return counts
 
     def fleet_waits(self) -> dict[str, dict[str, float | None]]:
@@ -218,12 +220,10 @@ class Fleet:
         (each observes only its own requests), read as Prometheus'
         histogram_quantile reads them."""
         buckets: dict[str, dict[float, float]] = {}
-        for line in self._metric_lines("qosgate_fleet_queue_wait_seconds_bucket"):
-            labels, value = line.rsplit(" ", 1)
-            tier = labels.split('tier="', 1)[1].split('"', 1)[0]
-            le = float(labels.split('le="', 1)[1].split('"', 1)[0])
-            per_tier = buckets.setdefault(tier, {})
-            per_tier[le] = per_tier.get(le, 0.0) + float(value)
+        for labels, value in self._samples("qosgate_fleet_queue_wait_seconds_bucket"):
+            per_tier = buckets.setdefault(labels["tier"], {})
+            le = float(labels["le"])
+            per_tier[le] = per_tier.get(le, 0.0) + value
         return {
             tier: {"count": cumulative[max(cumulative)],
                    "p50_s": bucket_quantile(cumulative, 0.50),
@@ -232,8 +232,8 @@ class Fleet:
         }  # fmt: skip
 
     def total(self, name: str) -> float:
-        """Metric `name` summed over every gateway and label set."""
-        return sum(float(line.rsplit(" ", 1)[1]) for line in self._metric_lines(name))
+        """Sample `name` summed over every gateway and label set."""
+        return sum(value for _, value in self._samples(name))
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.tail()}" for p in [*self.engines, *self.gateways])

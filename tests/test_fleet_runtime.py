@@ -158,7 +158,7 @@ async def crash(backend: FleetBackend) -> None:
     backend._reader.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await backend._reader
-    await backend._drop_subscription()
+    await backend._replies.close()
 
 
 def record_starts(engine: EngineNode) -> asyncio.Queue[str]:

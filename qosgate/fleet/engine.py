@@ -49,7 +49,7 @@ from qosgate.core.scheduler import MAX_PREEMPTIONS
 from . import wire
 from .gateway import default_node_id, fleet_store
 from .model import Lease, ServiceMeter
-from .redis_store import RECONNECT_FIRST_S, RECONNECT_MAX_S
+from .redis_store import Subscription
 from .store import WorkQueueError
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,7 @@ class EngineNode:
         self.preempted = 0
         """Items this node gave back for more urgent work (for stats and tests)."""
         self.cancel_channel = f"{self.store.base}cancel"
+        self._wake_channel = self.store.wake_channel.encode()
         self._outbox = _Outbox(self.store.redis)
         self._runs: dict[str, asyncio.Task[None]] = {}
         self._leases: dict[str, Lease] = {}
@@ -136,7 +137,9 @@ class EngineNode:
         self._expiry_timer: asyncio.TimerHandle | None = None
         self._renew_timer: asyncio.TimerHandle | None = None
         self._renewing: asyncio.Task[None] | None = None
-        self._pubsub: Any = None
+        self._wakes = Subscription(
+            self.store, self.store.wake_channel, self.cancel_channel, what="wake channel"
+        )
         self._listener: asyncio.Task[None] | None = None
         self._stopping = False
         self._stopped = False
@@ -152,9 +155,14 @@ class EngineNode:
     async def start(self) -> None:
         self.backend.set_capacity_listener(self.wake)
         await self.backend.start()
-        await self._subscribe()
+        await self._wakes.open()
         loop = asyncio.get_running_loop()
-        self._listener = loop.create_task(self._listen(), name="fleet-wake")
+        # While the channel is lost the node claims only on its timers (a
+        # failed claim retries in a second); once back, it claims whatever
+        # was queued meanwhile.
+        self._listener = loop.create_task(
+            self._wakes.run(self._on_message, on_back=self.wake), name="fleet-wake"
+        )
         self._arm_renewal()
         # Whatever was queued before this node came up.
         self.wake()
@@ -197,9 +205,7 @@ class EngineNode:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._listener
         await self._outbox.flush()
-        if self._pubsub is not None:
-            with contextlib.suppress(RedisError, OSError):
-                await self._pubsub.aclose()
+        await self._wakes.close()
         await self.backend.close()
         await self.store.close()
 
@@ -217,48 +223,18 @@ class EngineNode:
 
     # -- claiming ------------------------------------------------------------
 
-    async def _subscribe(self) -> None:
-        self._pubsub = await self.store.subscribe(self.store.wake_channel, self.cancel_channel)
-
-    async def _listen(self) -> None:
-        """Wakes and cancellations. When the channel is lost (Redis restarts,
-        the network breaks), subscribe again with backoff; meanwhile the node
-        claims only on its timers (a failed claim retries in a second), and
-        once back it claims whatever was queued."""
-        wake_channel = self.store.wake_channel.encode()
-        backoff = RECONNECT_FIRST_S
-        while True:
-            try:
-                if self._pubsub is None:
-                    await self._subscribe()
-                    log.warning("the fleet's wake channel is back")
-                    backoff = RECONNECT_FIRST_S
-                    self.wake()
-                async for message in self._pubsub.listen():
-                    if message.get("type") != "message":
-                        continue
-                    if message["channel"] == wake_channel:
-                        self.wake()
-                        data = message["data"]
-                        if self._preemption and data.startswith(b"q:"):
-                            self._consider_preempting(data[2:].decode(errors="replace"))
-                    else:
-                        task = self._runs.get(message["data"].decode(errors="replace"))
-                        if task is not None:
-                            task.cancel()
-                raise ConnectionError("the wake channel ended")
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - without wakes the node would sit idle
-                if self._pubsub is not None:
-                    log.error("lost the fleet's wake channel: %r; reconnecting", exc)
-                    pubsub, self._pubsub = self._pubsub, None
-                    with contextlib.suppress(RedisError, OSError):
-                        await pubsub.aclose()
-                # A retry of a lost connection, not a poll: it stops once
-                # subscribed again.
-                await asyncio.sleep(backoff)
-                backoff = min(2 * backoff, RECONNECT_MAX_S)
+    def _on_message(self, message: dict[str, Any]) -> None:
+        """A wake (something was queued: claim, and perhaps preempt for it) or
+        a gateway's cancellation of an item this node may be running."""
+        if message["channel"] == self._wake_channel:
+            self.wake()
+            data = message["data"]
+            if self._preemption and data.startswith(b"q:"):
+                self._consider_preempting(data[2:].decode(errors="replace"))
+        else:
+            task = self._runs.get(message["data"].decode(errors="replace"))
+            if task is not None:
+                task.cancel()
 
     def _room(self) -> int:
         if self._stopping or not self.backend.ready():

@@ -46,7 +46,7 @@ from qosgate.runtime.errors import Expired, Overloaded, QueueFull
 
 from . import wire
 from .model import FleetTiers, ServiceMeter, WorkItem
-from .redis_store import RECONNECT_FIRST_S, RECONNECT_MAX_S, RedisWorkQueue
+from .redis_store import RedisWorkQueue, Subscription
 from .store import WorkQueueError, WorkQueueFull, WorkQueueOverloaded
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ class FleetBackend:
         self.reply_channel = f"{self.store.base}reply:{self.node}:{secrets.token_hex(4)}"
         self.cancel_channel = f"{self.store.base}cancel"
         self._waiting: dict[str, _Waiting] = {}
-        self._pubsub: Any = None
+        self._replies = Subscription(self.store, self.reply_channel, what="reply channel")
         self._reader: asyncio.Task[None] | None = None
         self._ready = False
         self._listener: Callable[[], None] | None = None
@@ -151,18 +151,17 @@ class FleetBackend:
 
     async def start(self) -> None:
         # Subscribed before any request is queued, so no reply can come first.
-        await self._subscribe()
-        self._reader = asyncio.get_running_loop().create_task(self._read(), name="fleet-replies")
+        await self._replies.open()
+        # When the channel is lost (Redis restarts, the network breaks), the
+        # requests in flight end with an error (their replies may be gone)
+        # and the replica is not ready until it has subscribed again.
+        self._reader = asyncio.get_running_loop().create_task(
+            self._replies.run(
+                self._on_reply, on_lost=self._on_lost, on_back=lambda: self._set_ready(True)
+            ),
+            name="fleet-replies",
+        )  # fmt: skip
         self._set_ready(True)
-
-    async def _subscribe(self) -> None:
-        self._pubsub = await self.store.subscribe(self.reply_channel)
-
-    async def _drop_subscription(self) -> None:
-        pubsub, self._pubsub = self._pubsub, None
-        if pubsub is not None:
-            with contextlib.suppress(RedisError, OSError):
-                await pubsub.aclose()
 
     def _set_ready(self, ready: bool) -> None:
         self._ready = ready
@@ -179,7 +178,7 @@ class FleetBackend:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
-        await self._drop_subscription()
+        await self._replies.close()
         await self.store.close()
 
     def ready(self) -> bool:
@@ -211,54 +210,31 @@ class FleetBackend:
 
     # -- replies -------------------------------------------------------------
 
-    async def _read(self) -> None:
-        """Relay replies to the requests waiting for them. When the channel is
-        lost (Redis restarts, the network breaks), the requests in flight end
-        with an error (their replies may be gone), the replica is not ready,
-        and it subscribes again with backoff; ready again once it has."""
-        backoff = RECONNECT_FIRST_S
-        while True:
-            try:
-                if self._pubsub is None:
-                    await self._subscribe()
-                    log.warning("the fleet's reply channel is back")
-                    backoff = RECONNECT_FIRST_S
-                    self._set_ready(True)
-                async for message in self._pubsub.listen():
-                    if message.get("type") != "message":
-                        continue
-                    try:
-                        events = wire.decode_events(message["data"])
-                    except ValueError:
-                        log.error("dropped a malformed message on %s", self.reply_channel)
-                        continue
-                    for event in events:
-                        waiting = self._waiting.get(event[0])
-                        if waiting is None:
-                            continue
-                        # Noted as it arrives, not as the request's reader gets
-                        # to it: a client may go away in between.
-                        if not waiting.started:
-                            waiting.started = True
-                            self._started(waiting)
-                        if event[2] != wire.STARTED:
-                            waiting.events.put_nowait(event)
-                raise ConnectionError("the reply channel ended")
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - every waiting request must hear of it
-                if self._ready:
-                    log.error("lost the fleet's reply channel: %r; reconnecting", exc)
-                    self._set_ready(False)
-                    for request_id, waiting in self._waiting.items():
-                        waiting.events.put_nowait(
-                            wire.error_event(request_id, wire.LOCAL_TOKEN, "unavailable", str(exc))
-                        )
-                await self._drop_subscription()
-                # A retry of a lost connection, not a poll: it stops once
-                # subscribed again.
-                await asyncio.sleep(backoff)
-                backoff = min(2 * backoff, RECONNECT_MAX_S)
+    def _on_reply(self, message: dict[str, Any]) -> None:
+        """Relay a message's events to the requests waiting for them."""
+        try:
+            events = wire.decode_events(message["data"])
+        except ValueError:
+            log.error("dropped a malformed message on %s", self.reply_channel)
+            return
+        for event in events:
+            waiting = self._waiting.get(event[0])
+            if waiting is None:
+                continue
+            # Noted as it arrives, not as the request's reader gets to it: a
+            # client may go away in between.
+            if not waiting.started:
+                waiting.started = True
+                self._started(waiting)
+            if event[2] != wire.STARTED:
+                waiting.events.put_nowait(event)
+
+    def _on_lost(self, exc: Exception) -> None:
+        self._set_ready(False)
+        for request_id, waiting in self._waiting.items():
+            waiting.events.put_nowait(
+                wire.error_event(request_id, wire.LOCAL_TOKEN, "unavailable", str(exc))
+            )
 
     def _started(self, waiting: _Waiting) -> None:
         listener = self._start_listener

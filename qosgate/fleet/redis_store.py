@@ -39,9 +39,11 @@ this store disagree with the memory one.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -60,6 +62,8 @@ from .store import (
     WorkQueueOverloaded,
     milli,
 )
+
+log = logging.getLogger(__name__)
 
 _CANCELLED: dict[int, ItemStatus | None] = {0: None, 1: "queued", 2: "leased", 3: "completed"}
 
@@ -662,8 +666,7 @@ class RedisWorkQueue(WorkQueue):
 
     async def subscribe(self, *channels: str) -> Any:
         """A pub/sub connection subscribed to `channels`; closed again if the
-        subscription fails (the caller retries with a backoff of
-        RECONNECT_FIRST_S, doubling to RECONNECT_MAX_S)."""
+        subscription fails (a `Subscription` retries it with backoff)."""
         pubsub = self._redis.pubsub()
         try:
             await pubsub.subscribe(*channels)
@@ -853,3 +856,57 @@ class RedisWorkQueue(WorkQueue):
 
     async def close(self) -> None:
         await self._redis.aclose()
+
+
+class Subscription:
+    """A pub/sub subscription that outlives its connection. `run` hands every
+    message to `handle`; when the connection is lost (Redis restarts, the
+    network breaks) it calls `on_lost` once, subscribes again with backoff
+    (RECONNECT_FIRST_S, doubling to RECONNECT_MAX_S) and, once subscribed,
+    calls `on_back`. The retry of a lost connection, not a poll: it stops as
+    soon as the subscription is back."""
+
+    def __init__(self, store: RedisWorkQueue, *channels: str, what: str) -> None:
+        self._store = store
+        self._channels = channels
+        self._what = what
+        self.pubsub: Any = None
+        """The live connection; None while lost."""
+
+    async def open(self) -> None:
+        self.pubsub = await self._store.subscribe(*self._channels)
+
+    async def run(
+        self,
+        handle: Callable[[dict[str, Any]], None],
+        *,
+        on_lost: Callable[[Exception], None] = lambda exc: None,
+        on_back: Callable[[], None] = lambda: None,
+    ) -> None:
+        backoff = RECONNECT_FIRST_S
+        while True:
+            try:
+                if self.pubsub is None:
+                    await self.open()
+                    log.warning("the fleet's %s is back", self._what)
+                    backoff = RECONNECT_FIRST_S
+                    on_back()
+                async for message in self.pubsub.listen():
+                    if message.get("type") == "message":
+                        handle(message)
+                raise ConnectionError(f"the {self._what} ended")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - whatever broke it, subscribe again
+                if self.pubsub is not None:
+                    log.error("lost the fleet's %s: %r; reconnecting", self._what, exc)
+                    on_lost(exc)
+                await self.close()
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, RECONNECT_MAX_S)
+
+    async def close(self) -> None:
+        pubsub, self.pubsub = self.pubsub, None
+        if pubsub is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await pubsub.aclose()
