@@ -79,6 +79,21 @@ class BackendUnavailable(BackendError):
         self.retry_after_s = retry_after_s
 
 
+class BackendRejected(BackendError):
+    """The backend says the request itself is invalid (maps to 400
+    invalid_request_error, outcome bad_request): running it again, here or
+    elsewhere, would fail the same way, so it is the client's to fix.
+
+    `message` is shown to the client as is: it must not name internal
+    addresses (an upstream's URL); log those where the error is raised."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        """The request field the backend blamed, when it named one."""
+
+
 class Backend(Protocol):
     """Port implemented by the sim, openai and vllm backends."""
 
