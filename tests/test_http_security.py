@@ -186,32 +186,83 @@ async def test_a_body_that_does_not_arrive_gets_408_and_the_connection_closes():
         await s.works()
 
 
+_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+_AUTHED = _HEAD + f"Authorization: Bearer {ALICE_KEY}\r\n".encode()
+_ANSWERED_BY_THE_APP = {"gzip body that does not inflate"}
+"""Parsed whole by aiohttp; the app finds the body broken as it reads it."""
+
+
+_MALFORMED = [
+    ("header line over 8 KiB", b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: "
+     + b"a" * 9000 + b"\r\n\r\n", 431, "request_header_fields_too_large"),
+    ("a 100 KB header", b"GET /healthz HTTP/1.1\r\nHost: x\r\nCookie: "
+     + b"a" * 100_000 + b"\r\n\r\n", 431, "request_header_fields_too_large"),
+    ("500 headers", b"GET /healthz HTTP/1.1\r\nHost: x\r\n"
+     + b"".join(b"X-H%d: v\r\n" % i for i in range(500)) + b"\r\n",
+     431, "request_header_fields_too_large"),
+    ("request line over 4 KiB", b"GET /" + b"a" * 5000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+     414, "uri_too_long"),
+    ("bare CR in a header", b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: b\rInjected: c\r\n\r\n",
+     400, "malformed_request"),
+    ("NUL in a header", b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: b\x00c\r\n\r\n",
+     400, "malformed_request"),
+    ("space before colon", b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A : b\r\n\r\n",
+     400, "malformed_request"),
+    ("obsolete line folding", b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: b\r\n c\r\n\r\n",
+     400, "malformed_request"),
+    ("control characters in Content-Type", _HEAD + b"Content-Type: application/\x01json\r\n"
+     b"Content-Length: 2\r\n\r\n{}", 400, "malformed_request"),
+    ("two content lengths", _HEAD + b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+     400, "malformed_request"),
+    ("smuggling: length and chunked", _HEAD + b"Content-Length: 4\r\n"
+     b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400, "malformed_request"),
+    ("broken chunked encoding", _AUTHED + b"Content-Type: application/json\r\n"
+     b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n", 400, "malformed_request"),
+    ("gzip body that does not inflate", _AUTHED + b"Content-Type: application/json\r\n"
+     b"Content-Encoding: gzip\r\nContent-Length: 10\r\n\r\nnot gzip!!", 400,
+     "malformed_request"),
+    ("malformed request line", b"GET\r\n\r\n", 400, "malformed_request"),
+    ("unknown HTTP version", b"GET /healthz HTTP/9.9\r\nHost: x\r\n\r\n",
+     400, "malformed_request"),
+    ("not HTTP at all", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 64,
+     400, "malformed_request"),
+]
+
+
 @pytest.mark.parametrize(
-    ("name", "request_bytes"),
-    [
-        ("header line over 8 KiB", b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: "
-         + b"a" * 9000 + b"\r\n\r\n"),
-        ("request line over 8 KiB", b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"),
-        ("bare CR in a header", b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: b\rInjected: c\r\n\r\n"),
-        ("NUL in a header", b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: b\x00c\r\n\r\n"),
-        ("space before colon", b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A : b\r\n\r\n"),
-        ("obsolete line folding", b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: b\r\n c\r\n\r\n"),
-        ("two content lengths", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-         b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}"),
-        ("smuggling: length and chunked", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-         b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"),
-        ("not HTTP at all", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 64),
-    ],
+    ("name", "request_bytes", "status", "code"), _MALFORMED, ids=[c[0] for c in _MALFORMED]
 )
-async def test_malformed_and_oversized_headers_get_a_4xx(name: str, request_bytes: bytes):
+async def test_malformed_and_oversized_requests_get_a_json_4xx_and_a_warning(
+    name: str, request_bytes: bytes, status: int, code: str, caplog: pytest.LogCaptureFixture
+):
+    """What aiohttp refuses before the app sees it still answers in OpenAI's
+    shape, and is the client's fault in the log: one warning, no traceback."""
+    caplog.set_level(logging.DEBUG)
     async with RawServed("") as s:
         reader, writer = await s.raw(request_bytes)
         async with asyncio.timeout(WAIT_S):
             response = await reader.read()
         writer.close()
-        status = int(response.split(b" ", 2)[1])
-        assert 400 <= status < 500, (name, response[:200])
+        head, _, body = response.partition(b"\r\n\r\n")
+        status_line, *header_lines = head.decode("latin-1").split("\r\n")
+        headers = {k.lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines)}
+        assert int(status_line.split(" ", 2)[1]) == status, (name, response[:300])
+        assert headers["content-type"].startswith("application/json"), headers
+        error = json.loads(body)["error"]
+        assert set(error) == {"message", "type", "code", "param"}
+        assert (error["type"], error["code"]) == ("invalid_request_error", code)
+        # aiohttp's own message quotes the bytes it choked on (a key, a prompt).
+        assert error["message"] and not re.search(r"b'|\\x|aaaa", error["message"])
+        assert headers["x-request-id"]
         await s.works()
+    logged = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [r for r in logged if r.levelno >= logging.ERROR or r.exc_info], [
+        r.getMessage() for r in logged
+    ]
+    # One line names the request, except where the app answered: it logs no
+    # client error, as for any other 400.
+    refused = [r for r in logged if headers["x-request-id"] in r.getMessage()]
+    assert len(refused) == (name not in _ANSWERED_BY_THE_APP), [r.getMessage() for r in logged]
 
 
 # -- no prompt text in logs, metrics or stats --------------------------------

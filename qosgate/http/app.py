@@ -47,6 +47,7 @@ from qosgate.runtime.errors import (
 from qosgate.runtime.gate import Gateway, RequestStream
 
 from .errors import (
+    MalformedRequest,
     MethodNotAllowed,
     RouteNotFound,
     UnsupportedMediaType,
@@ -55,6 +56,7 @@ from .errors import (
 )
 from .identity import AuthFailureLimiter, Identity, KeyRing
 from .openapi import build_openapi
+from .protocol import describe_parse_error
 from .ratelimit import ratelimit_headers
 from .validation import MAX_PRIORITY_OFFSET, Endpoint, parse_json, validate_body
 
@@ -559,10 +561,10 @@ async def _read_json(request: web.Request, state: AppState) -> Any:
         raise RequestTimeout(
             f"The request body did not arrive within {timeout_s:g} s."
         ) from None
-    except HttpProcessingError as exc:
-        # A broken chunked encoding or a body shorter than its Content-Length:
-        # the client's fault, not a bug of ours.
-        raise BadRequest(f"Malformed request body: {exc.message[:100]}") from None
+    except (HttpProcessingError, web.RequestPayloadError) as exc:
+        # A broken chunked encoding, a body shorter than its Content-Length, a
+        # gzip body that does not inflate: the client's fault, not a bug of ours.
+        raise MalformedRequest(f"Malformed request body: {describe_parse_error(exc)}.") from None
     return parse_json(raw)
 
 

@@ -35,6 +35,28 @@ class UnsupportedMediaType(BadRequest):
         )
 
 
+class MalformedRequest(BadRequest):
+    """400: the bytes are not a well-formed HTTP request (request line, header
+    syntax, body framing or encoding)."""
+
+    code = "malformed_request"
+
+
+class UriTooLong(BadRequest):
+    """414: the request line is over its limit (RFC 9110, 15.5.15)."""
+
+    status = 414
+    code = "uri_too_long"
+
+
+class HeaderFieldsTooLarge(BadRequest):
+    """431: a header field is over its limit, or there are too many of them
+    (RFC 6585, 5)."""
+
+    status = 431
+    code = "request_header_fields_too_large"
+
+
 class RouteNotFound(BadRequest):
     status = 404
     code = "not_found"

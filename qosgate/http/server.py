@@ -18,6 +18,7 @@ from qosgate.runtime.errors import GatewayError
 from qosgate.runtime.gate import Gateway
 
 from .app import build_app, reload_policy
+from .protocol import HEAD_LIMITS, GatewayRunner
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,9 @@ async def serve(
         app = build_app(gateway, policy, environ=environ, policy_path=policy_path)
         # Without handler cancellation aiohttp lets a handler run on after its
         # client disconnects, so a queued request would keep its place.
-        runner = web.AppRunner(
+        # Its connections answer requests aiohttp cannot parse (oversized or
+        # malformed heads, broken body framing) in OpenAI's error shape.
+        runner = GatewayRunner(
             app,
             handler_cancellation=True,
             shutdown_timeout=_FLUSH_S,
@@ -112,6 +115,7 @@ async def serve(
             # long the rest may still come in: bounded, so a client trickling
             # a body cannot hold the connection after its 408.
             lingering_time=_LINGER_S,
+            **HEAD_LIMITS,
         )
         await runner.setup()
         site = web.TCPSite(runner, host, port)
