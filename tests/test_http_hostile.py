@@ -194,7 +194,29 @@ CASES = [
     Case("completion without prompt", 400, comp(prompt=DROP), path=COMP, param="prompt"),
     Case("empty prompt list", 400, comp(prompt=[]), path=COMP, param="prompt"),
     Case("prompt is a number", 400, comp(prompt=42), path=COMP, param="prompt"),
-    Case("prompt of token ids", 400, comp(prompt=[1, 2, 3]), path=COMP, param="prompt"),
+    Case("prompt of a negative token id", 400, comp(prompt=[1, -2]), path=COMP, param="prompt"),
+    Case("prompt of mixed ids", 400, comp(prompt=[1, "a"]), path=COMP, param="prompt"),
+    # Past the model's context, as OpenAI answers (the sim's model has 128k).
+    Case("max_tokens 1e12", 400, chat(max_tokens=10**12), param="max_tokens",
+         code="context_length_exceeded"),
+    Case("max_tokens 1e300", 400, chat(max_tokens=10**300), param="max_tokens",
+         code="context_length_exceeded"),
+    Case("max_completion_tokens past the context", 400,
+         chat(max_tokens=DROP, max_completion_tokens=131_073), param="max_completion_tokens",
+         code="context_length_exceeded"),
+    # What the simulated GPU cannot honour is refused by name, never dropped.
+    Case("unknown field", 400, chat(unknown_field={"nested": [1]}), param="unknown_field"),
+    Case("image part", 400, chat(messages=[
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+    ]), param="messages.0.content.0"),
+    Case("tools", 400, chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                            tool_choice="required"), param="tools"),
+    Case("json schema output", 400, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+        param="response_format"),
+    Case("chat logprobs", 400, chat(logprobs=True, top_logprobs=2), param="logprobs"),
+    Case("completion logprobs", 400, comp(logprobs=1), path=COMP, param="logprobs"),
+    Case("echo", 400, comp(echo=True), path=COMP, param="echo"),
     Case("several prompts", 400, comp(prompt=["a", "b"]), path=COMP, param="prompt"),
     Case(
         "completion, max_tokens negative", 400, comp(max_tokens=-1), path=COMP, param="max_tokens"
@@ -275,27 +297,27 @@ async def test_hostile_corpus_gets_exact_4xx_and_server_keeps_serving() -> None:
 @pytest.mark.parametrize(
     "body",
     [
-        chat(max_tokens=10**12),  # absurd asks are clamped to the tier cap, not refused
-        chat(max_tokens=10**300),
+        chat(max_tokens=100_000),  # within the context: clamped to the tier cap, not refused
         chat(priority=10**9),  # as low as it goes
-        chat(unknown_field={"nested": [1, 2, {"x": None}]}, user="u-1", seed=7),  # passes through
+        chat(user="u-1", seed=7, metadata={"k": "v"}, store=False, logit_bias={"5": -100}),
         chat(
             messages=[
                 {"role": "assistant", "content": None, "tool_calls": []},
                 {"role": "tool", "content": "42", "tool_call_id": "t1"},
                 {"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
-                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
             ]
         ),
         chat(temperature=0, top_p=1, n=1, stream=False),
+        # Values that ask for nothing the backend lacks.
+        chat(logprobs=False, tool_choice="none", response_format={"type": "text"}),
     ],
     ids=[
-        "max_tokens 1e12",
-        "max_tokens 1e300",
+        "max_tokens 1e5",
         "priority 1e9",
-        "unknown fields",
+        "informational fields",
         "roles and parts",
         "edge values",
+        "no-op values",
     ],
 )
 async def test_odd_but_valid_requests_succeed(body: dict[str, Any]) -> None:
@@ -304,3 +326,12 @@ async def test_odd_but_valid_requests_succeed(body: dict[str, Any]) -> None:
             assert response.status == 200, await response.text()
             reply = await response.json()
         assert reply["usage"]["completion_tokens"] <= live.policy.tiers["interactive"].max_tokens
+
+
+@pytest.mark.parametrize("prompt", [[5, 6, 7], [[5, 6, 7]]], ids=["ids", "one list of ids"])
+async def test_token_id_prompts_are_served_and_counted_by_their_ids(prompt: list[Any]) -> None:
+    async with live_app() as live, aiohttp.ClientSession() as http:
+        async with http.post(live.url + COMP, json=comp(prompt=prompt), headers=AUTH) as response:
+            assert response.status == 200, await response.text()
+            reply = await response.json()
+    assert reply["usage"]["prompt_tokens"] == 3

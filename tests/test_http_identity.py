@@ -162,6 +162,7 @@ def test_validation_keeps_unknown_fields_and_reads_limits() -> None:
             "max_tokens": 5,
             "max_completion_tokens": 7,
             "logit_bias": {"1": 2},
+            "x_vendor_field": [1],
             "stream": True,
             "stream_options": {"include_usage": True},
         },
@@ -169,7 +170,8 @@ def test_validation_keeps_unknown_fields_and_reads_limits() -> None:
     )
     assert parsed.asked_max_tokens == 7  # the newer name wins
     assert parsed.include_usage
-    assert parsed.model_extra == {"logit_bias": {"1": 2}}
+    assert parsed.logit_bias == {"1": 2}
+    assert parsed.model_extra == {"x_vendor_field": [1]}
     # A backend that cannot list its models lets any name through.
     assert validate_body("completions", {"model": "other", "prompt": ["p"]}, ()).model == "other"
 

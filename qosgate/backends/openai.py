@@ -36,6 +36,7 @@ from qosgate.backends.tokens import (
     TokenizerUnavailable,
     estimate_prompt_tokens,
 )
+from qosgate.backends.support import PASSTHROUGH
 from qosgate.config.models import OpenAIBackendConfig, UpstreamConfig
 from qosgate.core.scheduler import BackendCapacity
 
@@ -132,6 +133,7 @@ class OpenAIBackend:
         self._cfg = cfg
         self._upstreams = [_Upstream(u, i) for i, u in enumerate(cfg.upstreams)]
         self.models: tuple[str, ...] = tuple(cfg.models)
+        self.support = PASSTHROUGH
         self._learn_models = not cfg.models
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

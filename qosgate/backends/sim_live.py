@@ -29,6 +29,7 @@ from qosgate.backends.base import (
 )
 from qosgate.backends.sim import SimEngine, StepResult
 from qosgate.backends.tokens import estimate_prompt_tokens
+from qosgate.backends import support
 from qosgate.config.models import SimBackendConfig
 from qosgate.core.scheduler import BackendCapacity
 
@@ -39,6 +40,10 @@ _WORDS = (
     "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
     "simulated", "tokens", "stream", "from", "an", "imaginary", "GPU", "in", "real", "time",
 )  # fmt: skip
+
+SIM_MAX_MODEL_LEN = 131_072
+"""The context every profile's model has (Llama 3.1's): longer asks get a 400,
+as from a real server of that model."""
 
 
 def filler_text(start: int, count: int) -> str:
@@ -74,6 +79,8 @@ class SimBackend:
     def __init__(self, cfg: SimBackendConfig) -> None:
         self.cfg = cfg
         self.models: tuple[str, ...] = (cfg.model,)
+        self.support = support.SIM
+        self.max_model_len = SIM_MAX_MODEL_LEN
         self.engine = SimEngine.from_config(cfg)
         self._speed = cfg.speed
         self._live: dict[str, _Live] = {}

@@ -69,6 +69,9 @@ class TokenizerCounter:
             ) from exc
 
     def __call__(self, endpoint: str, body: dict[str, Any]) -> int:
+        ids = prompt_token_ids(body) if endpoint == "completions" else None
+        if ids is not None:
+            return max(1, len(ids))
         texts, framing = _texts(endpoint, body)
         if texts:
             encoded = self._tokenizer.encode_batch(texts, add_special_tokens=False)
@@ -80,10 +83,22 @@ class TokenizerUnavailable(ValueError):
     """The tokenizer the policy names cannot be used."""
 
 
+def prompt_token_ids(body: dict[str, Any]) -> list[int] | None:
+    """A completions prompt given as token ids (`[ids]` or `[[ids]]`), as
+    validated; None for a text prompt."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
+        return prompt[0] if isinstance(prompt[0], list) else prompt
+    return None
+
+
 def estimate_prompt_tokens(endpoint: str, body: dict[str, Any]) -> int:
     """ceil(characters / 4) over the message contents (chat, plus the template's
     framing per message and any tool schemas) or the prompt (completions); at
-    least 1."""
+    least 1. A prompt of token ids counts its ids."""
+    ids = prompt_token_ids(body) if endpoint == "completions" else None
+    if ids is not None:
+        return max(1, len(ids))
     texts, framing = _texts(endpoint, body)
     chars = sum(len(text) for text in texts)
     return max(1, -(-chars // CHARS_PER_TOKEN) + framing)

@@ -37,6 +37,7 @@ from qosgate.backends.base import (
     Chunk,
     GenerationJob,
 )
+from qosgate.backends import support
 from qosgate.config.models import VllmBackendConfig
 from qosgate.core.scheduler import BackendCapacity
 
@@ -76,6 +77,7 @@ class VllmBackend:
     def __init__(self, cfg: VllmBackendConfig) -> None:
         self.cfg = cfg
         self.models: tuple[str, ...] = (cfg.served_model_name or cfg.model,)
+        self.support = support.VLLM
         self.engine: Any = None
         """The AsyncLLM, once started."""
         self._tokenizer: Any = None

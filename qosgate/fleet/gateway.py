@@ -39,6 +39,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from qosgate.backends.base import BackendError, BackendUnavailable, Chunk, GenerationJob
+from qosgate.backends.support import PASSTHROUGH, RequestSupport
 from qosgate.config.models import FleetConfig, PolicyConfig
 from qosgate.core.admission import MAX_RETRY_AFTER_S
 from qosgate.core.scheduler import BackendCapacity
@@ -125,8 +126,11 @@ class FleetBackend:
         *,
         models: tuple[str, ...],
         count_prompt_tokens: Callable[[str, dict[str, Any]], int],
+        support: RequestSupport = PASSTHROUGH,
     ) -> None:
         self.models = models
+        self.support = support
+        """What the engine nodes' backend honours of a request."""
         self._count = count_prompt_tokens
         self._policy = policy
         self._fleet = fleet

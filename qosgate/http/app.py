@@ -30,7 +30,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from qosgate.backends.base import Chunk
-from qosgate.config.models import PolicyConfig
+from qosgate.backends.support import PASSTHROUGH
+from qosgate.config.models import BackendConfig, PolicyConfig, VllmBackendConfig
 from qosgate.core.request import Outcome
 from qosgate.observability.metrics import stats_view
 from qosgate.quotas import QuotaStoreDown
@@ -58,7 +59,13 @@ from .identity import AuthFailureLimiter, Identity, KeyRing
 from .openapi import build_openapi
 from .protocol import describe_parse_error
 from .ratelimit import ratelimit_headers
-from .validation import MAX_PRIORITY_OFFSET, Endpoint, parse_json, validate_body
+from .validation import (
+    MAX_PRIORITY_OFFSET,
+    Endpoint,
+    check_context,
+    parse_json,
+    validate_body,
+)
 
 log = logging.getLogger("qosgate.http")
 _T = TypeVar("_T")
@@ -348,11 +355,27 @@ async def _models(request: web.Request) -> web.Response:
         {
             "object": "list",
             "data": [
-                {"id": name, "object": "model", "created": state.started, "owned_by": "qosgate"}
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": state.started,
+                    "owned_by": "qosgate",
+                    "root": _model_root(state.policy.backend, name),
+                    "parent": None,
+                }
                 for name in state.gateway.backend.models
             ],
         }
     )
+
+
+def _model_root(config: BackendConfig, name: str) -> str:
+    """What vLLM lists as a model's `root` (clients such as its benchmark
+    read it to find the tokenizer): the path or hub name the engine loaded,
+    which `served_model_name` hides. The other backends know a name only."""
+    if isinstance(config, VllmBackendConfig) and name == (config.served_model_name or config.model):
+        return config.model
+    return name
 
 
 async def _openapi(request: web.Request) -> web.Response:
@@ -360,9 +383,13 @@ async def _openapi(request: web.Request) -> web.Response:
     read it first; it does name the served models (docs/HTTP.md). Built per
     call: an openai backend learns its models from its upstreams as it runs."""
     state = request.app[STATE]
+    backend = state.gateway.backend
     return web.json_response(
         build_openapi(
-            state.gateway.backend.models, max_body_bytes=state.policy.server.max_body_bytes
+            backend.models,
+            max_body_bytes=state.policy.server.max_body_bytes,
+            support=getattr(backend, "support", PASSTHROUGH),
+            max_model_len=getattr(backend, "max_model_len", None),
         )
     )
 
@@ -588,13 +615,16 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     structlog.contextvars.bind_contextvars(tenant=identity.tenant, tier=identity.tier)
     raw = await _read_json(request, state)
     gateway = state.gateway
-    parsed = validate_body(endpoint, raw, gateway.backend.models)
+    backend = gateway.backend
+    parsed = validate_body(
+        endpoint, raw, backend.models, getattr(backend, "support", PASSTHROUGH)
+    )
 
     tier = state.policy.tiers[identity.tier]
     asked = parsed.asked_max_tokens
     default = tier.default_max_tokens or tier.max_tokens
-    # Larger asks are clamped rather than refused: clients routinely send the
-    # model's context length, and the tier cap is the gateway's business.
+    # Larger asks are clamped rather than refused (the tier cap is the
+    # gateway's business); only one past the model's context is refused.
     max_tokens = min(asked if asked is not None else default, tier.max_tokens)
 
     body = dict(raw)
@@ -605,7 +635,14 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     # the backend must not see the raw value and apply it twice.
     body.pop("priority", None)
 
-    prompt_tokens = max(1, int(gateway.backend.count_prompt_tokens(endpoint, body)))
+    prompt_tokens = max(1, int(backend.count_prompt_tokens(endpoint, body)))
+    fitted = check_context(
+        parsed, prompt_tokens, max_tokens, getattr(backend, "max_model_len", None)
+    )
+    if fitted != max_tokens:
+        max_tokens = body["max_tokens"] = fitted
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = fitted
     request_id = request[REQUEST_ID]
     call = _Call(
         endpoint=endpoint,

@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .validation import MAX_PRIORITY_OFFSET
+from qosgate.backends.support import PASSTHROUGH, RequestSupport
+
+from .validation import NOT_ONLY_SPACE, PART_FEATURES, Endpoint, request_schema
 
 OPENAPI_VERSION = "3.1.0"
 
@@ -24,10 +26,7 @@ _AUTH_THROTTLED = (
     "refused before its credentials are looked at."
 )
 _REF = "#/components"
-# Some character that Python's str.strip() would keep. Spelled out because
-# `\S` differs between regex dialects (ECMA's counts U+FEFF as a space,
-# Python's does not; Python's counts U+001C-U+001F, ECMA's does not).
-_NOT_ONLY_SPACE = r"[^\t-\r\u001c- \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
+_NOT_ONLY_SPACE = NOT_ONLY_SPACE
 
 
 def _ref(kind: str, name: str) -> dict[str, str]:
@@ -72,65 +71,46 @@ def _model_schema(models: Sequence[str]) -> dict[str, Any]:
     return {"type": "string", "pattern": _NOT_ONLY_SPACE}
 
 
-def _sampling_properties() -> dict[str, Any]:
-    """The fields both completion bodies share (validation.py's _Body)."""
-    return {
-        "stream": {
-            "type": "boolean",
-            "default": False,
-            "description": (
-                "Answer as text/event-stream: `data: {chunk}` lines, then `data: [DONE]`."
-            ),
-        },
-        "stream_options": _nullable(
-            {
-                "type": "object",
-                "properties": {"include_usage": {"type": "boolean", "default": False}},
-            }
-        ),
-        "max_tokens": _nullable(
-            {
-                "type": "integer",
-                "minimum": 1,
-                "description": "Clamped to the tier's max_tokens; absent: the tier's default.",
-            }
-        ),
-        "n": _nullable(
-            {
-                "type": "integer",
-                "enum": [1],
-                "description": "One generation per request: the gateway schedules and meters one.",
-            }
-        ),
-        "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2}),
-        "top_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
-        "priority": _nullable(
-            {
-                "type": "integer",
-                "minimum": 0,
-                "description": (
-                    "vLLM-style extension: levels below the tenant's tier (never above it); "
-                    f"values past {MAX_PRIORITY_OFFSET} count as {MAX_PRIORITY_OFFSET}."
-                ),
-            }
-        ),
-    }
+def _request(
+    endpoint: Endpoint, support: RequestSupport, max_model_len: int | None, **fields: Any
+) -> dict[str, Any]:
+    schema = request_schema(endpoint, support, max_model_len)
+    schema["properties"].update(fields)
+    schema["description"] = (
+        "Fields not listed pass through to the backend unchecked."
+        if support.passthrough
+        else f"The {support.backend} backend takes no field beyond these."
+    )
+    return schema
 
 
-_TEXT_PART = {
-    "type": "object",
-    "required": ["type", "text"],
-    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-}
-_OTHER_PART = {
-    "type": "object",
-    "required": ["type"],
-    "properties": {"type": {"type": "string", "not": {"const": "text"}}},
-}
-_PARTS = {"type": "array", "items": {"anyOf": [_TEXT_PART, _OTHER_PART]}}
+def _parts(support: RequestSupport) -> dict[str, Any]:
+    """Content parts: text and refusals everywhere; media where the backend
+    takes them (else refused by name)."""
+    kinds: list[dict[str, Any]] = [
+        {
+            "type": "object",
+            "required": ["type", kind],
+            "properties": {"type": {"const": kind}, kind: {"type": "string"}},
+        }
+        for kind in ("text", "refusal")
+    ]
+    kinds += [
+        {
+            "type": "object",
+            "required": ["type", kind],
+            "properties": {"type": {"const": kind}, kind: {"type": "object"}},
+        }
+        for kind in PART_FEATURES
+        if support.passthrough or kind in support.features
+    ]
+    return {"type": "array", "items": {"anyOf": kinds}}
 
 
-def _schemas(models: Sequence[str]) -> dict[str, Any]:
+def _schemas(
+    models: Sequence[str], support: RequestSupport, max_model_len: int | None
+) -> dict[str, Any]:
+    parts = _parts(support)
     usage = {
         "type": "object",
         "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
@@ -176,7 +156,7 @@ def _schemas(models: Sequence[str]) -> dict[str, Any]:
                     "required": ["role", "content"],
                     "properties": {
                         "role": {"enum": ["system", "user", "tool", "developer"]},
-                        "content": {"anyOf": [{"type": "string"}, _PARTS]},
+                        "content": {"anyOf": [{"type": "string"}, parts]},
                     },
                 },
                 {
@@ -184,50 +164,21 @@ def _schemas(models: Sequence[str]) -> dict[str, Any]:
                     "required": ["role"],
                     "properties": {
                         "role": {"const": "assistant"},
-                        "content": {"anyOf": [{"type": "string"}, _PARTS, {"type": "null"}]},
+                        "content": {"anyOf": [{"type": "string"}, parts, {"type": "null"}]},
                     },
                 },
             ]
         },
-        "ChatCompletionRequest": {
-            "type": "object",
-            "description": "Fields not listed pass through to the backend unchecked.",
-            "required": ["model", "messages"],
-            "properties": {
-                "model": _model_schema(models),
-                "messages": {"type": "array", "minItems": 1, "items": _ref("schemas", "Message")},
-                "max_completion_tokens": _nullable(
-                    {
-                        "type": "integer",
-                        "minimum": 1,
-                        "description": "OpenAI's newer name for max_tokens; wins when both are given.",
-                    }
-                ),
-                **_sampling_properties(),
-            },
-        },
-        "CompletionRequest": {
-            "type": "object",
-            "description": "Fields not listed pass through to the backend unchecked.",
-            "required": ["model", "prompt"],
-            "properties": {
-                "model": _model_schema(models),
-                "prompt": {
-                    # One prompt per request; token-id prompts would bypass the
-                    # gateway's prompt-token estimate.
-                    "anyOf": [
-                        {"type": "string"},
-                        {
-                            "type": "array",
-                            "minItems": 1,
-                            "maxItems": 1,
-                            "items": {"type": "string"},
-                        },
-                    ]
-                },
-                **_sampling_properties(),
-            },
-        },
+        "ChatCompletionRequest": _request(
+            "chat",
+            support,
+            max_model_len,
+            model=_model_schema(models),
+            messages={"type": "array", "minItems": 1, "items": _ref("schemas", "Message")},
+        ),
+        "CompletionRequest": _request(
+            "completions", support, max_model_len, model=_model_schema(models)
+        ),
         "Usage": usage,
         "Event": {
             # Before OpenAPI 3.2's itemSchema, a text/event-stream schema
@@ -312,12 +263,20 @@ def _schemas(models: Sequence[str]) -> dict[str, Any]:
                     "type": "array",
                     "items": {
                         "type": "object",
-                        "required": ["id", "object", "created", "owned_by"],
+                        "required": ["id", "object", "created", "owned_by", "root", "parent"],
                         "properties": {
                             "id": {"type": "string"},
                             "object": {"const": "model"},
                             "created": {"type": "integer"},
                             "owned_by": {"type": "string"},
+                            "root": {
+                                "type": "string",
+                                "description": (
+                                    "As vLLM lists it: the path or name the model was "
+                                    "loaded from (vllm backend), else the id."
+                                ),
+                            },
+                            "parent": {"type": "null"},
                         },
                     },
                 },
@@ -502,9 +461,17 @@ def _open_get(summary: str, response: dict[str, Any], **more: Any) -> dict[str, 
     return {"get": {"summary": summary, "security": [], "responses": responses}}
 
 
-def build_openapi(models: Sequence[str] = (), *, max_body_bytes: int) -> dict[str, Any]:
+def build_openapi(
+    models: Sequence[str] = (),
+    *,
+    max_body_bytes: int,
+    support: RequestSupport = PASSTHROUGH,
+    max_model_len: int | None = None,
+) -> dict[str, Any]:
     """The document for a gateway whose backend serves `models` (empty: the
-    backend cannot list them) and which reads bodies up to `max_body_bytes`."""
+    backend cannot list them), honours `support` of a request, has a context
+    of `max_model_len` tokens (None: unknown) and which reads bodies up to
+    `max_body_bytes`."""
     status = _json(_ref("schemas", "Status"))
     return {
         "openapi": OPENAPI_VERSION,
@@ -617,6 +584,6 @@ def build_openapi(models: Sequence[str] = (), *, max_body_bytes: int) -> dict[st
             "responses": {
                 "InternalError": _error("A bug in the gateway (`internal_error`)."),
             },
-            "schemas": _schemas(models),
+            "schemas": _schemas(models, support, max_model_len),
         },
     }

@@ -74,6 +74,7 @@ async def serve(
             backend = FleetBackend(
                 policy, policy.fleet, models=backend.models,
                 count_prompt_tokens=backend.count_prompt_tokens,
+                support=backend.support,
             )  # fmt: skip
         gateway = Gateway(policy, backend, quotas=quotas)
     backend = gateway.backend

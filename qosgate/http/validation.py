@@ -1,10 +1,14 @@
-"""Request bodies of /v1/chat/completions and /v1/completions.
+"""Request bodies of /v1/chat/completions and /v1/completions: OpenAI's
+request model, enforced before any backend sees a request.
 
-Only what the gateway relies on is checked (the model, the prompt, the size
-and sampling fields); everything else passes through to the backend, as
-DESIGN.md section 6 asks. Each field has one validator that raises one error,
-so a bad request is answered with one message that names one field, the way
-OpenAI does, instead of pydantic's list of union alternatives.
+Every field OpenAI documents for the two endpoints (and vLLM's sampling
+extensions, which OpenAI-compatible servers share) is typed and ranged here,
+so a backend only ever sees valid values. A field the configured backend
+cannot honour is refused by name (`check_support`), never dropped. Each field
+has one validator that raises one error, so a bad request is answered with
+one message that names one field, the way OpenAI does, instead of pydantic's
+list of union alternatives; its JSON Schema sits beside it and is what the
+OpenAPI document publishes.
 """
 
 from __future__ import annotations
@@ -22,16 +26,23 @@ from pydantic import (
     Field,
     PlainValidator,
     ValidationError,
+    WithJsonSchema,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
+from qosgate.backends.support import RequestSupport
 from qosgate.runtime.errors import BadRequest
 
-from .errors import ModelNotFound
+from .errors import ContextLengthExceeded, ModelNotFound
 
 MAX_PRIORITY_OFFSET = 1000
 """Deepest level a client may push its request below its tier (TierConfig.priority's range)."""
+
+# Some character that Python's str.strip() would keep. Spelled out because
+# `\S` differs between regex dialects (ECMA's counts U+FEFF as a space,
+# Python's does not; Python's counts U+001C-U+001F, ECMA's does not).
+NOT_ONLY_SPACE = r"[^\t-\r\u001c- \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
 
 
 def _fail(kind: str, message: str) -> PydanticCustomError:
@@ -56,6 +67,12 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
+def _short(value: int) -> str:
+    # An integer of thousands of digits is quoted by its size, not in full.
+    text = str(value)
+    return text if len(text) <= 24 else f"an integer of {len(text)} digits"
+
+
 def _integer(minimum: int) -> Callable[[Any], int]:
     def check(value: Any) -> int:
         # JSON has one number type: `2.0` is the integer 2 to every JSON Schema
@@ -66,7 +83,7 @@ def _integer(minimum: int) -> Callable[[Any], int]:
         if isinstance(value, bool) or not isinstance(value, int):
             raise _fail("int_type", f"expected an integer, but got {_type_name(value)}")
         if value < minimum:
-            raise _fail("too_small", f"must be at least {minimum}, got {value}")
+            raise _fail("too_small", f"must be at least {minimum}, got {_short(value)}")
         return value
 
     return check
@@ -105,8 +122,165 @@ def _model_name(value: Any) -> str:
 def _exactly_one(value: Any) -> int:
     n = _integer(1)(value)
     if n != 1:
-        raise _fail("unsupported", "only n=1 is supported")
+        raise _fail("unsupported", "only 1 is supported: the gateway schedules and meters one generation per request")
     return n
+
+
+def _bounded_integer(low: int, high: int) -> Callable[[Any], int]:
+    at_least = _integer(low)
+
+    def check(value: Any) -> int:
+        n = at_least(value)
+        if n > high:
+            raise _fail("too_large", f"must be at most {high}, got {_short(n)}")
+        return n
+
+    return check
+
+
+def _strings(limit: int, what: str = "strings") -> Callable[[Any], str | list[str]]:
+    """A string or an array of at most `limit` strings (OpenAI's `stop`)."""
+
+    def check(value: Any) -> str | list[str]:
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise _fail(
+                "stop_type", f"expected a string or an array of {what}, but got {_type_name(value)}"
+            )
+        if len(value) > limit:
+            raise _fail("too_long", f"at most {limit} {what}, got {len(value)}")
+        for index, item in enumerate(value):
+            if not isinstance(item, str):
+                raise _fail("stop_type", f"item {index} must be a string, not {_type_name(item)}")
+        return value
+
+    return check
+
+
+def _token_ids(limit: int) -> Callable[[Any], list[int]]:
+    token = _bounded_integer(0, MAX_TOKEN_ID)
+
+    def check(value: Any) -> list[int]:
+        if not isinstance(value, list):
+            raise _fail("list_type", f"expected an array of token ids, but got {_type_name(value)}")
+        if len(value) > limit:
+            raise _fail("too_long", f"at most {limit} token ids, got {len(value)}")
+        out = []
+        for index, item in enumerate(value):
+            try:
+                out.append(token(item))
+            except PydanticCustomError as exc:
+                raise _fail("token_id", f"item {index}: {exc.message()}") from None
+        return out
+
+    return check
+
+
+_TOKEN_KEY = re.compile(r"[0-9]{1,9}")
+
+
+def _logit_bias(value: Any) -> dict[str, float]:
+    if not isinstance(value, dict):
+        raise _fail("object_type", f"expected an object, but got {_type_name(value)}")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise _fail("too_long", f"at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
+    bias = _number(-100.0, 100.0)
+    for key, item in value.items():
+        # JSON keys are strings: a token id written as one.
+        if not _TOKEN_KEY.fullmatch(key):
+            raise _fail("token_id", f"key {key[:20]!r} is not a token id")
+        try:
+            bias(item)
+        except PydanticCustomError as exc:
+            raise _fail("bias", f"token {key}: {exc.message()}") from None
+    return value
+
+
+def _metadata(value: Any) -> dict[str, str]:
+    if not isinstance(value, dict):
+        raise _fail("object_type", f"expected an object, but got {_type_name(value)}")
+    if len(value) > 16:
+        raise _fail("too_long", f"at most 16 pairs, got {len(value)}")
+    for key, item in value.items():
+        if len(key) > 64 or not isinstance(item, str) or len(item) > 512:
+            raise _fail(
+                "metadata", "keys are strings of at most 64 characters, values at most 512"
+            )
+    return value
+
+
+_FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def _function_name(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not _FUNCTION_NAME.fullmatch(value):
+        raise _fail(
+            "function_name",
+            f"{where} must be a string of 1 to 64 letters, digits, underscores or dashes",
+        )
+    return value
+
+
+def _object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _fail("object_type", f"{where} must be an object, not {_type_name(value)}")
+    return value
+
+
+def _tools(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise _fail("list_type", f"expected an array of tools, but got {_type_name(value)}")
+    if len(value) > MAX_TOOLS:
+        raise _fail("too_long", f"at most {MAX_TOOLS} tools, got {len(value)}")
+    for index, tool in enumerate(value):
+        tool = _object(tool, f"tool {index}")
+        if tool.get("type") != "function":
+            raise _fail("tool_type", f"tool {index}: 'type' must be 'function'")
+        function = _object(tool.get("function"), f"tool {index}'s 'function'")
+        _function_name(function.get("name"), f"tool {index}'s function name")
+        if "description" in function and not isinstance(function["description"], str):
+            raise _fail("tool", f"tool {index}'s function description must be a string")
+        if function.get("parameters") is not None:
+            _object(function["parameters"], f"tool {index}'s function parameters")
+        if function.get("strict") is not None and not isinstance(function["strict"], bool):
+            raise _fail("tool", f"tool {index}'s function strict must be a boolean")
+    return value
+
+
+def _tool_choice(value: Any) -> str | dict[str, Any]:
+    if isinstance(value, str):
+        if value not in ("none", "auto", "required"):
+            raise _fail("tool_choice", "must be 'none', 'auto', 'required' or a named function")
+        return value
+    choice = _object(value, "a named tool choice")
+    if choice.get("type") != "function":
+        raise _fail("tool_choice", "a named tool choice needs 'type': 'function'")
+    function = _object(choice.get("function"), "its 'function'")
+    _function_name(function.get("name"), "its function name")
+    return value
+
+
+def _response_format(value: Any) -> dict[str, Any]:
+    fmt = _object(value, "response_format")
+    kind = fmt.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise _fail("response_format", "'type' must be 'text', 'json_object' or 'json_schema'")
+    if kind == "json_schema":
+        spec = _object(fmt.get("json_schema"), "'json_schema'")
+        _function_name(spec.get("name"), "'json_schema.name'")
+        if spec.get("schema") is not None:
+            _object(spec["schema"], "'json_schema.schema'")
+        if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+            raise _fail("response_format", "'json_schema.strict' must be a boolean")
+    return value
+
+
+def _chat_logprobs(value: Any) -> bool:
+    return _boolean(value)
+
+
+_PART_TYPES = ("text", "image_url", "input_audio", "file", "refusal")
 
 
 def _content(value: Any) -> str | list[dict[str, Any]] | None:
@@ -119,52 +293,181 @@ def _content(value: Any) -> str | list[dict[str, Any]] | None:
     for index, part in enumerate(value):
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise _fail("part_type", f"part {index} must be an object with a string 'type'")
-        if part["type"] == "text" and not isinstance(part.get("text"), str):
-            raise _fail("part_text", f"part {index} of type 'text' needs a string 'text'")
+        kind = part["type"]
+        if kind not in _PART_TYPES:
+            raise _fail("part_type", f"part {index} has an unknown type {kind[:40]!r}")
+        if kind in ("text", "refusal") and not isinstance(part.get(kind), str):
+            raise _fail("part_text", f"part {index} of type {kind!r} needs a string {kind!r}")
     return value
 
 
-def _prompt(value: Any) -> str | list[str]:
+def _is_whole(value: Any) -> bool:
+    # A JSON integer, which JSON Schema lets a client write as `3.0`.
+    if isinstance(value, float):
+        return value.is_integer()
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _prompt(value: Any) -> str | list[str] | list[int] | list[list[int]]:
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
         raise _fail(
-            "prompt_type", f"expected a string or an array of strings, but got {_type_name(value)}"
+            "prompt_type",
+            f"expected a string, an array of token ids or an array of one of them, "
+            f"but got {_type_name(value)}",
         )
     if not value:
         raise _fail("prompt_empty", "must not be an empty array")
-    if not all(isinstance(item, str) for item in value):
-        # Token-id prompts would bypass the gateway's prompt-token estimate.
-        raise _fail("prompt_type", "expected a string or an array of strings")
+    if all(_is_whole(item) for item in value):
+        return _token_ids(MAX_PROMPT_IDS)(value)
     if len(value) > 1:
         # Several prompts are several generations; the gateway schedules and
         # meters one per request, as with n=1.
         raise _fail("unsupported", "only one prompt per request is supported")
-    return value
+    (only,) = value
+    if isinstance(only, str):
+        return value
+    if isinstance(only, list) and only:
+        return [_token_ids(MAX_PROMPT_IDS)(only)]
+    raise _fail(
+        "prompt_type", "expected a string, an array of token ids or an array of one of them"
+    )
 
 
-Int1 = Annotated[int, PlainValidator(_integer(1))]
-StrictBool = Annotated[bool, PlainValidator(_boolean)]
+def _field(check: Callable[[Any], Any], schema: dict[str, Any]) -> Any:
+    """A field's one rule and its JSON Schema, side by side (the OpenAPI
+    document reads the schema from here)."""
+    return Annotated[Any, PlainValidator(check), WithJsonSchema(schema)]
+
+
+_INT32 = 2**31 - 1
+MAX_TOKEN_ID = _INT32
+MAX_PROMPT_IDS = 1_000_000
+MAX_LOGIT_BIAS = 1024
+MAX_TOOLS = 128
+MAX_STOP = 4
+"""OpenAI's limit on stop sequences."""
+MAX_STOP_TOKEN_IDS = 64
+
+# No upper bound here: past the model's context is refused by `check_context`,
+# where the backend's context length is known.
+Int1 = _field(_integer(1), {"type": "integer", "minimum": 1})
+StrictBool = _field(_boolean, {"type": "boolean"})
+_Penalty = _field(_number(-2.0, 2.0), {"type": "number", "minimum": -2, "maximum": 2})
+_Seed = _field(
+    _bounded_integer(-(2**63), 2**63 - 1),
+    {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1},
+)
+_Stop = _field(
+    _strings(MAX_STOP),
+    {
+        "anyOf": [
+            {"type": "string"},
+            {"type": "array", "maxItems": MAX_STOP, "items": {"type": "string"}},
+        ]
+    },
+)
+_TokenIds = _field(
+    _token_ids(MAX_STOP_TOKEN_IDS),
+    {
+        "type": "array",
+        "maxItems": MAX_STOP_TOKEN_IDS,
+        "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID},
+    },
+)
+_NAME_SCHEMA = {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}
+_OBJECT = {"type": "object"}
+_TOOL_SCHEMA = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": _NAME_SCHEMA,
+                "description": {"type": "string"},
+                "parameters": {"anyOf": [_OBJECT, {"type": "null"}]},
+                "strict": {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
+            },
+        },
+    },
+}
+_NAMED_CHOICE_SCHEMA = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {"name": _NAME_SCHEMA}},
+    },
+}
+_RESPONSE_FORMAT_SCHEMA = {
+    "anyOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {
+            "type": "object",
+            "required": ["type", "json_schema"],
+            "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {
+                        "name": _NAME_SCHEMA,
+                        "schema": {"anyOf": [_OBJECT, {"type": "null"}]},
+                        "strict": {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
+                    },
+                },
+            },
+        },
+    ]
+}
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    include_usage: Annotated[bool, PlainValidator(_boolean)] = False
+    include_usage: StrictBool = False
+    include_obfuscation: StrictBool = False
 
 
 class _Body(BaseModel):
-    # Unknown fields are the backend's business (DESIGN.md section 6).
+    """What both endpoints share: OpenAI's fields, typed and ranged as OpenAI
+    documents them, and vLLM's sampling extensions. Every field may be JSON
+    null, meaning "not given"."""
+
+    # Other fields are judged against the backend (`check_support`).
     model_config = ConfigDict(extra="allow")
 
-    model: Annotated[str, PlainValidator(_model_name)]
+    model: _field(_model_name, {"type": "string", "pattern": NOT_ONLY_SPACE})  # type: ignore[valid-type]
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     max_tokens: Int1 | None = None
-    n: Annotated[int, PlainValidator(_exactly_one)] | None = None
-    temperature: Annotated[float, PlainValidator(_number(0.0, 2.0))] | None = None
-    top_p: Annotated[float, PlainValidator(_number(0.0, 1.0))] | None = None
-    priority: Annotated[int, PlainValidator(_integer(0))] | None = None
+    n: _field(_exactly_one, {"type": "integer", "enum": [1]}) | None = None  # type: ignore[valid-type]
+    temperature: _field(_number(0.0, 2.0), {"type": "number", "minimum": 0, "maximum": 2}) | None = None  # type: ignore[valid-type]
+    top_p: _field(_number(0.0, 1.0), {"type": "number", "minimum": 0, "maximum": 1}) | None = None  # type: ignore[valid-type]
+    presence_penalty: _Penalty | None = None
+    frequency_penalty: _Penalty | None = None
+    seed: _Seed | None = None
+    stop: _Stop | None = None
+    logit_bias: _field(_logit_bias, {"type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]{1,9}$"}, "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}) | None = None  # type: ignore[valid-type]
+    user: _field(_string, {"type": "string"}) | None = None  # type: ignore[valid-type]
+    metadata: _field(_metadata, {"type": "object", "maxProperties": 16, "propertyNames": {"maxLength": 64}, "additionalProperties": {"type": "string", "maxLength": 512}}) | None = None  # type: ignore[valid-type]
+    store: StrictBool | None = None
+    service_tier: _field(_string, {"type": "string"}) | None = None  # type: ignore[valid-type]
+    # vLLM's sampling extensions, which OpenAI-compatible servers share.
+    top_k: _field(_bounded_integer(-1, _INT32), {"type": "integer", "minimum": -1, "maximum": _INT32}) | None = None  # type: ignore[valid-type]
+    min_p: _field(_number(0.0, 1.0), {"type": "number", "minimum": 0, "maximum": 1}) | None = None  # type: ignore[valid-type]
+    repetition_penalty: _field(_number(0.01, 10.0), {"type": "number", "minimum": 0.01, "maximum": 10}) | None = None  # type: ignore[valid-type]
+    min_tokens: _field(_bounded_integer(0, _INT32), {"type": "integer", "minimum": 0, "maximum": _INT32}) | None = None  # type: ignore[valid-type]
+    ignore_eos: StrictBool | None = None
+    stop_token_ids: _TokenIds | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    spaces_between_special_tokens: StrictBool | None = None
+    priority: _field(_integer(0), {"type": "integer", "minimum": 0, "description": f"vLLM-style extension: levels below the tenant's tier (never above it); values past {MAX_PRIORITY_OFFSET} count as {MAX_PRIORITY_OFFSET}."}) | None = None  # type: ignore[valid-type]
     """vLLM-style extension: levels below the tenant's tier (0: the tier's own)."""
 
     @property
@@ -175,12 +478,21 @@ class _Body(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def features(self) -> list[tuple[str, str]]:
+        """(field, feature) for each optional capability the request asks of
+        its backend (values that change nothing, like `logprobs: false`, ask
+        for none)."""
+        wanted = []
+        if self.logit_bias:
+            wanted.append(("logit_bias", "logit_bias"))
+        return wanted
+
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Annotated[Any, PlainValidator(_content)] = None
+    content: _field(_content, {}) = None  # type: ignore[valid-type]
 
     @model_validator(mode="after")
     def _content_present(self) -> Message:
@@ -193,6 +505,12 @@ class Message(BaseModel):
 class ChatBody(_Body):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Int1 | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: _field(_bounded_integer(0, 20), {"type": "integer", "minimum": 0, "maximum": 20}) | None = None  # type: ignore[valid-type]
+    response_format: _field(_response_format, _RESPONSE_FORMAT_SCHEMA) | None = None  # type: ignore[valid-type]
+    tools: _field(_tools, {"type": "array", "maxItems": MAX_TOOLS, "items": _TOOL_SCHEMA}) | None = None  # type: ignore[valid-type]
+    tool_choice: _field(_tool_choice, {"anyOf": [{"enum": ["none", "auto", "required"]}, _NAMED_CHOICE_SCHEMA]}) | None = None  # type: ignore[valid-type]
+    parallel_tool_calls: StrictBool | None = None
 
     @property
     def asked_max_tokens(self) -> int | None:
@@ -203,9 +521,45 @@ class ChatBody(_Body):
             else self.max_tokens
         )
 
+    def features(self) -> list[tuple[str, str]]:
+        wanted = super().features()
+        # Combinations (tool_choice without tools, top_logprobs without
+        # logprobs) are the backend's to judge: each field asks on its own.
+        if self.logprobs:
+            wanted.append(("logprobs", "logprobs"))
+        if self.top_logprobs:
+            wanted.append(("top_logprobs", "logprobs"))
+        if self.response_format is not None and self.response_format["type"] != "text":
+            wanted.append(("response_format", "response_format"))
+        if self.tools:
+            wanted.append(("tools", "tools"))
+        if self.tool_choice not in (None, "none"):
+            wanted.append(("tool_choice", "tools"))
+        for m, message in enumerate(self.messages):
+            if isinstance(message.content, list):
+                for p, part in enumerate(message.content):
+                    if part["type"] not in ("text", "refusal"):
+                        wanted.append((f"messages.{m}.content.{p}", part["type"]))
+        return wanted
+
 
 class CompletionBody(_Body):
-    prompt: Annotated[Any, PlainValidator(_prompt)]
+    prompt: _field(_prompt, {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}}, {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}}, {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}}}]})  # type: ignore[valid-type]
+    logprobs: _field(_bounded_integer(0, 5), {"type": "integer", "minimum": 0, "maximum": 5}) | None = None  # type: ignore[valid-type]
+    echo: StrictBool | None = None
+    best_of: _field(_exactly_one, {"type": "integer", "enum": [1]}) | None = None  # type: ignore[valid-type]
+    suffix: _field(_string, {"type": "string"}) | None = None  # type: ignore[valid-type]
+
+    def features(self) -> list[tuple[str, str]]:
+        wanted = super().features()
+        if self.logprobs is not None:
+            wanted.append(("logprobs", "logprobs"))
+        if self.echo:
+            wanted.append(("echo", "echo"))
+        if self.suffix:
+            wanted.append(("suffix", "suffix"))
+        return wanted
+
 
 
 Endpoint = Literal["chat", "completions"]
@@ -235,11 +589,23 @@ def _message(error: dict[str, Any], param: str | None) -> str:
     return f"Invalid value for '{param}': {error['msg']}."
 
 
-_INTEGER_FIELDS = ("max_tokens", "max_completion_tokens", "n", "priority")
+_INTEGER_FIELDS = (
+    "max_tokens", "max_completion_tokens", "n", "priority", "seed", "top_k", "min_tokens",
+    "top_logprobs", "best_of",
+)  # fmt: skip
+_COMPLETIONS_LOGPROBS = "logprobs"
 
 
-def validate_body(endpoint: Endpoint, body: Any, served_models: Iterable[str]) -> _Body:
+def validate_body(
+    endpoint: Endpoint,
+    body: Any,
+    served_models: Iterable[str],
+    support: RequestSupport | None = None,
+) -> _Body:
     """Raises BadRequest naming the field, or ModelNotFound.
+
+    With `support`, a field the backend cannot honour is refused by name
+    (never dropped); without it, everything valid is taken.
 
     Integer fields written as whole floats (`"n": 1.0`) are rewritten in
     `body` as integers: the body goes on to the backend, and a backend with a
@@ -264,10 +630,118 @@ def validate_body(endpoint: Endpoint, body: Any, served_models: Iterable[str]) -
     # that does not say): let the backend judge the name.
     if models and parsed.model not in models:
         raise ModelNotFound(parsed.model)
-    for name in _INTEGER_FIELDS:
-        if isinstance(body.get(name), float) and name in type(parsed).model_fields:
+    fields = type(parsed).model_fields
+    for name in (*_INTEGER_FIELDS, _COMPLETIONS_LOGPROBS):
+        if isinstance(body.get(name), float) and name in fields:
             body[name] = getattr(parsed, name)
+    for name in ("prompt", "stop_token_ids"):
+        # Token ids, possibly written as whole floats.
+        if isinstance(body.get(name), list) and name in fields:
+            body[name] = getattr(parsed, name)
+    if support is not None:
+        check_support(parsed, support)
     return parsed
+
+
+# What a request may hold where its backend lacks a feature: only the values
+# that ask for nothing (the OpenAPI document of such a gateway says so).
+_WITHOUT: dict[str, dict[str, dict[str, Any]]] = {
+    "logprobs": {"logprobs": {"const": False}, "top_logprobs": {"const": 0}},
+    "response_format": {
+        "response_format": {
+            "type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}
+        }
+    },
+    "tools": {"tools": {"type": "array", "maxItems": 0}, "tool_choice": {"const": "none"}},
+    "echo": {"echo": {"const": False}},
+    "suffix": {"suffix": {"type": "string", "maxLength": 0}},
+    "logit_bias": {"logit_bias": {"type": "object", "maxProperties": 0}},
+}  # fmt: skip
+_WITHOUT_COMPLETIONS = {"logprobs": {"logprobs": {"type": "null"}}}
+PART_FEATURES = ("image_url", "input_audio", "file")
+
+
+def request_schema(
+    endpoint: Endpoint, support: RequestSupport, max_model_len: int | None
+) -> dict[str, Any]:
+    """The JSON Schema of a request body as a gateway with this backend takes
+    it: the request model's own schema, less what the backend cannot honour
+    (then no unknown field either), with asks up to the model's context.
+    `model` and `messages` are the caller's."""
+    schema = _BODIES[endpoint].model_json_schema(ref_template="#/$defs/{model}")
+    defs = schema.pop("$defs", {})
+    properties = schema["properties"]
+    if max_model_len is not None:
+        for name in ("max_tokens", "max_completion_tokens"):
+            if name in properties:
+                properties[name]["anyOf"][0]["maximum"] = max_model_len
+    stream_options = properties["stream_options"]["anyOf"][0]
+    properties["stream_options"]["anyOf"][0] = defs[stream_options["$ref"].split("/")[-1]]
+    for name in properties:
+        properties[name].pop("title", None)
+    if not support.passthrough:
+        schema["additionalProperties"] = False
+        for feature, narrowed in _WITHOUT.items():
+            if feature in support.features:
+                continue
+            if endpoint == "completions":
+                narrowed = _WITHOUT_COMPLETIONS.get(feature, narrowed)
+            for name, rule in narrowed.items():
+                if name in properties:
+                    properties[name] = {"anyOf": [rule, {"type": "null"}], "default": None}
+    schema.pop("title", None)
+    return schema
+
+
+def check_context(
+    parsed: _Body, prompt_tokens: int, max_tokens: int, max_model_len: int | None
+) -> int:
+    """The max_tokens to run with: `max_tokens` (the tier's clamp of the ask),
+    lowered to the room the prompt leaves in the context. A prompt that leaves
+    no room, or an ask past the context itself, is a 400 as from
+    OpenAI-compatible servers; an ask within the context is clamped like any
+    other (it depends on the prompt's length, which a client cannot know)."""
+    if max_model_len is None:
+        return max_tokens
+    asked = parsed.asked_max_tokens
+    room = max_model_len - prompt_tokens
+    if room < 1 or (asked is not None and asked > max_model_len):
+        wanted = prompt_tokens + (asked if asked is not None else 1)
+        where = "messages" if isinstance(parsed, ChatBody) else "prompt"
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {_short(wanted)} tokens ({prompt_tokens} in the {where}, "
+            f"{_short(wanted - prompt_tokens)} in the completion). Please reduce the length "
+            f"of the {where} or completion.",
+            param=where if room < 1 else _asked_name(parsed),
+        )
+    return min(max_tokens, room)
+
+
+def _asked_name(parsed: _Body) -> str:
+    if isinstance(parsed, ChatBody) and parsed.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    return "max_tokens"
+
+
+def check_support(parsed: _Body, support: RequestSupport) -> None:
+    """BadRequest naming the first field `support`'s backend cannot honour."""
+    if support.passthrough:
+        return
+    for name in parsed.model_extra or ():
+        if name not in support.extensions:
+            raise BadRequest(
+                f"Unrecognized request argument supplied: '{name[:100]}' "
+                f"(not supported by the {support.backend} backend).",
+                param=name[:100],
+            )
+    for param, feature in parsed.features():
+        if feature not in support.features:
+            raise BadRequest(
+                f"'{param}' ({feature.replace('_', ' ')}) is not supported by the "
+                f"{support.backend} backend.",
+                param=param,
+            )
 
 
 def _no_constants(name: str) -> Any:
@@ -310,7 +784,8 @@ def _has_lone_surrogate(value: Any) -> bool:
 
 # orjson reads an integer beyond 64 bits as a float, where Python's json keeps
 # it exact (and validation then names the field): such bodies take the slow path.
-_LONG_NUMBER = re.compile(rb"[0-9]{20}")
+# (19 digits: beyond 2**63 it rounds, and a whole float passes as an integer.)
+_LONG_NUMBER = re.compile(rb"[0-9]{19}")
 
 
 def parse_json(raw: bytes) -> Any:
