@@ -18,11 +18,13 @@ from http_support import (
     BOB_KEY,
     INTERACTIVE_CAP,
     MODEL,
+    POLICY_YAML,
     SECRET,
     ScriptedBackend,
     fail_after_one,
     hang_after_one,
     live_app,
+    make_policy,
     words,
 )
 
@@ -128,6 +130,42 @@ async def test_openai_client_models_and_errors() -> None:
         with pytest.raises(openai.AuthenticationError):
             await _client(live.url, "sk-wrong").chat.completions.create(model=MODEL, messages=CHAT)
         await client.close()
+
+
+_SIM_BACKEND = f"backend:\n  kind: sim\n  speed: 200\n  model: {MODEL}\n"
+
+
+@pytest.mark.parametrize(
+    ("backend_yaml", "root"),
+    [
+        (_SIM_BACKEND, MODEL),
+        # The served name hides the path the engine loaded; `root` shows it.
+        (f"backend:\n  kind: vllm\n  model: /models/Llama-3-8B\n  served_model_name: {MODEL}\n",
+         "/models/Llama-3-8B"),
+    ],
+    ids=["sim", "vllm"],
+)
+async def test_models_are_listed_as_vllm_lists_them(backend_yaml: str, root: str) -> None:
+    """vLLM's benchmark client reads each entry's `root` (KeyError without it)."""
+    assert _SIM_BACKEND in POLICY_YAML
+    policy = make_policy(POLICY_YAML.replace(_SIM_BACKEND, backend_yaml))
+    async with (
+        live_app(policy, backend=ScriptedBackend(words)) as live,
+        aiohttp.ClientSession() as http,
+    ):
+        headers = {"Authorization": f"Bearer {ALICE_KEY}"}
+        async with http.get(live.url + "/v1/models", headers=headers) as r:
+            assert r.status == 200
+            (entry,) = (await r.json())["data"]
+        async with http.get(live.url + "/openapi.json") as r:
+            schema = (await r.json())["components"]["schemas"]["ModelList"]
+    assert entry == {
+        "id": MODEL, "object": "model", "created": entry["created"], "owned_by": "qosgate",
+        "root": root, "parent": None,
+    }  # fmt: skip
+    assert isinstance(entry["created"], int) and entry["created"] > 0
+    described = schema["properties"]["data"]["items"]
+    assert set(described["required"]) == set(entry) == set(described["properties"])
 
 
 async def test_sync_openai_client_in_a_thread() -> None:
