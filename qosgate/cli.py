@@ -12,6 +12,17 @@ if TYPE_CHECKING:
     from qosgate.config.models import PolicyConfig
 
 
+def _port(text: str) -> int:
+    # The socket layer would take 70000 as 70000 - 65536 and listen there.
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0-65535)")
+    return port
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qosgate", description="QoS gateway for LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -52,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, help="policy YAML")
     serve.add_argument("--host", default=None,
                        help="listen address (default: the policy's server.host)")
-    serve.add_argument("--port", type=int, default=None,
+    serve.add_argument("--port", type=_port, default=None,
                        help="TCP port (default: the policy's server.port)")
     serve.add_argument("--role", choices=("gateway", "engine"), default=None,
                        help="distributed mode: this process's fleet.role (overrides the policy's)")
@@ -62,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="serve the example policy on the simulated GPU")
     demo.add_argument("--config", default="policies/example.yaml")
     demo.add_argument("--host", default=None, help="listen address (default: the policy's)")
-    demo.add_argument("--port", type=int, default=None, help="TCP port (default: the policy's)")
+    demo.add_argument("--port", type=_port, default=None, help="TCP port (default: the policy's)")
     return parser
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 from collections import Counter
 
@@ -231,13 +230,13 @@ def _limit(value: RateLimit | int) -> int:
 def _ms(value: float | None) -> str:
     if value is None:
         return "-"
-    if math.isinf(value):
-        return "inf"
     return f"{value:g} ms" if value < 1000 else f"{value / 1000:g} s"
 
 
 def _count(value: int) -> str:
-    for size, suffix in ((1_000_000_000, "G"), (1_000_000, "M"), (1_000, "k")):
+    for size, suffix in (
+        (10**15, "P"), (10**12, "T"), (1_000_000_000, "G"), (1_000_000, "M"), (1_000, "k")
+    ):
         if value >= size:
             return f"{value / size:.3g}{suffix}"
     return str(value)

@@ -34,6 +34,8 @@ __all__ = [
 M = TypeVar("M", bound=BaseModel)
 
 FieldPath = tuple[str | int, ...]
+Position = tuple[int, int]
+"""0-based line and column of a node in the document."""
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 _NULL_TAG = "tag:yaml.org,2002:null"
@@ -124,8 +126,10 @@ class _Loader(yaml.SafeLoader):
             # SafeConstructor raises bare ValueError/AttributeError/... on some
             # malformed scalars (`2001-02-30`, `!!timestamp x`); they are input errors.
             tag = str(node.tag).rsplit(":", 1)[-1]
-            what = repr(node.value) if isinstance(node, yaml.ScalarNode) else "this value"
-            detail = f": {exc}" if isinstance(exc, ValueError) else ""
+            what = _shown(node.value) if isinstance(node, yaml.ScalarNode) else "this value"
+            # int()'s refusal of a very long number ends by advising a change
+            # to Python's settings, which is no advice to the policy's author.
+            detail = f": {str(exc).split('; use sys.')[0]}" if isinstance(exc, ValueError) else ""
             raise yaml.constructor.ConstructorError(
                 None, None, f"cannot read {what} as {tag}{detail}", node.start_mark
             ) from exc
@@ -133,6 +137,7 @@ class _Loader(yaml.SafeLoader):
 
 def _parse(text: str, source: str) -> tuple[dict[Any, Any], dict[FieldPath, int]]:
     lines: dict[FieldPath, int] = {}
+    positions: dict[Position, FieldPath] = {}
     loader: _Loader | None = None
     try:
         loader = _Loader(text)
@@ -156,12 +161,12 @@ def _parse(text: str, source: str) -> tuple[dict[Any, Any], dict[FieldPath, int]
                 ],
             )
         duplicates: list[ConfigIssue] = []
-        _walk(root, (), lines, duplicates, set())
+        _walk(root, (), lines, positions, duplicates, set())
         if duplicates:
             raise ConfigError(source, duplicates)
         data = loader.construct_document(root)
     except yaml.MarkedYAMLError as exc:
-        raise ConfigError(source, [_yaml_issue(exc, lines)]) from None
+        raise ConfigError(source, [_yaml_issue(exc, lines, positions)]) from None
     except yaml.reader.ReaderError as exc:
         # Raised before any mark exists; its position is a character offset.
         line = len(_YAML_LINE_BREAK.findall(text, 0, exc.position)) + 1
@@ -179,7 +184,9 @@ def _parse(text: str, source: str) -> tuple[dict[Any, Any], dict[FieldPath, int]
     return data, lines
 
 
-def _yaml_issue(exc: yaml.MarkedYAMLError, lines: dict[FieldPath, int]) -> ConfigIssue:
+def _yaml_issue(
+    exc: yaml.MarkedYAMLError, lines: dict[FieldPath, int], positions: dict[Position, FieldPath]
+) -> ConfigIssue:
     mark = exc.problem_mark or exc.context_mark
     message = exc.problem or exc.context or str(exc)
     if mark is None:
@@ -191,10 +198,13 @@ def _yaml_issue(exc: yaml.MarkedYAMLError, lines: dict[FieldPath, int]) -> Confi
         elif exc.context_mark is not None:
             # e.g. an unclosed '{': the problem shows at the end, the cause is where it opened.
             message += f" ({exc.context} at line {exc.context_mark.line + 1})"
-    # Errors found while building values come after the line map exists; name the
-    # deepest field written on that line. Syntax errors come before it and get ''.
-    on_line = [path for path, path_line in lines.items() if path_line == line]
-    path = max(on_line, key=len, default=())
+    # Errors found while building values come after the line map exists: name
+    # the field whose value starts where the error points, else the deepest field
+    # written on that line. Syntax errors come before it and get ''.
+    path = positions.get((mark.line, mark.column))
+    if path is None:
+        on_line = [path for path, path_line in lines.items() if path_line == line]
+        path = max(on_line, key=len, default=())
     return ConfigIssue(_dotted(path), line, f"invalid YAML: {message}")
 
 
@@ -202,15 +212,25 @@ def _line(node: yaml.Node) -> int:
     return node.start_mark.line + 1
 
 
+def _shown(text: str, limit: int = 40) -> str:
+    """`text` quoted, cut short when long (a 5,000-digit number says nothing more in full)."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
 def _walk(
     node: yaml.Node,
     path: FieldPath,
     lines: dict[FieldPath, int],
+    positions: dict[Position, FieldPath],
     duplicates: list[ConfigIssue],
     visited: set[int],
 ) -> None:
-    """Record the line of every field path below `node` and every duplicate key."""
+    """Record the line of every field path below `node`, where each value
+    starts, and every duplicate key."""
     lines.setdefault(path, _line(node))
+    positions.setdefault((node.start_mark.line, node.start_mark.column), path)
     # An alias shares its anchor's node: descending again would loop on recursive
     # anchors and blow up on alias bombs. Paths inside it fall back to the alias's line.
     if id(node) in visited:
@@ -218,7 +238,7 @@ def _walk(
     visited.add(id(node))
     if isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
-            _walk(item, (*path, index), lines, duplicates, visited)
+            _walk(item, (*path, index), lines, positions, duplicates, visited)
     elif isinstance(node, yaml.MappingNode):
         first_line: dict[tuple[str, str], int] = {}
         for key_node, value_node in node.value:
@@ -242,7 +262,7 @@ def _walk(
             first_line[identity] = _line(key_node)
             # A field's line is where its key is written, which is where people look.
             lines[child] = _line(key_node)
-            _walk(value_node, child, lines, duplicates, visited)
+            _walk(value_node, child, lines, positions, duplicates, visited)
 
 
 # --- pydantic errors -> issues ---------------------------------------------------------

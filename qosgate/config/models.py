@@ -7,13 +7,92 @@ error that names the field rather than a setting silently ignored.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+import sys
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+# Unbounded; the scenario files of `qosgate simulate` and `qosgate bench` use them.
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
+
+# --- the ranges of the policy's numbers ---------------------------------------------------
+# Every number of a policy is finite and bounded, far beyond any sensible
+# setting: a value such as 10**400 or .inf must be refused here, naming its
+# field, not reach a float conversion, a timer or a Redis script and turn
+# into 500s. README.md ("Ranges") lists them.
+
+MAX_DURATION_S = 7 * 86_400
+"""One week: the longest timeout, budget, window or lease."""
+MAX_DURATION_MS = MAX_DURATION_S * 1000
+MAX_COUNT = 10**9
+"""Requests, sequences, slots, and the tokens of one request, batch or KV cache."""
+MAX_QUOTA = 10**15
+"""Quota limits. Below 2**53, so exact as a double: the local limiter and the
+Redis store's Lua scripts count in floats, as does the dashboard's JavaScript."""
+MIN_FACTOR, MAX_FACTOR = 1e-6, 10**6
+"""Weights and speed factors: their ratios stay far from a float's range."""
+MAX_LEVEL = 1000
+"""Priority levels."""
+MAX_BODY_BYTES = 1 << 30
+
+
+def _number(kind: type[int] | type[float], **bounds: float) -> Any:
+    """`kind` within `bounds` (Field's gt/ge/le), never a boolean, inf or NaN."""
+    high = bounds["le"]
+    low = bounds.get("ge", bounds.get("gt"))
+    above = "greater than or equal to" if "ge" in bounds else "greater than"
+
+    def plain(value: object) -> object:
+        # YAML reads yes/no/true/false as booleans, which pydantic would count as 1 and 0.
+        if isinstance(value, bool):
+            raise ValueError(f"Input should be a number, not {str(value).lower()}")
+        # Pydantic calls an integer past a float's range "not a valid number";
+        # the range is what the reader needs.
+        if kind is float and isinstance(value, int) and abs(value) > sys.float_info.max:
+            if value > 0:
+                raise ValueError(f"Input should be less than or equal to {high}")
+            raise ValueError(f"Input should be {above} {low}")
+        return value
+
+    finite = {"allow_inf_nan": False} if kind is float else {}
+    # Field before the validator: the other way round, pydantic checks the bounds
+    # apart from the number's schema, loses allow_inf_nan and gives `qosgate
+    # schema` raw gt/le keys instead of minimum/maximum.
+    return Annotated[kind, Field(**bounds, **finite), BeforeValidator(plain)]
+
+
+Port = _number(int, ge=0, le=65535)
+BodyBytes = _number(int, gt=0, le=MAX_BODY_BYTES)
+Level = _number(int, ge=0, le=MAX_LEVEL)
+Count = _number(int, gt=0, le=MAX_COUNT)
+CountOrZero = _number(int, ge=0, le=MAX_COUNT)
+QuotaLimit = _number(int, gt=0, le=MAX_QUOTA)
+Seconds = _number(float, gt=0, le=MAX_DURATION_S)
+SecondsOrZero = _number(float, ge=0, le=MAX_DURATION_S)
+Millis = _number(float, gt=0, le=MAX_DURATION_MS)
+MillisOrZero = _number(float, ge=0, le=MAX_DURATION_MS)
+WholeMillis = _number(int, gt=0, le=MAX_DURATION_MS)
+Factor = _number(float, ge=MIN_FACTOR, le=MAX_FACTOR)
+FactorOrZero = _number(float, ge=0, le=MAX_FACTOR)
+TokenRate = _number(float, ge=MIN_FACTOR, le=MAX_COUNT)
+"""Tokens per second; predicted waits divide by it."""
+
+
+def _not_an_int(value: object) -> object:
+    # An integer outside the int branch's range would pass here, as a float.
+    if isinstance(value, int) and not isinstance(value, bool):
+        raise ValueError("Input should be an integer of at most 64 bits")
+    return value
+
+
+# vLLM checks its own engine arguments when it starts; here their numbers are
+# only kept finite, and integers within 64 bits.
+EngineArg = (
+    str | bool | Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+    | Annotated[float, Field(allow_inf_nan=False), BeforeValidator(_not_an_int)] | None
+)
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _KEY_REF = re.compile(r"^(sha256:[0-9a-f]{64}|env:[A-Za-z_][A-Za-z0-9_]*)$")
@@ -26,29 +105,29 @@ class StrictModel(BaseModel):
 class ServerConfig(StrictModel):
     host: str = "127.0.0.1"
     """Address the HTTP API listens on."""
-    port: Annotated[int, Field(ge=0, le=65535)] = 8080
+    port: Port = 8080
     """TCP port of the HTTP API (0 picks a free one)."""
-    max_body_bytes: PositiveInt = 1 << 20
+    max_body_bytes: BodyBytes = 1 << 20
     """Largest request body accepted; larger bodies get 413."""
     admin_token_env: str | None = "QOSGATE_ADMIN_TOKEN"
     """Environment variable holding the token for /admin endpoints (unset: admin disabled)."""
     trusted_header_secret_env: str | None = None
     """Environment variable holding the shared secret that makes X-Tenant-Id trusted."""
-    shutdown_grace_s: NonNegativeFloat = 25.0
+    shutdown_grace_s: SecondsOrZero = 25.0
     """After SIGTERM, how long running requests may go on before they are ended
     (queued ones get 503 at once). Below Kubernetes' default 30 s termination
     grace, so the pod exits before it is killed."""
-    idle_timeout_s: PositiveFloat = 75.0
+    idle_timeout_s: Seconds = 75.0
     """A connection that sends no complete request for this long is closed: a
     keep-alive connection left idle, or a client trickling its headers."""
-    body_timeout_s: PositiveFloat = 30.0
+    body_timeout_s: Seconds = 30.0
     """The whole request body must arrive within this time of the handler
     asking for it, or the request gets 408."""
-    client_stall_timeout_s: PositiveFloat = 60.0
+    client_stall_timeout_s: Seconds = 60.0
     """A streaming client that reads nothing for this long (the socket's send
     buffer stays full) is dropped and its request cancelled, so a stalled
     reader cannot hold a backend slot."""
-    auth_failures_per_minute: Annotated[int, Field(ge=0)] = 30
+    auth_failures_per_minute: CountOrZero = 30
     """Failed authentications one client address may make per minute before
     its requests get 429 without being checked (0: no limit)."""
 
@@ -71,33 +150,33 @@ class ObservabilityConfig(StrictModel):
 class BatchWindow(StrictModel):
     """How long a tier may hold requests back to form a batch."""
 
-    max_wait_ms: NonNegativeFloat = 0.0
+    max_wait_ms: MillisOrZero = 0.0
     """Release a batch once its oldest request has waited this long (0: at once)."""
-    max_batch_size: PositiveInt = 256
+    max_batch_size: Count = 256
     """Release at once when this many requests of the tier are ready."""
-    max_batch_tokens: PositiveInt = 1 << 20
+    max_batch_tokens: Count = 1 << 20
     """Release at once when the ready requests hold this many prompt tokens."""
 
 
 class TierConfig(StrictModel):
-    priority: Annotated[int, Field(ge=0, le=1000)]
+    priority: Level
     """0 is the most important; larger numbers are served later."""
-    ttft_slo_ms: Annotated[float, Field(gt=0)] | None = None
+    ttft_slo_ms: Millis | None = None
     """Time-to-first-token objective; None for tiers judged end to end only."""
-    e2e_slo_ms: Annotated[float, Field(gt=0)] | None = None
+    e2e_slo_ms: Millis | None = None
     """End-to-end latency objective, used when the tier has no TTFT objective."""
-    max_queue_wait_ms: Annotated[float, Field(gt=0)] = 30_000.0
+    max_queue_wait_ms: Millis = 30_000.0
     """Queue budget: predicted waits beyond it are refused (reject) and queued
     requests reaching it expire (reject) or start ageing (delay)."""
-    max_queue_len: PositiveInt = 10_000
+    max_queue_len: Count = 10_000
     """Cap on queued requests of this tier; beyond it requests get 429."""
     on_timeout: Literal["reject", "delay"] = "reject"
     """What the queue budget means: refuse/expire, or keep waiting and age."""
     batch: BatchWindow = BatchWindow()
     """Dynamic-batch window for this tier."""
-    max_tokens: PositiveInt = 4096
+    max_tokens: Count = 4096
     """Cap on a request's max_tokens (larger asks are clamped to it)."""
-    default_max_tokens: PositiveInt | None = None
+    default_max_tokens: Count | None = None
     """max_tokens for requests that do not give one (default: the cap)."""
     preemptible: bool = False
     """Whether running requests of this tier may be preempted for higher tiers."""
@@ -113,9 +192,9 @@ class AgingConfig(StrictModel):
     """Anti-starvation: a request that has spent its tier's queue budget (on_timeout:
     delay) climbs one priority level per interval, up to max_boost levels."""
 
-    interval_ms: Annotated[float, Field(gt=0)] = 2_000.0
+    interval_ms: Millis = 2_000.0
     """Time per level of boost."""
-    max_boost: Annotated[int, Field(ge=0, le=1000)] = 2
+    max_boost: Level = 2
     """Most levels a request can climb (0 disables ageing)."""
 
 
@@ -123,9 +202,9 @@ class VtcConfig(StrictModel):
     """Virtual token counter weights: a tenant's counter grows by
     (w_in * prompt_tokens + w_out * output_tokens) / tenant weight."""
 
-    w_in: NonNegativeFloat = 1.0
+    w_in: FactorOrZero = 1.0
     """Weight of a prompt token."""
-    w_out: NonNegativeFloat = 2.0
+    w_out: FactorOrZero = 2.0
     """Weight of an output token."""
 
 
@@ -133,9 +212,9 @@ class ReserveConfig(StrictModel):
     """Backend capacity held back from work below the top level, so the most
     important requests find room at once instead of waiting for a completion."""
 
-    slots: Annotated[int, Field(ge=0)] = 0
+    slots: CountOrZero = 0
     """Sequence slots only top-level work may take."""
-    kv_tokens: Annotated[int, Field(ge=0)] = 0
+    kv_tokens: CountOrZero = 0
     """KV-cache tokens only top-level work may take."""
 
 
@@ -154,9 +233,9 @@ class SchedulerConfig(StrictModel):
     """Allow preempting running requests of preemptible tiers for higher tiers."""
     reserve: ReserveConfig = ReserveConfig()
     """Capacity kept free for the top priority level (qos and strict)."""
-    drain_rate_tau_s: Annotated[float, Field(gt=0)] = 10.0
+    drain_rate_tau_s: Seconds = 10.0
     """Time constant of the drain-rate EWMA (tokens/s the backend completes)."""
-    initial_drain_rate: Annotated[float, Field(gt=0)] | None = None
+    initial_drain_rate: TokenRate | None = None
     """Drain rate (tokens/s) assumed before any measurement (default: backend's hint)."""
 
 
@@ -164,9 +243,9 @@ class RateLimit(StrictModel):
     """A sliding-window limit: never more than `limit` admitted in any window
     of one period; optionally no more than `burst` of it at once."""
 
-    limit: PositiveInt
+    limit: QuotaLimit
     """The most admitted in any window of one period (a minute or a day)."""
-    burst: PositiveInt | None = None
+    burst: QuotaLimit | None = None
     """The most that can be taken at once, refilled at limit per period
     (default and at most: the limit)."""
 
@@ -195,7 +274,7 @@ class TenantQuotas(StrictModel):
     """Prompt + output tokens admitted in any 24 h."""
     requests_per_minute: RateLimit | None = None
     """Requests admitted in any 60 s."""
-    max_concurrency: PositiveInt | None = None
+    max_concurrency: Count | None = None
     """Requests queued or running at once."""
 
 
@@ -204,7 +283,7 @@ class TenantConfig(StrictModel):
     """Tenant identifier (metrics label, quota key)."""
     tier: str
     """Name of the tier this tenant's requests go to."""
-    weight: Annotated[float, Field(gt=0)] = 1.0
+    weight: Factor = 1.0
     """Share of its tier under vtc fairness, relative to the tier's other tenants."""
     api_keys: tuple[str, ...] = ()
     """Keys as `sha256:<hex>` or `env:VARIABLE` (never the plain key)."""
@@ -239,12 +318,12 @@ class QuotaStoreConfig(StrictModel):
     """Namespace for Redis keys."""
     on_error: Literal["fail_open", "fail_closed"] = "fail_open"
     """With Redis unreachable: keep serving on a local limiter, or answer 503."""
-    timeout_ms: PositiveInt = 250
+    timeout_ms: WholeMillis = 250
     """How long one Redis call may take before Redis counts as down."""
-    retry_interval_s: PositiveFloat = 1.0
+    retry_interval_s: Seconds = 1.0
     """While Redis is down, how long before a request tries it again (doubling
     up to 8x while it stays down); the requests in between do not wait on it."""
-    lease_s: PositiveFloat = 3600.0
+    lease_s: Seconds = 3600.0
     """How long a max_concurrency slot stays held if its gateway dies without
     releasing it; keep it above the longest a request can run."""
 
@@ -253,15 +332,15 @@ class SimBackendConfig(StrictModel):
     kind: Literal["sim"] = "sim"
     profile: str = "h100-llama3-8b"
     """Cost-model profile of the simulated GPU."""
-    speed: Annotated[float, Field(gt=0)] = 1.0
+    speed: Factor = 1.0
     """Real-time speed factor (2.0 runs twice as fast as the modelled GPU)."""
-    max_num_seqs: PositiveInt | None = None
+    max_num_seqs: Count | None = None
     """Running sequences at once (default: the profile's)."""
-    max_num_batched_tokens: PositiveInt | None = None
+    max_num_batched_tokens: Count | None = None
     """Tokens per engine step (default: the profile's)."""
     enable_chunked_prefill: bool = True
     """Split long prefills across steps."""
-    kv_capacity_tokens: PositiveInt | None = None
+    kv_capacity_tokens: Count | None = None
     """KV cache size in tokens (default: the profile's)."""
     scheduling_policy: Literal["fcfs", "priority"] = "priority"
     """Order of the engine's own waiting queue."""
@@ -291,7 +370,7 @@ class SimBackendConfig(StrictModel):
                 f"max_num_batched_tokens ({budget}) must be at least max_num_seqs ({seqs})"
             )
         return self
-    output_median_tokens: PositiveInt | None = None
+    output_median_tokens: Count | None = None
     """Output length of the live sim backend. None: every request produces its
     max_tokens. Otherwise a log-normal length with this median (sigma 0.9),
     seeded by the request id so it is deterministic, capped at max_tokens."""
@@ -300,11 +379,11 @@ class SimBackendConfig(StrictModel):
 class UpstreamConfig(StrictModel):
     url: str
     """Base URL of an OpenAI-compatible server (…/v1)."""
-    max_concurrency: PositiveInt = 64
+    max_concurrency: Count = 64
     """Requests in flight to this upstream at once."""
     api_key_env: str | None = None
     """Environment variable with the upstream's key."""
-    weight: Annotated[float, Field(gt=0)] = 1.0
+    weight: Factor = 1.0
     """Relative share of traffic."""
 
 
@@ -316,11 +395,11 @@ class OpenAIBackendConfig(StrictModel):
     """Model names served (empty: ask the upstreams)."""
     affinity: Literal["none", "tenant", "session"] = "none"
     """Prefer the same upstream per tenant or per X-Session-Id."""
-    health_interval_s: Annotated[float, Field(gt=0)] = 5.0
+    health_interval_s: Seconds = 5.0
     """Seconds between health checks."""
-    timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    timeout_s: Seconds = 600.0
     """Upstream request timeout: the most one request may take, start to end."""
-    read_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    read_timeout_s: Seconds = 60.0
     """A streamed request whose upstream sends nothing for this long (no
     headers, or no next byte of the stream) fails as a backend error (502), so
     a hung upstream does not hold the request until `timeout_s`. It is reset by
@@ -339,7 +418,7 @@ class VllmBackendConfig(StrictModel):
     """Model path (or name, where a model hub is reachable) for the co-located engine."""
     served_model_name: str | None = None
     """The `model` clients send (default: `model`)."""
-    engine_args: dict[str, str | int | float | bool | None] = {}
+    engine_args: dict[str, EngineArg] = {}
     """Further vLLM engine arguments, as vLLM names them: max_num_seqs,
     max_num_batched_tokens, enable_chunked_prefill, max_model_len, dtype,
     enforce_eager, ... (scheduling_policy defaults to priority)."""
@@ -374,16 +453,16 @@ class FleetConfig(StrictModel):
     node_id: str | None = None
     """This member's name in leases and reply channels (default: host and pid).
     Two live members must never share one."""
-    lease_s: PositiveFloat = 5.0
+    lease_s: Seconds = 5.0
     """How long an engine node's claim on a request lasts unless renewed (it
     renews every third of this): how soon a dead node's work runs elsewhere."""
-    timeout_ms: PositiveInt = 2_000
+    timeout_ms: WholeMillis = 2_000
     """How long one Redis call may take before the fleet store counts as down."""
     affinity: Literal["none", "tenant", "session"] = "session"
     """Which requests prefer the engine node that ran their predecessor (for
     its prefix cache), unless that node is saturated: those with the same
     X-Session-Id (session), of the same tenant (tenant), or none."""
-    affinity_ttl_s: PositiveFloat = 600.0
+    affinity_ttl_s: Seconds = 600.0
     """How long a session or tenant stays bound to its node after its last
     request was taken."""
 
