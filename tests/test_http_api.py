@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import openai
@@ -224,6 +226,38 @@ async def test_sse_wire_format() -> None:
     assert final["choices"][0]["finish_reason"] == "length"
     assert final["usage"]["completion_tokens"] == 3
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+async def _logprob_pieces(job: GenerationJob) -> AsyncIterator[Chunk]:
+    """Three chunks, each with its token's logprobs, in the endpoint's shape."""
+    offset = 0
+    for i, token in enumerate(["a", "bc", "d"]):
+        if job.endpoint == "chat":
+            entry = {"token": token, "logprob": -1.0 * i, "bytes": list(token.encode())}
+            logprobs: dict[str, Any] = {"content": [{**entry, "top_logprobs": [entry]}]}
+        else:
+            logprobs = {"tokens": [token], "token_logprobs": [-1.0 * i],
+                        "top_logprobs": [{token: -1.0 * i}], "text_offset": [offset]}  # fmt: skip
+        offset += len(token)
+        yield Chunk(text=token, tokens=1, finish_reason="stop" if i == 2 else None,
+                    raw={"logprobs": logprobs})  # fmt: skip
+
+
+async def test_a_whole_answer_joins_the_logprobs_of_every_chunk() -> None:
+    async with live_app(backend=ScriptedBackend(_logprob_pieces)) as live:
+        client = _client(live.url)
+        chat = await client.chat.completions.create(model=MODEL, messages=CHAT)
+        text = await client.completions.create(model=MODEL, prompt="x")
+        await client.close()
+    logprobs = chat.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    assert [(t.token, t.logprob) for t in logprobs.content] == [("a", 0), ("bc", -1), ("d", -2)]
+    assert [t.top_logprobs[0].token for t in logprobs.content] == ["a", "bc", "d"]
+    joined = text.choices[0].logprobs
+    assert joined is not None and text.choices[0].text == "abcd"
+    assert joined.tokens == ["a", "bc", "d"] and joined.token_logprobs == [0, -1, -2]
+    assert joined.top_logprobs == [{"a": 0}, {"bc": -1}, {"d": -2}]
+    assert joined.text_offset == [0, 1, 3]
 
 
 # --------------------------------------------------------------------------

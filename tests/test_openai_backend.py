@@ -8,12 +8,17 @@ request from the client side alone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+import aiohttp
+import openai
 import pytest
 from aiohttp import web
+from http_support import ALICE_KEY, MODEL, Live, live_app
 
 from qosgate.backends.base import BackendError, BackendUnavailable, Chunk, GenerationJob
 from qosgate.backends.openai import UNKNOWN_KV_TOKENS, OpenAIBackend, _EventStream
@@ -34,6 +39,10 @@ class FakeUpstream:
         self.completion_tokens: int | None = None  # None: one per delta
         self.tokens_per_delta_usage: int | None = None  # vLLM's continuous usage stats
         self.delta_extra: dict[str, Any] = {}
+        self.script: list[dict[str, Any]] | None = None
+        """Streamed choices sent instead of the pieces, the finishing one included."""
+        self.whole_choice: dict[str, Any] | None = None
+        """The whole answer's choice, instead of one made of the pieces."""
         self.status = 500
         self.status_headers: dict[str, str] = {}
         self.status_body: Any = {"error": {"message": "boom", "type": "server_error"}}
@@ -123,7 +132,9 @@ class FakeUpstream:
                 )
             if self.mode == "malformed":
                 await send("{not json")
-            for i, piece in enumerate(self.pieces):
+            for scripted in self.script or []:
+                await send({"choices": [scripted]})
+            for i, piece in enumerate(self.pieces if self.script is None else []):
                 event: dict[str, Any] = {
                     "choices": [choice(piece, None, self.delta_extra if i == 0 else None)]
                 }
@@ -141,7 +152,8 @@ class FakeUpstream:
             # after reading them, so its count can never trail this one.
             self.active -= 1
             counted = False
-            await send({"choices": [choice("", "stop")]})
+            if self.script is None:
+                await send({"choices": [choice("", "stop")]})
             if self.send_usage and body.get("stream_options", {}).get("include_usage"):
                 done = self.completion_tokens or len(self.pieces)
                 usage = {"prompt_tokens": 5, "completion_tokens": done, "total_tokens": 5 + done}
@@ -180,7 +192,7 @@ class FakeUpstream:
             choice = {"index": 0, "message": message, "finish_reason": "stop"}
         else:
             choice = {"index": 0, "text": text, "finish_reason": "stop"}
-        answer: dict[str, Any] = {"object": "x", "choices": [choice]}
+        answer: dict[str, Any] = {"object": "x", "choices": [self.whole_choice or choice]}
         if self.send_usage:
             done = self.completion_tokens or len(self.pieces)
             answer["usage"] = {"prompt_tokens": 5, "completion_tokens": done,
@@ -923,3 +935,161 @@ async def test_closing_a_held_whole_answer_disconnects_the_upstream(h):
         await pending
     await stream.aclose()
     await wait(up.disconnected)
+
+
+# -- through the gateway: what an upstream returns beyond text ---------------------
+
+
+@contextlib.asynccontextmanager
+async def gateway_over(up: FakeUpstream) -> AsyncIterator[tuple[Live, openai.AsyncOpenAI]]:
+    """The whole gateway over `up`, and the official client pointed at it."""
+    backend = OpenAIBackend(OpenAIBackendConfig(
+        upstreams=[{"url": up.url}], models=[MODEL], health_interval_s=3600.0,
+    ))  # fmt: skip
+    async with live_app(backend=backend) as live:
+        client = openai.AsyncOpenAI(
+            base_url=live.url + "/v1", api_key=ALICE_KEY, max_retries=0, timeout=LIMIT_S
+        )
+        try:
+            yield live, client
+        finally:
+            await client.close()
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        # Strict, so that the client's stream helper parses the arguments too.
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def chat_logprobs(*tokens: str) -> dict[str, Any]:
+    def entry(token: str) -> dict[str, Any]:
+        return {"token": token, "logprob": -0.5, "bytes": list(token.encode())}
+
+    return {"content": [{**entry(t), "top_logprobs": [entry(t)]} for t in tokens]}
+
+
+def text_logprobs(tokens: list[str], offset: int) -> dict[str, Any]:
+    """Completions' shape: parallel lists, offsets from the start of the text."""
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [-0.5] * len(tokens),
+        "top_logprobs": [{t: -0.5} for t in tokens],
+        "text_offset": offsets,
+    }
+
+
+def call_delta(**fields: Any) -> dict[str, Any]:
+    return {"tool_calls": [{"index": 0, **fields}]}
+
+
+async def test_streamed_tool_calls_and_logprobs_reach_the_client(h):
+    up = await h.upstream("up0")
+    up.script = [
+        {"index": 0, "delta": {"content": "Let me"}, "logprobs": chat_logprobs("Let", " me"),
+         "finish_reason": None},
+        # Plain text between, which takes the gateway's short way: still in order.
+        {"index": 0, "delta": {"content": " check."}, "finish_reason": None},
+        {"index": 0, "delta": call_delta(id="call_1", type="function",
+                                         function={"name": "get_weather", "arguments": ""}),
+         "logprobs": None, "finish_reason": None},
+        {"index": 0, "delta": call_delta(function={"arguments": '{"city": '}),
+         "finish_reason": None},
+        # The finishing event carries the call's last piece and its logprobs.
+        {"index": 0, "delta": call_delta(function={"arguments": '"Paris"}'}),
+         "logprobs": chat_logprobs('"Paris"}'), "finish_reason": "tool_calls"},
+    ]  # fmt: skip
+    async with gateway_over(up) as (_, client), client.chat.completions.stream(
+        model=MODEL, messages=ASK, tools=[WEATHER], logprobs=True, top_logprobs=1
+    ) as stream:
+        final = await stream.get_final_completion()
+    (choice,) = final.choices
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me check."
+    (call,) = choice.message.tool_calls or []
+    assert (call.id, call.function.name) == ("call_1", "get_weather")
+    assert call.function.arguments == '{"city": "Paris"}'
+    assert call.function.parsed_arguments == {"city": "Paris"}
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    assert [t.token for t in choice.logprobs.content] == ["Let", " me", '"Paris"}']
+    assert choice.logprobs.content[0].top_logprobs[0].token == "Let"
+    sent = up.requests[0]["body"]
+    assert sent["tools"] == [WEATHER] and sent["logprobs"] is True and sent["top_logprobs"] == 1
+
+
+async def test_a_whole_answer_keeps_its_tool_calls_and_logprobs(h):
+    up = await h.upstream("up0")
+    tool_call = {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    up.whole_choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": None, "tool_calls": [tool_call]},
+        "logprobs": chat_logprobs("get", "_weather"),
+        "finish_reason": "tool_calls",
+    }  # fmt: skip
+    async with gateway_over(up) as (live, client), aiohttp.ClientSession() as http:
+        reply = await client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WEATHER], logprobs=True
+        )
+        async with http.get(live.url + "/openapi.json") as r:
+            schemas = (await r.json())["components"]["schemas"]
+    (choice,) = reply.choices
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls or []
+    assert call.model_dump() == tool_call
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    assert [t.token for t in choice.logprobs.content] == ["get", "_weather"]
+    # The document says so too (the backends that refuse logprobs keep null).
+    for name in ("ChatCompletion", "Completion"):
+        relayed = schemas[name]["properties"]["choices"]["items"]["properties"]["logprobs"]
+        assert "object" in relayed["type"]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_completion_logprobs_reach_the_client(h, stream: bool):
+    up = await h.upstream("up0")
+    up.script = [
+        {"index": 0, "text": "up0", "logprobs": text_logprobs(["up0"], 0), "finish_reason": None},
+        {"index": 0, "text": " says", "logprobs": text_logprobs([" says"], 3),
+         "finish_reason": None},
+        # The last token comes with the finish: neither may be lost.
+        {"index": 0, "text": " hi", "logprobs": text_logprobs([" hi"], 8),
+         "finish_reason": "stop"},
+    ]  # fmt: skip
+    up.whole_choice = {"index": 0, "text": "up0 says hi", "finish_reason": "stop",
+                       "logprobs": text_logprobs(["up0", " says", " hi"], 0)}  # fmt: skip
+    async with gateway_over(up) as (_, client):
+        if stream:
+            chunks = [c async for c in await client.completions.create(
+                model=MODEL, prompt="hello", logprobs=1, stream=True,
+                stream_options={"include_usage": True},
+            )]  # fmt: skip
+            choices = [c.choices[0] for c in chunks if c.choices]
+        else:
+            choices = (await client.completions.create(
+                model=MODEL, prompt="hello", logprobs=1
+            )).choices  # fmt: skip
+    assert "".join(c.text for c in choices) == "up0 says hi"
+    assert choices[-1].finish_reason == "stop"
+    logprobs = [c.logprobs for c in choices if c.logprobs is not None]
+    assert [t for lp in logprobs for t in lp.tokens or []] == ["up0", " says", " hi"]
+    assert [o for lp in logprobs for o in lp.text_offset or []] == [0, 3, 8]
+    assert [p for lp in logprobs for p in lp.top_logprobs or []] == [
+        {"up0": -0.5}, {" says": -0.5}, {" hi": -0.5}
+    ]
+    assert up.requests[0]["body"]["logprobs"] == 1

@@ -591,8 +591,9 @@ class _Call:
 
 
 def _whole_answer(endpoint: str, raw: bytes, where: str) -> Chunk:
-    """A non-streamed completion as one chunk: its text, its usage, and for
-    chat the message's other fields (tool calls, ...) under raw["message"]."""
+    """A non-streamed completion as one chunk: its text, its usage, the
+    choice's other fields (logprobs, ...) in raw, and for chat the message's
+    other fields (tool calls, ...) under raw["message"]."""
 
     def malformed(why: str) -> BackendError:
         return BackendError(f"upstream {where} sent a malformed answer: {why}")
@@ -613,7 +614,7 @@ def _whole_answer(endpoint: str, raw: bytes, where: str) -> Chunk:
     choice = next((c for c in choices if isinstance(c, dict) and c.get("index", 0) == 0), None)
     if choice is None:
         raise malformed("no choice 0")
-    raw_fields: dict[str, Any] = {}
+    raw_fields = {k: v for k, v in choice.items() if k not in _OWN_WHOLE_FIELDS and v is not None}
     if endpoint == "chat":
         message = choice.get("message")
         if not isinstance(message, dict):
@@ -860,3 +861,6 @@ _OWN_CHOICE_FIELDS = frozenset({"index", "finish_reason", "text", "delta"})
 _CHOICE_FIELDS = _OWN_CHOICE_FIELDS | {"logprobs"}
 """A choice with no fields but these (and no logprobs) has nothing for `raw`."""
 _OWN_DELTA_FIELDS = frozenset({"content", "role"})
+_OWN_WHOLE_FIELDS = frozenset({"index", "finish_reason", "text", "message"})
+"""A whole answer's choice fields the chunk carries itself (the message's
+extras go under raw["message"]); the rest goes in `raw`."""

@@ -723,19 +723,59 @@ class _Tally:
             self.usage = chunk.usage
 
 
+_NOT_CHOICE_FIELDS = frozenset({"index", "delta", "message", "text", "finish_reason"})
+"""Keys of a chunk's `raw` that are not the choice's own fields: the gateway
+renders these itself, or (delta, message) puts them further in."""
+
+
+def _join_logprobs(have: Any, more: Any) -> Any:
+    """Two consecutive chunks' logprobs as one. Every list in them runs along
+    the tokens (chat's `content` and `refusal`; completions' `tokens`,
+    `token_logprobs`, `top_logprobs`, `text_offset`, which upstreams count
+    from the start of the whole text), so the lists go end to end."""
+    if have is None:
+        return more
+    if not isinstance(have, dict) or not isinstance(more, dict):
+        return have if more is None else more
+    joined = dict(have)
+    for key, value in more.items():
+        before = joined.get(key)
+        if isinstance(before, list) and isinstance(value, list):
+            joined[key] = before + value
+        elif value is not None:
+            joined[key] = value
+    return joined
+
+
+def _relay_choice_fields(choice: dict[str, Any], raw: dict[str, Any]) -> None:
+    """What a backend relays beyond text (logprobs, vLLM's stop_reason, ...)
+    onto `choice`; logprobs already there are joined, not replaced."""
+    for key, value in raw.items():
+        if key in _NOT_CHOICE_FIELDS:
+            continue
+        if key == "logprobs":
+            value = _join_logprobs(choice.get("logprobs"), value)
+        choice[key] = value
+
+
 async def _json_response(stream: RequestStream, call: _Call) -> web.Response:
     parts: list[str] = []
     message_fields: dict[str, Any] = {}
+    choice_fields: dict[str, Any] = {"logprobs": None}
     tally = _Tally()
     try:
         async for chunk in stream:
             parts.append(chunk.text)
             tally.add(chunk)
-            # A backend that answers whole passes a chat message's other
-            # fields (tool calls, ...) along.
-            extra = chunk.raw.get("message") if chunk.raw else None
-            if isinstance(extra, dict):
-                message_fields.update(extra)
+            if chunk.raw:
+                # A backend that answers whole passes a chat message's other
+                # fields (tool calls, ...) under "message". Deltas (raw["delta"])
+                # come only to streamed requests: the openai backend asks a
+                # whole answer of its upstream for a client that reads whole.
+                extra = chunk.raw.get("message")
+                if isinstance(extra, dict):
+                    message_fields.update(extra)
+                _relay_choice_fields(choice_fields, chunk.raw)
     except BaseException:
         # Cancelled (client gone) or failed: the stream must end its request
         # now, so a queued request leaves the queue and a running one aborts.
@@ -747,12 +787,12 @@ async def _json_response(stream: RequestStream, call: _Call) -> web.Response:
         choice: dict[str, Any] = {
             "index": 0,
             "message": {"role": "assistant", "content": text, **message_fields},
-            "logprobs": None,
+            **choice_fields,
             "finish_reason": finish,
         }
         kind = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, **choice_fields, "finish_reason": finish}
         kind = "text_completion"
     body = orjson.dumps(
         {
@@ -797,6 +837,7 @@ def _chunk_event(
     *,
     role: bool = False,
     usage: dict[str, int] | None = None,
+    raw: dict[str, Any] | None = None,
 ) -> bytes:
     if call.endpoint == "chat":
         delta: dict[str, Any] = {}
@@ -804,6 +845,9 @@ def _chunk_event(
             delta["role"] = "assistant"
         if delta_text is not None:
             delta["content"] = delta_text
+        extra = raw.get("delta") if raw else None
+        if isinstance(extra, dict):
+            delta.update(extra)
         choice: dict[str, Any] = {
             "index": 0,
             "delta": delta,
@@ -814,6 +858,8 @@ def _chunk_event(
     else:
         choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
         kind = "text_completion"
+    if raw:
+        _relay_choice_fields(choice, raw)
     payload: dict[str, Any] = {
         "id": call.response_id,
         "object": kind,
@@ -872,12 +918,21 @@ async def _stream_response(
     pending: list[bytes] = []
     if call.endpoint == "chat":
         pending.append(_chunk_event(call, "", None, role=True))
+    last: Chunk | None = None  # a finishing chunk with fields beyond text
     try:
         await response.prepare(request)
         chunk = first
         while chunk is not None:
             tally.add(chunk)
-            if chunk.text:
+            if chunk.raw:
+                # Fields beyond text (tool calls, logprobs) need the whole
+                # event rendered. A finishing chunk's fields and text go out
+                # in the finish event, as an upstream sends them.
+                if chunk.finish_reason is None:
+                    pending.append(_chunk_event(call, chunk.text or None, None, raw=chunk.raw))
+                else:
+                    last = chunk
+            elif chunk.text:
                 pending.append(head + orjson.dumps(chunk.text) + tail)
             # After the finishing chunk the stream ends without a wait, and
             # its events go out with the last ones.
@@ -891,14 +946,16 @@ async def _stream_response(
                 chunk = None
         usage = _usage(call, tally.tokens, tally.usage)
         finish = tally.finish_reason or "stop"
+        last_text = (last.text or None) if last is not None else None
+        last_raw = last.raw if last is not None else None
         if call.include_usage:
             # OpenAI's shape when asked: the usage alone in a last, choice-less chunk.
-            pending.append(_chunk_event(call, None, finish))
+            pending.append(_chunk_event(call, last_text, finish, raw=last_raw))
             pending.append(_usage_event(call, usage))
         else:
             # DESIGN.md wants usage in the final chunk even when not asked for;
             # clients ignore a field they do not expect.
-            pending.append(_chunk_event(call, None, finish, usage=usage))
+            pending.append(_chunk_event(call, last_text, finish, usage=usage, raw=last_raw))
         pending.append(_DONE_EVENT)
         data = b"".join(pending)
         pending.clear()

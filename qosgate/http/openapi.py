@@ -120,6 +120,13 @@ def _schemas(
             "total_tokens": {"type": "integer", "minimum": 0},
         },
     }
+    # Only a backend that passes every field on (an OpenAI-compatible
+    # upstream's) can be asked for logprobs; the others refuse the field.
+    logprobs = (
+        {"type": ["object", "null"], "description": "The upstream's, relayed."}
+        if support.passthrough
+        else {"type": "null"}
+    )
     completion_head = {
         "id": {"type": "string"},
         "created": {"type": "integer"},
@@ -224,7 +231,7 @@ def _schemas(
                                     "content": {"type": ["string", "null"]},
                                 },
                             },
-                            "logprobs": {"type": "null"},
+                            "logprobs": logprobs,
                             "finish_reason": {"type": "string"},
                         },
                     },
@@ -247,7 +254,7 @@ def _schemas(
                         "properties": {
                             "index": {"const": 0},
                             "text": {"type": "string"},
-                            "logprobs": {"type": "null"},
+                            "logprobs": logprobs,
                             "finish_reason": {"type": "string"},
                         },
                     },
