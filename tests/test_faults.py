@@ -281,7 +281,10 @@ class Upstream:
     - mute: accepts the request and never sends a header;
     - silent: sends the headers and two pieces, then nothing;
     - slow: streams PIECES three times over, `gap_s` apart; whole, answers
-      after `gap_s`.
+      after `gap_s`;
+    - status N: answers HTTP status N with an error body (Retry-After: 7 for
+      429 and 503), as vLLM does;
+    - refuse midway: streams two pieces, then an error event coded 400.
     """
 
     def __init__(self, gap_s: float = 0.1) -> None:
@@ -311,6 +314,7 @@ class Upstream:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+            self._runner = None
 
     async def until_left(self, what: str) -> None:
         async with asyncio.timeout(LIMIT_S):
@@ -324,6 +328,13 @@ class Upstream:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         what = body["messages"][-1]["content"]
+        if what.startswith("status "):
+            status = int(what.split()[1])
+            return web.json_response(
+                {"error": {"message": f"upstream says {status}", "type": "BadRequestError",
+                           "param": "temperature", "code": status}},
+                status=status, headers={"Retry-After": "7"} if status in (429, 503) else None,
+            )  # fmt: skip
         try:
             if body.get("stream"):
                 return await self._stream(request, what)
@@ -359,6 +370,11 @@ class Upstream:
                 return response
             if what == "silent" and i == 1:
                 await asyncio.Event().wait()
+            if what == "refuse midway" and i == 1:
+                await send({"error": {"message": "stop is invalid here", "param": "stop",
+                                      "code": 400}})  # fmt: skip
+                await response.write_eof()
+                return response
             if what == "slow":
                 await asyncio.sleep(self.gap_s)
         await send(delta("", "stop"))
@@ -439,7 +455,8 @@ async def test_an_upstream_that_drops_the_connection_fails_only_its_request(
                 assert resp.status == 502
                 message = assert_error(await resp.json(), "backend_error")
         took = loop.time() - start
-        assert upstream.url in message
+        # The upstream's address is internal: the log has it, the client not.
+        assert upstream.url not in message and str(upstream.port) not in message
         assert took < 2.0, took
         assert stage.gate.outcome(rid) is Outcome.BACKEND_ERROR
         assert (await stage.used("alice"))["tokens_per_minute"] == 0
@@ -470,6 +487,89 @@ async def test_an_upstream_that_drops_the_connection_fails_only_its_request(
         }
         print(f"\n[a/{'streamed' if stream else 'whole'}] dropped request ended in "
               f"{took * 1000:.0f} ms: {message}")  # fmt: skip
+
+
+# -- a2. the upstream refuses the request, or fails it -----------------------
+
+
+def assert_client_error(body: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's error shape for the client's fault; returns the error."""
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "code", "param"}
+    assert body["error"]["type"] == "invalid_request_error"
+    return body["error"]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_upstream_errors_are_classified_for_the_client_and_refunded(
+    upstream: Upstream, stream: bool
+) -> None:
+    """An upstream's 400, 413 or 422 is the client's fault: a 400 with the
+    upstream's message and param. Its 5xx is a 502, its 429 and 503 a 503,
+    with Retry-After. None names the upstream, and none is charged."""
+    expected = [  # what the upstream answers -> status, code, Retry-After, outcome
+        ("status 400", 400, "invalid_request", None, Outcome.BAD_REQUEST),
+        ("status 413", 400, "invalid_request", None, Outcome.BAD_REQUEST),
+        ("status 422", 400, "invalid_request", None, Outcome.BAD_REQUEST),
+        ("status 500", 502, "backend_error", "1", Outcome.BACKEND_ERROR),
+        ("status 502", 502, "backend_error", "1", Outcome.BACKEND_ERROR),
+        ("status 429", 503, "backend_unavailable", "7", Outcome.BACKEND_ERROR),
+        ("status 503", 503, "backend_unavailable", "7", Outcome.BACKEND_ERROR),
+    ]
+    async with serving(make_policy(openai_backend(upstream))) as stage, \
+            aiohttp.ClientSession() as http:  # fmt: skip
+        for what, status, code, retry_after, outcome in expected:
+            async with http.post(stage.api, json=chat(what, stream=stream),
+                                 headers=auth("alice")) as resp:  # fmt: skip
+                assert (resp.status, resp.headers.get("Retry-After")) == (status, retry_after), what
+                assert resp.content_type == "application/json"
+                body = await resp.json()
+                assert stage.gate.outcome(resp.headers["x-request-id"]) is outcome
+            if status == 400:
+                error = assert_client_error(body)
+                assert (error["message"], error["param"]) == (f"upstream says {what[7:]}",
+                                                              "temperature")  # fmt: skip
+            else:
+                message = assert_error(body, code)
+                assert f"upstream says {what[7:]}" in message
+                assert upstream.url not in message and str(upstream.port) not in message
+        # Refused or failed, nothing is charged; the same tenant is served next.
+        assert await stage.used("alice") == {
+            "tokens_per_minute": 0, "requests_per_minute": 0, "max_concurrency": 0,
+        }  # fmt: skip
+        tokens = await served(http, stage, "alice", chat("ok", stream=stream))
+        stage.assert_every_request_ended_once()
+        assert (await stage.used("alice"))["tokens_per_minute"] == tokens
+
+
+async def test_a_refusal_after_output_is_the_streams_last_event(upstream: Upstream) -> None:
+    async with serving(make_policy(openai_backend(upstream))) as stage, \
+            aiohttp.ClientSession() as http:  # fmt: skip
+        async with http.post(stage.api, json=chat("refuse midway", stream=True),
+                             headers=auth("alice")) as resp:  # fmt: skip
+            assert resp.status == 200
+            events = await read_sse(resp)
+            rid = resp.headers["x-request-id"]
+        assert text_of(events) == "one two" and "[DONE]" not in events
+        error = assert_client_error(events[-1])
+        assert (error["message"], error["param"]) == ("stop is invalid here", "stop")
+        assert stage.gate.outcome(rid) is Outcome.BAD_REQUEST
+        stage.assert_every_request_ended_once()
+        assert (await stage.used("alice"))["tokens_per_minute"] == 0
+
+
+async def test_an_unreachable_upstream_is_a_502_to_retry_naming_no_address(
+    upstream: Upstream,
+) -> None:
+    async with serving(make_policy(openai_backend(upstream))) as stage, \
+            aiohttp.ClientSession() as http:  # fmt: skip
+        await upstream.stop()
+        async with http.post(stage.api, json=chat("ok", stream=False),
+                             headers=auth("alice")) as resp:  # fmt: skip
+            assert (resp.status, resp.headers.get("Retry-After")) == (502, "1")
+            message = assert_error(await resp.json(), "backend_error")
+        assert upstream.url not in message and str(upstream.port) not in message
+        stage.assert_every_request_ended_once()
+        assert (await stage.used("alice"))["tokens_per_minute"] == 0
 
 
 # -- b. the upstream hangs ---------------------------------------------------

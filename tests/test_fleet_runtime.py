@@ -22,7 +22,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from qosgate.backends.base import Chunk
+from qosgate.backends.base import BackendRejected, Chunk, GenerationJob
 from qosgate.backends.sim_live import SimBackend, filler_text
 from qosgate.config.models import FleetConfig, PolicyConfig
 from qosgate.core.request import Outcome
@@ -30,7 +30,7 @@ from qosgate.fleet import wire
 from qosgate.fleet.engine import EngineNode
 from qosgate.fleet.gateway import FleetBackend
 from qosgate.http.app import build_app
-from qosgate.runtime.errors import Expired, GatewayError, Overloaded, QueueFull
+from qosgate.runtime.errors import BadRequest, Expired, GatewayError, Overloaded, QueueFull
 from qosgate.runtime.gate import Gateway, RequestStream
 
 LIMIT_S = 20.0
@@ -232,6 +232,26 @@ async def test_a_client_gone_mid_stream_stops_the_engine(redis_server, prefix):
         assert engine.status()["running"] == 0
         assert engine.backend.capacity().free_slots == 2
         assert engine.completed == 0
+
+
+async def test_a_request_an_engines_backend_rejects_is_the_clients_400(redis_server, prefix):
+    """As on one node: the backend's word that the request is invalid (an
+    upstream's 400) reaches the replica as such, param and all."""
+    async with Fleet(make_policy(redis_server.url, prefix), engines=1) as fleet:
+        engine = fleet.engines[0]
+
+        async def reject(job: GenerationJob) -> AsyncIterator[Chunk]:
+            raise BackendRejected("temperature is out of range", param="temperature")
+            yield Chunk()  # an async generator, like a backend's stream
+
+        engine.backend.generate = reject  # type: ignore[method-assign]
+        stream = fleet.submit()
+        async with asyncio.timeout(LIMIT_S):
+            with pytest.raises(BadRequest) as info:
+                await read_all(stream)
+        assert (info.value.message, info.value.param) == ("temperature is out of range",
+                                                          "temperature")  # fmt: skip
+        assert stream.request.outcome is Outcome.BAD_REQUEST
 
 
 async def test_queue_budget_expires_an_item_no_node_took(redis_server, prefix):

@@ -20,7 +20,13 @@ import pytest
 from aiohttp import web
 from http_support import ALICE_KEY, MODEL, Live, live_app
 
-from qosgate.backends.base import BackendError, BackendUnavailable, Chunk, GenerationJob
+from qosgate.backends.base import (
+    BackendError,
+    BackendRejected,
+    BackendUnavailable,
+    Chunk,
+    GenerationJob,
+)
 from qosgate.backends.openai import UNKNOWN_KV_TOKENS, OpenAIBackend, _EventStream
 from qosgate.config.models import OpenAIBackendConfig
 
@@ -379,7 +385,7 @@ def _delta(text: str, **extra: Any) -> dict[str, Any]:
 
 
 def test_text_that_arrives_in_one_read_is_one_chunk_and_fields_stay_apart():
-    events = _EventStream("chat", "up")
+    events = _EventStream("chat")
     events.feed(_sse(_delta("a"), _delta("b"), _delta("c", tool_calls=[{"id": "t"}]), _delta("d")))
     assert [(c.text, c.tokens, c.raw) for c in events.ready] == [
         ("ab", 2, {}), ("c", 1, {"delta": {"tool_calls": [{"id": "t"}]}}), ("d", 1, {}),
@@ -398,7 +404,7 @@ def test_text_that_arrives_in_one_read_is_one_chunk_and_fields_stay_apart():
 
 
 def _read_whole(blocks: list[bytes]) -> tuple[str, int, list, dict | None, str | None]:
-    events = _EventStream("chat", "up")
+    events = _EventStream("chat")
     for block in blocks:
         events.feed(block)
     events.end()
@@ -583,21 +589,75 @@ async def test_upstream_500_is_a_backend_error(h):
     backend = await h.backend([up])
     with pytest.raises(BackendError) as info:
         await collect(backend.generate(job()))
-    assert not isinstance(info.value, BackendUnavailable)
+    assert type(info.value) is BackendError
     assert "500" in str(info.value) and "boom" in str(info.value)
+    assert up.url not in str(info.value) and "127.0.0.1" not in str(info.value)
+    # It produced nothing: worth another try (the gateway says when: Retry-After).
+    assert info.value.retryable
     assert backend.capacity().free_slots == 64
     assert backend.ready()  # an answering upstream stays in rotation
 
 
-async def test_upstream_400_carries_its_message_and_is_not_retryable(h):
+@pytest.mark.parametrize("status", [400, 413, 422])
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_an_upstream_refusing_the_request_is_a_rejection_with_its_message(h, status, stream):
+    up = await h.upstream("a")
+    up.mode, up.status = "status", status
+    up.status_body = {"error": {"message": "temperature is out of range", "param": "temperature"}}
+    backend = await h.backend([up])
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    with pytest.raises(BackendRejected) as info:
+        await collect(backend.generate(job(body=body)))
+    # The upstream's own words, nothing of the gateway's (no address either).
+    assert info.value.message == str(info.value) == "temperature is out of range"
+    assert info.value.param == "temperature"
+    assert not info.value.retryable
+    assert backend.ready() and backend.capacity().free_slots == 64
+
+
+async def test_a_rejection_in_vllms_unwrapped_shape_and_in_plain_text(h):
     up = await h.upstream("a")
     up.mode, up.status = "status", 400
-    up.status_body = {"error": {"message": "temperature is out of range", "param": "temperature"}}
+    up.status_body = {"object": "error", "message": "prompt too long", "type": "BadRequestError",
+                      "param": None, "code": 400}  # fmt: skip
+    backend = await h.backend([up])
+    with pytest.raises(BackendRejected) as info:
+        await collect(backend.generate(job()))
+    assert (info.value.message, info.value.param) == ("prompt too long", None)
+    up.status_body = "no JSON here"
+    with pytest.raises(BackendRejected) as info:
+        await collect(backend.generate(job()))
+    assert info.value.message == '"no JSON here"'
+
+
+@pytest.mark.parametrize("status", [401, 403, 404])
+async def test_an_upstream_refusing_the_gateway_is_not_the_clients_fault(h, status):
+    """Its key, its path or its model list is the gateway's configuration:
+    not the client's to fix, nor worth a retry."""
+    up = await h.upstream("a")
+    up.mode, up.status = "status", status
     backend = await h.backend([up])
     with pytest.raises(BackendError) as info:
         await collect(backend.generate(job()))
-    assert "temperature is out of range" in str(info.value)
-    assert not info.value.retryable and not isinstance(info.value, BackendUnavailable)
+    assert type(info.value) is BackendError and not info.value.retryable
+    assert f"answered {status}" in str(info.value) and up.url not in str(info.value)
+
+
+async def test_an_error_event_mid_stream_keeps_its_meaning_only_as_a_rejection():
+    """vLLM sends an error object with an HTTP status as its code. A 400 is
+    the client's whenever it comes; any other error after output only ends
+    the stream (no retry: that output went out)."""
+    events = _EventStream("chat")
+    events.feed(b'data: {"error": {"message": "bad stop", "param": "stop", "code": 400}}\n\n')
+    assert isinstance(events.error, BackendRejected)
+    assert (events.error.message, events.error.param) == ("bad stop", "stop")
+
+    events = _EventStream("chat")
+    events.feed(b'data: {"choices": [{"index": 0, "delta": {"content": "x"}}]}\n\n'
+                b'data: {"error": {"message": "engine died", "code": 503}}\n\n')
+    assert [c.text for c in events.ready] == ["x"]
+    assert type(events.error) is BackendError and not events.error.retryable
+    assert "engine died" in str(events.error)
 
 
 async def test_upstream_429_and_503_are_unavailable_with_retry_after(h):
@@ -607,6 +667,7 @@ async def test_upstream_429_and_503_are_unavailable_with_retry_after(h):
     with pytest.raises(BackendUnavailable) as info:
         await collect(backend.generate(job()))
     assert info.value.retry_after_s == 7.0
+    assert "boom" in str(info.value) and up.url not in str(info.value)
     up.status, up.status_headers = 503, {}
     with pytest.raises(BackendUnavailable) as info:
         await collect(backend.generate(job()))
@@ -621,6 +682,7 @@ async def test_connection_refused_marks_upstream_unhealthy(h):
     with pytest.raises(BackendError) as info:
         await collect(backend.generate(job()))
     assert type(info.value) is BackendError and info.value.retryable
+    assert up.url not in str(info.value) and str(up.port) not in str(info.value)
     assert not backend.ready()
     assert backend.capacity().free_slots == 0
     with pytest.raises(BackendUnavailable):

@@ -30,7 +30,13 @@ from typing import Any
 import aiohttp
 import orjson
 
-from qosgate.backends.base import BackendError, BackendUnavailable, Chunk, GenerationJob
+from qosgate.backends.base import (
+    BackendError,
+    BackendRejected,
+    BackendUnavailable,
+    Chunk,
+    GenerationJob,
+)
 from qosgate.backends.tokens import (
     TokenizerCounter,
     TokenizerUnavailable,
@@ -50,6 +56,8 @@ UNKNOWN_KV_TOKENS = 1 << 40
 _HEALTH_TIMEOUT_S = 5.0
 # Upstream error bodies are quoted in errors and logs; bound what is read.
 _ERROR_BODY_BYTES = 64 * 1024
+_MAX_MESSAGE_CHARS = 2000
+"""Of an upstream's error message passed on to the client."""
 # One SSE line holds one chunk, and long tool-call arguments or logprobs make
 # long lines; a line longer than this is taken for a broken stream rather than
 # buffered without end.
@@ -103,21 +111,64 @@ def _retry_after_s(value: str | None) -> float:
     return max(0.0, seconds) if math.isfinite(seconds) else 1.0
 
 
-def _error_message(body: bytes) -> str:
+def _error_fields(body: bytes) -> tuple[str, str | None]:
+    """The message and the `param` of an upstream's error body: OpenAI's
+    `{"error": {...}}`, vLLM's older unwrapped object, or plain text."""
     text = body.decode("utf-8", "replace").strip()
     try:
         payload = json.loads(text)
     except ValueError:
-        return text[:500] or "(no body)"
+        return text[:500] or "(no body)", None
     if isinstance(payload, dict):
         error = payload.get("error", payload)
         if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return error["message"]
+            param = error.get("param")
+            return error["message"][:_MAX_MESSAGE_CHARS], param if isinstance(param, str) else None
         if isinstance(error, str):
-            return error
+            return error[:_MAX_MESSAGE_CHARS], None
         if isinstance(payload.get("message"), str):
-            return payload["message"]
-    return text[:500]
+            return payload["message"][:_MAX_MESSAGE_CHARS], None
+    return text[:500], None
+
+
+_REJECTED_STATUSES = frozenset({400, 413, 422})
+"""What an upstream answers for a request it finds invalid (OpenAI and vLLM:
+400; a validation layer such as FastAPI's: 422; a body over its limit: 413).
+The client's to fix: no other upstream would take it either. The other 4xx
+(401, 403, 404) say the gateway's upstream configuration is wrong."""
+
+
+def _upstream_error(
+    status: int | None, body: bytes, *, retry_after: str | None = None, started: bool = False
+) -> BackendError:
+    """The one reading of an upstream's error: its HTTP status and body, or
+    (`status` None, or the error's own `code`) an error object in a 200
+    answer or a stream, after output (`started`) or not. The message reaches
+    the client, so it names no upstream; the caller logs which one it was."""
+    message, param = _error_fields(body)
+    if status in _REJECTED_STATUSES:
+        return BackendRejected(message, param=param)
+    if started:
+        # Output went out already: whatever the upstream says, the stream
+        # ends here, and running it again would repeat that output.
+        return BackendError(f"the upstream failed mid-stream: {message}")
+    if status in (429, 503):
+        return BackendUnavailable(
+            f"the upstream is busy ({status}): {message}", _retry_after_s(retry_after)
+        )
+    # A server error produced nothing, so a retry (on another upstream, or
+    # this one later) cannot repeat output; a retry cannot fix the rest.
+    what = "failed" if status is None else f"answered {status}"
+    return BackendError(
+        f"the upstream {what}: {message}", retryable=status is not None and status >= 500
+    )
+
+
+def _error_code(payload: dict[str, Any]) -> int | None:
+    """The HTTP status an error object carries as its `code` (vLLM's), if any."""
+    error = payload.get("error")
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, int) and not isinstance(code, bool) else None
 
 
 def _int_fields(usage: dict[str, Any]) -> dict[str, int]:
@@ -368,25 +419,19 @@ class OpenAIBackend:
                 self._mark_unhealthy(upstream, repr(exc))
                 # No answer came, so no output was produced: the error says so
                 # (retryable), though the gateway does not retry it yet.
-                raise BackendError(
-                    f"upstream {upstream.url} unreachable: {exc}", retryable=True
-                ) from exc
+                raise BackendError("the upstream could not be reached", retryable=True) from exc
             call.response = response
             if call.aborted:
                 raise call.abort_error()
             if response.status != 200:
-                body = await _read_at_most(response, _ERROR_BODY_BYTES)
-                message = (
-                    f"upstream {upstream.url} answered {response.status}: {_error_message(body)}"
+                raise _upstream_error(
+                    response.status,
+                    await _read_at_most(response, _ERROR_BODY_BYTES),
+                    retry_after=response.headers.get("Retry-After"),
                 )
-                if response.status in (429, 503):
-                    raise BackendUnavailable(
-                        message, _retry_after_s(response.headers.get("Retry-After"))
-                    )
-                raise BackendError(message)
             if not job.streamed:
                 whole = _whole_answer(
-                    job.endpoint, await _read_at_most(response, _MAX_BODY_BYTES + 1), upstream.url
+                    job.endpoint, await _read_at_most(response, _MAX_BODY_BYTES + 1)
                 )
                 # Read to its end: the connection can go back to the pool.
                 finished = True
@@ -394,7 +439,7 @@ class OpenAIBackend:
                 return
             # Whatever has arrived is parsed in one go rather than awaited line
             # by line: each await costs more than the parsing it waits for.
-            events = call._events = _EventStream(job.endpoint, upstream.url)
+            events = call._events = _EventStream(job.endpoint)
             content = response.content
             while not events.ended:
                 while events.ready:
@@ -418,20 +463,20 @@ class OpenAIBackend:
             # connection error, a short stream) is the abort, not a failure.
             if call.aborted:
                 raise call.abort_error() from exc
-            if isinstance(exc, BackendError):
+            error = exc if isinstance(exc, BackendError) else self._transport_error(exc)
+            if error is None:
                 raise
-            # Before OSError, which TimeoutError is.
-            if isinstance(exc, _READ_TIMEOUT):
-                raise BackendError(
-                    f"upstream {upstream.url} sent nothing for {self._cfg.read_timeout_s:g}s"
-                ) from exc
-            if isinstance(exc, TimeoutError):
-                raise BackendError(
-                    f"upstream {upstream.url} timed out after {self._cfg.timeout_s:g}s"
-                ) from exc
-            if isinstance(exc, (aiohttp.ClientError, OSError)):
-                raise BackendError(f"upstream {upstream.url} failed mid-stream: {exc!r}") from exc
-            raise
+            # The client is told what failed, never where: an upstream's
+            # address is internal. The log says where, and the cause.
+            cause = exc if error is not exc else exc.__cause__
+            log.log(
+                logging.INFO if isinstance(error, BackendRejected) else logging.WARNING,
+                "request %s: upstream %s: %s%s", job.request_id, upstream.url, error,
+                f" ({cause!r})" if cause is not None else "",
+            )  # fmt: skip
+            if error is exc:
+                raise
+            raise error from exc
         finally:
             if response is not None:
                 if finished:
@@ -440,6 +485,19 @@ class OpenAIBackend:
                     # Dropping the connection is what tells the upstream to stop.
                     response.close()
             self._release(call)
+
+    def _transport_error(self, exc: Exception) -> BackendError | None:
+        """What a failed read or a timeout means for the request (None: not
+        the upstream's doing, a bug)."""
+        # Before OSError, which TimeoutError is.
+        if isinstance(exc, _READ_TIMEOUT):
+            return BackendError(f"the upstream sent nothing for {self._cfg.read_timeout_s:g}s")
+        if isinstance(exc, TimeoutError):
+            return BackendError(f"the upstream timed out after {self._cfg.timeout_s:g}s")
+        if isinstance(exc, (aiohttp.ClientError, OSError)):
+            # The exception's text can hold the upstream's address.
+            return BackendError(f"the connection to the upstream failed ({type(exc).__name__})")
+        return None
 
     # -- health ------------------------------------------------------------
 
@@ -590,13 +648,13 @@ class _Call:
                 loop.call_soon_threadsafe(self.backend._notify)
 
 
-def _whole_answer(endpoint: str, raw: bytes, where: str) -> Chunk:
+def _whole_answer(endpoint: str, raw: bytes) -> Chunk:
     """A non-streamed completion as one chunk: its text, its usage, the
     choice's other fields (logprobs, ...) in raw, and for chat the message's
     other fields (tool calls, ...) under raw["message"]."""
 
     def malformed(why: str) -> BackendError:
-        return BackendError(f"upstream {where} sent a malformed answer: {why}")
+        return BackendError(f"the upstream sent a malformed answer: {why}")
 
     if len(raw) > _MAX_BODY_BYTES:
         raise malformed(f"larger than {_MAX_BODY_BYTES} bytes")
@@ -607,7 +665,7 @@ def _whole_answer(endpoint: str, raw: bytes, where: str) -> Chunk:
     if not isinstance(payload, dict):
         raise malformed("not an object")
     if payload.get("error") is not None:
-        raise BackendError(f"upstream {where} failed: {_error_message(raw)}")
+        raise _upstream_error(_error_code(payload), raw)
     choices = payload.get("choices")
     if not isinstance(choices, list):
         raise malformed("no choices")
@@ -673,9 +731,8 @@ class _EventStream:
     carrying `finish_reason` is held back until the usage chunk that follows
     it, so that the last chunk has both."""
 
-    def __init__(self, endpoint: str, where: str) -> None:
+    def __init__(self, endpoint: str) -> None:
         self.chat = endpoint == "chat"
-        self.where = where
         self.ready: collections.deque[Chunk] = collections.deque()
         """Chunks parsed and not yet taken, in stream order."""
         self.error: BackendError | None = None
@@ -706,7 +763,7 @@ class _EventStream:
             self._finish(done=False)
 
     def _malformed(self, why: str) -> BackendError:
-        return BackendError(f"upstream {self.where} sent a malformed stream: {why}")
+        return BackendError(f"the upstream sent a malformed stream: {why}")
 
     def _parse(self, block: bytes) -> None:
         if self._partial or self._data or b"\r" in block:
@@ -755,9 +812,7 @@ class _EventStream:
         final = self._final
         if final is None:
             if not done:
-                self.error = BackendError(
-                    f"upstream {self.where} ended the stream before finishing"
-                )
+                self.error = BackendError("the upstream ended the stream before finishing")
                 return
             # [DONE] without a finish_reason: the upstream considers it complete.
             final = Chunk(finish_reason="stop")
@@ -790,9 +845,8 @@ class _EventStream:
         if not isinstance(payload, dict):
             raise self._malformed(f"not an object: {raw_data[:200].decode('utf-8', 'replace')!r}")
         if payload.get("error") is not None:
-            raise BackendError(
-                f"upstream {self.where} failed mid-stream: "
-                f"{_error_message(json.dumps(payload).encode())}"
+            raise _upstream_error(
+                _error_code(payload), json.dumps(payload).encode(), started=self._counted > 0
             )
         chunk_usage = payload.get("usage")
         reported: int | None = None

@@ -379,7 +379,7 @@ class EngineNode:
             self._hold(item_id, self._give_back(lease))
             return
         except BackendError as exc:
-            event = wire.error_event(item_id, lease.token, "backend_error", str(exc))
+            event = wire.failure_event(item_id, lease.token, exc)
             self._hold(item_id, self._end(lease, reply_to, event))
             return
         self._outbox.put(reply_to, wire.started_event(item_id, lease.token))
@@ -425,7 +425,7 @@ class EngineNode:
             await self._give_back(lease)
             return
         except BackendError as exc:
-            event = wire.error_event(item_id, lease.token, "backend_error", str(exc))
+            event = wire.failure_event(item_id, lease.token, exc)
             await self._end(lease, reply_to, event, self._used(job, output))
             return
         finally:

@@ -38,7 +38,13 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from qosgate.backends.base import BackendError, BackendUnavailable, Chunk, GenerationJob
+from qosgate.backends.base import (
+    BackendError,
+    BackendRejected,
+    BackendUnavailable,
+    Chunk,
+    GenerationJob,
+)
 from qosgate.backends.support import PASSTHROUGH, RequestSupport
 from qosgate.config.models import FleetConfig, PolicyConfig
 from qosgate.core.admission import MAX_RETRY_AFTER_S
@@ -326,11 +332,13 @@ class FleetBackend:
                 skip = sent
             if kind == wire.ERROR:
                 waiting.ended = True
-                error_kind, message = data
+                error_kind, message, *more = data
                 if error_kind == "expired":
                     raise Expired(message)
                 if error_kind == "unavailable":
                     raise BackendUnavailable(message)
+                if error_kind == "rejected":
+                    raise BackendRejected(message, param=more[0] if more else None)
                 raise BackendError(message)
             chunk = wire.chunk_of(data)
             if chunk.finish_reason is not None:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import orjson
 
-from qosgate.backends.base import Chunk, GenerationJob
+from qosgate.backends.base import BackendError, BackendRejected, Chunk, GenerationJob
 
 CHUNK = "c"
 ERROR = "e"
@@ -25,7 +25,7 @@ STARTED = "s"
 """An engine node has handed the item to its backend: from here a request
 cancelled by its client is charged for what ran (its prompt at least)."""
 
-ErrorKind = Literal["backend_error", "unavailable", "expired"]
+ErrorKind = Literal["backend_error", "unavailable", "expired", "rejected"]
 
 LOCAL_TOKEN = 1 << 62
 """The token of events a replica makes for itself (expired, aborted, channel
@@ -85,6 +85,16 @@ def started_event(request_id: str, token: int) -> Event:
 
 def error_event(request_id: str, token: int, kind: ErrorKind, message: str) -> Event:
     return (request_id, token, ERROR, [kind, message])
+
+
+def failure_event(request_id: str, token: int, exc: BackendError) -> Event:
+    """A backend's failure of the request, as the kind of failure it is, so
+    that the replica ends the request as one node would have."""
+    if isinstance(exc, BackendRejected):
+        # The param comes third: replicas from before "rejected" read two
+        # fields, so replicas are upgraded first (docs/FLEET.md).
+        return (request_id, token, ERROR, ["rejected", exc.message, exc.param])
+    return error_event(request_id, token, "backend_error", str(exc))
 
 
 def encode_events(events: list[Event]) -> bytes:

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from qosgate.backends.base import (
     Backend,
     BackendError,
+    BackendRejected,
     BackendUnavailable,
     Chunk,
     GenerationJob,
@@ -636,11 +637,22 @@ class RequestStream:
             raise
 
 
+_FAILED_RETRY_AFTER_S = 1.0
+"""Retry-After of a request the backend failed before any output: by then the
+upstream that failed it may be out of rotation, or back."""
+
+
 def _map_backend_error(req: Request, exc: Exception) -> GatewayError:
+    """The one place a backend's exception becomes the client's error. None of
+    these requests is charged: they did not complete (RequestStream._usage)."""
     if isinstance(exc, GatewayError):
         # A backend that queues (the fleet's) ends requests the ways a queue
         # does: expired, queue full.
         return exc
+    if isinstance(exc, BackendRejected):
+        # The backend's word that the request itself is invalid: the client's
+        # to fix, as any 400 of the gateway's own.
+        return BadRequest(exc.message, param=exc.param)
     if isinstance(exc, BackendUnavailable):
         return BackendUnavailableError(
             str(exc) or "the backend is unavailable", retry_after_s=exc.retry_after_s
@@ -649,7 +661,11 @@ def _map_backend_error(req: Request, exc: Exception) -> GatewayError:
         # Not a failure the backend reported but a bug in it; the request still
         # ends as a backend error, and the traceback must not be lost.
         log.error("request %s: unexpected error in the backend", req.id, exc_info=exc)
-    return BackendFailed(str(exc) or "the backend failed")
+        return BackendFailed(str(exc) or "the backend failed")
+    return BackendFailed(
+        str(exc) or "the backend failed",
+        retry_after_s=_FAILED_RETRY_AFTER_S if exc.retryable else None,
+    )
 
 
 async def _close_quietly(gen: AsyncIterator[Chunk]) -> None:
