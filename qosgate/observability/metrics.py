@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from qosgate.config.models import PolicyConfig
@@ -65,7 +65,12 @@ class _Levels(Collector):
             f"{PREFIX}backend_capacity", "Requests the backend could run at once (running + free slots)"
         )
         capacity.add_metric([], snap.get("running", 0) + backend.get("free_slots", 0))
-        yield from (depth, tokens, oldest, inflight, capacity)
+        restarts = CounterMetricFamily(
+            f"{PREFIX}backend_restarts",
+            "Engines the backend started again after one died or wedged",
+        )
+        restarts.add_metric([], backend.get("restarts", 0))
+        yield from (depth, tokens, oldest, inflight, capacity, restarts)
 
 
 class _FleetLevels(Collector):

@@ -211,6 +211,8 @@ class Gateway:
             "free_kv_tokens": cap.free_kv_tokens,
             "kv_capacity_tokens": cap.kv_capacity_tokens,
             "dispatched_not_started": len(self._reserved),
+            # A backend that restarts its engine (vllm) counts the restarts.
+            "restarts": getattr(self._backend, "restarts", 0),
         }
         return snap
 

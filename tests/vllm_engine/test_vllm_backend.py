@@ -246,3 +246,138 @@ async def test_the_tiers_priority_reaches_the_engine(live):
     assert watch.priorities[lowered_id] == 3
     await gold.close()
     await bronze.close()
+
+
+# -- hostile input through the real engine -------------------------------------
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+HOSTILE_SAMPLING = [
+    # (field, value): each must be a 400 naming the field, before the engine.
+    ("seed", "abc"), ("seed", 1.5), ("seed", 2**64), ("seed", [1]), ("seed", True),
+    ("temperature", "hot"), ("temperature", -1), ("temperature", 2.5), ("temperature", {}),
+    ("top_p", 1.5), ("top_p", "1"), ("top_k", -2), ("top_k", 0.5), ("top_k", "5"),
+    ("min_p", 2), ("min_p", "x"), ("presence_penalty", 50),
+    ("presence_penalty", "0"), ("frequency_penalty", -3), ("frequency_penalty", [0]),
+    ("repetition_penalty", 0), ("repetition_penalty", "1"), ("min_tokens", -1),
+    ("min_tokens", "2"), ("max_tokens", 0), ("max_tokens", "8"), ("max_tokens", 10**12),
+    ("n", 2), ("n", "1"), ("stop", {"a": 1}), ("stop", ["a"] * 100), ("stop", [1, 2]),
+    ("stop", 7), ("stop_token_ids", [-1]), ("stop_token_ids", "1"),
+    ("stop_token_ids", [1.5]), ("logit_bias", {"abc": 1}), ("logit_bias", {"1": 500}),
+    ("logit_bias", [1, 2]), ("logprobs", "yes"), ("top_logprobs", 50),
+    ("ignore_eos", "yes"), ("skip_special_tokens", 1), ("stream", "true"),
+    ("stream_options", {"include_usage": "yes"}), ("response_format", "json"),
+    ("response_format", {"type": "xml"}), ("tools", "all"),
+    ("tools", [{"type": "function"}]), ("tool_choice", "maybe"), ("user", 5),
+    ("metadata", {"k": 1}),
+]  # fmt: skip
+UNHONOURED = [
+    # What this backend cannot honour: refused by name, never dropped.
+    ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("tool_choice", {"tool_choice": "required"}, "tool_choice"),
+    ("logprobs", {"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ("image", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}]}]},
+     "messages.0.content.0"),
+    ("unknown", {"frobnicate": 1}, "frobnicate"),
+]  # fmt: skip
+ENGINE_REFUSED = [
+    # Valid to OpenAI's model, refused by the engine itself: still a 400.
+    ("top_p", {"top_p": 0}, "top_p"),
+    ("logit_bias past the vocabulary", {"logit_bias": {"99999": 1}}, "logit_bias"),
+    ("stop token past the vocabulary", {"stop_token_ids": [99999]}, "stop_token_ids"),
+]
+
+
+async def _post(http: aiohttp.ClientSession, live, path: str, body: dict) -> tuple[int, dict]:
+    async with http.post(
+        live.url + path, json=body, headers={"Authorization": "Bearer " + KEYS["gold"]}
+    ) as r:
+        return r.status, await r.json(content_type=None)
+
+
+def _chat(**fields: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            **fields}
+
+
+async def _serves(http: aiohttp.ClientSession, live) -> None:
+    status, reply = await _post(http, live, CHAT_URL, _chat())
+    assert status == 200, reply
+    assert reply["usage"]["completion_tokens"] >= 1
+    async with http.get(live.url + "/readyz") as r:
+        assert r.status == 200
+
+
+async def test_wrong_sampling_fields_are_400s_and_the_engine_still_serves(live):
+    assert len(HOSTILE_SAMPLING) >= 30
+    failures = []
+    async with aiohttp.ClientSession() as http:
+        for field, value in HOSTILE_SAMPLING:
+            status, reply = await _post(http, live, CHAT_URL, _chat(**{field: value}))
+            error = reply.get("error") or {}
+            if status != 400 or not error.get("message") or field not in (error.get("param") or ""):
+                failures.append(f"{field}={value!r}: {status} {reply}")
+        # The engine took none of them, and serves every tenant after them.
+        await _serves(http, live)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize(("name", "fields", "param"), UNHONOURED + ENGINE_REFUSED,
+                         ids=[c[0] for c in UNHONOURED + ENGINE_REFUSED])
+async def test_what_the_engine_cannot_honour_is_a_400_naming_the_field(live, name, fields, param):
+    async with aiohttp.ClientSession() as http:
+        status, reply = await _post(http, live, CHAT_URL, _chat(**fields))
+        assert status == 400, reply
+        assert reply["error"]["param"] == param, reply
+        assert reply["error"]["type"] == "invalid_request_error"
+        await _serves(http, live)
+
+
+async def test_token_id_prompts_and_content_parts_reach_the_engine_as_vllm_renders_them(live):
+    backend: VllmBackend = live.gateway.backend
+    async with aiohttp.ClientSession() as http:
+        status, reply = await _post(http, live, COMPLETIONS_URL,
+                                    {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2})
+        assert status == 200, reply
+        assert reply["usage"]["prompt_tokens"] == 3
+        status, reply = await _post(http, live, COMPLETIONS_URL,
+                                    {"model": "tiny", "prompt": [[5, 6, 7, 8]], "max_tokens": 2})
+        assert status == 200 and reply["usage"]["prompt_tokens"] == 4, reply
+        # Text parts are joined as vLLM's server joins them, not printed as a list.
+        parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]
+        status, reply = await _post(http, live, CHAT_URL, _chat(messages=[
+            {"role": "user", "content": parts}]))
+        assert status == 200, reply
+    tokenizer = backend.engine.tokenizer
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello\nworld"}], tokenize=False, add_generation_prompt=True
+    )
+    assert reply["usage"]["prompt_tokens"] == len(tokenizer.encode(text, add_special_tokens=False))
+    assert "[{" not in text
+
+
+async def test_a_json_schema_response_format_constrains_the_output(live):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    async with aiohttp.ClientSession() as http:
+        status, reply = await _post(http, live, CHAT_URL, _chat(
+            max_tokens=200,
+            response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+        ))
+    assert status == 200, reply
+    text = reply["choices"][0]["message"]["content"]
+    # Random weights, but the grammar holds them to the schema: a JSON object
+    # whose only key is "ok" (whole, unless it ran out of tokens in spaces).
+    assert text.lstrip().startswith("{"), text
+    if reply["choices"][0]["finish_reason"] == "stop":
+        import json
+
+        assert set(json.loads(text)) == {"ok"}, text
+
+
+async def test_max_tokens_past_the_context_is_a_400(live):
+    async with aiohttp.ClientSession() as http:
+        status, reply = await _post(http, live, CHAT_URL, _chat(max_tokens=4096))
+    assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
+    assert reply["error"]["param"] == "max_tokens"
