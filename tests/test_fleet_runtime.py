@@ -712,3 +712,19 @@ async def test_replica_and_node_come_back_when_redis_does(own_redis_server, pref
         assert answers == [(filler_text(0, 4), 4)] * 2
         assert {s.request.outcome for s in again} == {Outcome.COMPLETED}
         assert fleet.engines[0].ready()
+
+
+async def test_a_replica_judges_requests_by_its_engines_backend(redis_server, prefix):
+    """A replica validates requests against the engine nodes' backend, as one
+    node does (the HTTP layer reads these two): what the simulated GPU cannot
+    honour, and asks past its model's context, are the client's 400 before
+    anything reaches Redis."""
+    from qosgate.backends.support import SIM
+    from qosgate.backends.sim_live import SIM_MAX_MODEL_LEN
+    from qosgate.http.server import gateway_backend
+
+    backend = gateway_backend(make_policy(redis_server.url, prefix))
+    assert isinstance(backend, FleetBackend)
+    assert backend.support is SIM
+    assert backend.max_model_len == SIM_MAX_MODEL_LEN
+    await backend.store.redis.aclose()

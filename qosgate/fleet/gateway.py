@@ -133,10 +133,13 @@ class FleetBackend:
         models: tuple[str, ...],
         count_prompt_tokens: Callable[[str, dict[str, Any]], int],
         support: RequestSupport = PASSTHROUGH,
+        max_model_len: int | None = None,
     ) -> None:
         self.models = models
         self.support = support
         """What the engine nodes' backend honours of a request."""
+        self.max_model_len = max_model_len
+        """Their model's context, where it is known before they run."""
         self._count = count_prompt_tokens
         self._policy = policy
         self._fleet = fleet

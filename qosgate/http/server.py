@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 
 from aiohttp import web
 
-from qosgate.backends.base import BackendError
+from qosgate.backends.base import Backend, BackendError
 from qosgate.config.models import PolicyConfig
 from qosgate.quotas import QuotaGuard
 from qosgate.runtime.errors import GatewayError
@@ -32,6 +32,25 @@ def api_url(host: str, port: int) -> str:
     if ":" in host:  # IPv6 literal
         host = f"[{host}]"
     return f"http://{host}:{port}/v1"
+
+
+def gateway_backend(policy: PolicyConfig) -> Backend:
+    """The backend a gateway (or a fleet's replica) serves through."""
+    from qosgate.backends import build_backend
+
+    backend = build_backend(policy.backend)
+    if policy.fleet is None:
+        return backend
+    from qosgate.fleet.gateway import FleetBackend
+
+    # The configured backend is what the engine nodes run; here it names the
+    # models, counts prompt tokens and says what a request may ask of it.
+    return FleetBackend(
+        policy, policy.fleet, models=backend.models,
+        count_prompt_tokens=backend.count_prompt_tokens,
+        support=backend.support,
+        max_model_len=getattr(backend, "max_model_len", None),
+    )  # fmt: skip
 
 
 async def serve(
@@ -55,7 +74,6 @@ async def serve(
     `freeze_startup` (the process is this server's alone, as under `qosgate
     serve`): what exists once the socket listens is kept out of the garbage
     collector's passes."""
-    from qosgate.backends import build_backend
 
     host = host if host is not None else policy.server.host
     port = port if port is not None else policy.server.port
@@ -65,18 +83,7 @@ async def serve(
         await serve_engine(policy, host, port, on_ready=on_ready, stop=stop)
         return
     if gateway is None:
-        backend = build_backend(policy.backend)
-        if policy.fleet is not None:
-            from qosgate.fleet.gateway import FleetBackend
-
-            # The configured backend is what the engine nodes run; here it
-            # only names the models and counts prompt tokens.
-            backend = FleetBackend(
-                policy, policy.fleet, models=backend.models,
-                count_prompt_tokens=backend.count_prompt_tokens,
-                support=backend.support,
-            )  # fmt: skip
-        gateway = Gateway(policy, backend, quotas=quotas)
+        gateway = Gateway(policy, gateway_backend(policy), quotas=quotas)
     backend = gateway.backend
     await gateway.start()
     # A backend that loads in the background (the vLLM engine) and fails to
