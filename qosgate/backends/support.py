@@ -44,4 +44,4 @@ SIM = RequestSupport(
     "sim",
     features=frozenset({LOGIT_BIAS}),
 )
-VLLM = RequestSupport("vllm", features=frozenset({LOGIT_BIAS, RESPONSE_FORMAT}))
+VLLM = RequestSupport("vllm", features=frozenset({LOGIT_BIAS, RESPONSE_FORMAT, LOGPROBS}))

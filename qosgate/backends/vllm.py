@@ -90,6 +90,8 @@ class _Run:
     generated: int = 0
     answered: bool = False
     """Whether the engine gave it any output yet."""
+    text_offset: int = 0
+    """Characters of output so far (completions' logprobs `text_offset`)."""
     aborted: bool = False
     fenced: str | None = None
     """Why the engine was fenced under this run, if it was."""
@@ -442,6 +444,9 @@ class VllmBackend:
             stop = [stop]
         if body.get("logit_bias"):
             fields["logit_bias"] = {int(k): float(v) for k, v in body["logit_bias"].items()}
+        top = _top_logprobs(job)
+        if top is not None:
+            fields["logprobs"] = top
         response_format = body.get("response_format") or {}
         if response_format.get("type") == "json_object":
             fields["structured_outputs"] = StructuredOutputsParams(json_object=True)
@@ -468,6 +473,7 @@ class VllmBackend:
         engine = self.engine
         request_id = job.request_id
         prompt_tokens = run.prompt_tokens
+        top = _top_logprobs(job)
         try:
             outputs = engine.generate(engine_input, params, request_id, priority=job.priority)
             try:
@@ -483,6 +489,11 @@ class VllmBackend:
                         continue
                     delta = len(completion.token_ids)
                     run.generated += delta
+                    raw = (
+                        {"logprobs": _logprobs(job.endpoint, completion, top, run)}
+                        if top is not None and completion.logprobs
+                        else {}
+                    )
                     if out.finished:
                         usage = {
                             "prompt_tokens": prompt_tokens,
@@ -492,10 +503,11 @@ class VllmBackend:
                         yield Chunk(
                             text=completion.text, tokens=delta,
                             finish_reason=completion.finish_reason or "stop", usage=usage,
+                            raw=raw,
                         )  # fmt: skip
                         return
                     if completion.text or delta:
-                        yield Chunk(text=completion.text, tokens=delta)
+                        yield Chunk(text=completion.text, tokens=delta, raw=raw)
             finally:
                 await outputs.aclose()
             if run.fenced is not None:
@@ -534,6 +546,47 @@ class VllmBackend:
         task = asyncio.get_running_loop().create_task(engine.abort(request_id))
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
+
+
+def _top_logprobs(job: GenerationJob) -> int | None:
+    """Alternatives per token the client asked for (0: the chosen token's
+    only), or None when it asked for no logprobs."""
+    body = job.body
+    if job.endpoint == "chat":
+        return (body.get("top_logprobs") or 0) if body.get("logprobs") else None
+    return body.get("logprobs")
+
+
+def _logprobs(endpoint: str, completion: Any, top: int, run: _Run) -> dict[str, Any]:
+    """A delta's logprobs in OpenAI's shape for the endpoint."""
+    chosen: list[tuple[str, float]] = []
+    alternatives: list[list[tuple[str, float]]] = []
+    for token_id, position in zip(completion.token_ids, completion.logprobs, strict=False):
+        ranked = sorted(position.items(), key=lambda item: item[1].rank or 0)
+        pick = position.get(token_id) or ranked[0][1]
+        chosen.append((pick.decoded_token or "", pick.logprob))
+        alternatives.append([(lp.decoded_token or "", lp.logprob) for _, lp in ranked[:top]])
+    if endpoint == "chat":
+
+        def entry(token: str, logprob: float) -> dict[str, Any]:
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        return {
+            "content": [
+                {**entry(*pick), "top_logprobs": [entry(*alt) for alt in alts]}
+                for pick, alts in zip(chosen, alternatives, strict=True)
+            ]
+        }
+    offsets = []
+    for token, _ in chosen:
+        offsets.append(run.text_offset)
+        run.text_offset += len(token)
+    return {
+        "tokens": [token for token, _ in chosen],
+        "token_logprobs": [logprob for _, logprob in chosen],
+        "top_logprobs": [dict(alts) for alts in alternatives],
+        "text_offset": offsets,
+    }
 
 
 # vLLM appends "(parameter=x, value=y)" to its validation messages; the

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from qosgate.backends.support import PASSTHROUGH, RequestSupport
+from qosgate.backends.support import LOGPROBS, PASSTHROUGH, RequestSupport
 
 from .validation import NOT_ONLY_SPACE, PART_FEATURES, Endpoint, request_schema
 
@@ -121,10 +121,11 @@ def _schemas(
         },
     }
     # Only a backend that passes every field on (an OpenAI-compatible
-    # upstream's) can be asked for logprobs; the others refuse the field.
+    # upstream's, relayed) or that computes them (vLLM's) can be asked for
+    # logprobs; the others refuse the field.
     logprobs = (
-        {"type": ["object", "null"], "description": "The upstream's, relayed."}
-        if support.passthrough
+        {"type": ["object", "null"]}
+        if support.passthrough or LOGPROBS in support.features
         else {"type": "null"}
     )
     completion_head = {

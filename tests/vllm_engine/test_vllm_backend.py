@@ -275,7 +275,6 @@ UNHONOURED = [
     # What this backend cannot honour: refused by name, never dropped.
     ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("tool_choice", {"tool_choice": "required"}, "tool_choice"),
-    ("logprobs", {"logprobs": True, "top_logprobs": 2}, "logprobs"),
     ("image", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}]}]},
      "messages.0.content.0"),
@@ -381,3 +380,35 @@ async def test_max_tokens_past_the_context_is_a_400(live):
         status, reply = await _post(http, live, CHAT_URL, _chat(max_tokens=4096))
     assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
     assert reply["error"]["param"] == "max_tokens"
+
+
+async def test_logprobs_come_back_from_the_engine_streamed_and_whole(live):
+    c = client(live)
+    chat = await c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+        logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True},
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5
+    assert all(len(entry.top_logprobs) == 3 and entry.logprob <= 0 for entry in content)
+    # Token by token, the answer (a token that ends inside a character decodes
+    # to a replacement character in the text).
+    joined = "".join(entry.token for entry in content).replace("\ufffd", "")
+    assert joined == chat.choices[0].message.content.replace("\ufffd", "")
+
+    streamed = []
+    async for chunk in await c.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True,
+        logprobs=True, extra_body={"ignore_eos": True},
+    ):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.content
+    assert len(streamed) == 6
+
+    done = await c.completions.create(model="tiny", prompt="the quick", max_tokens=4, logprobs=2,
+                                      extra_body={"ignore_eos": True})
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 4
+    assert all(len(alts) == 2 for alts in lp.top_logprobs)
+    assert lp.text_offset[0] == 0
+    await c.close()
