@@ -620,6 +620,17 @@ def test_a_message_keeps_its_events_when_one_is_of_a_kind_not_known_yet():
         wire.decode_events(b'[["a", 1, 7, null]]')
 
 
+def test_a_job_goes_on_the_wire_with_an_integer_past_64_bits_where_nothing_types_it():
+    """Regression (schemathesis, through the openai backend): orjson cannot
+    write such an integer, and a message's extra key may hold one; the job
+    failed with 502 before it was queued."""
+    message = {"role": "user", "content": "hi", "x": 10**30}
+    job = GenerationJob(request_id="a", endpoint="chat", body={"messages": [message]},
+                        prompt_tokens=1, max_tokens=1, priority=0)  # fmt: skip
+    decoded, reply_to = wire.decode_job(wire.encode_job(job, "channel"))
+    assert reply_to == "channel" and decoded.body["messages"][0]["x"] == 10**30
+
+
 class _GatedPipelines:
     """The node's Redis client, whose pipelines wait at `execute` until let go:
     a test's way to act while a publish is on its way."""

@@ -6,7 +6,11 @@ error; nothing else may come out of it, whatever the input:
   status and a message, whose `param` names a field the body has or lacks;
 - the credentials (`KeyRing.identify`): Unauthorized or BadRequest;
 - the policy file (`load_policy_text`): a ConfigError whose every problem is
-  rendered with its field path.
+  rendered with its field path;
+- every sampling field, through the live gateway over each backend (the
+  simulated GPU; the openai backend in front of an upstream that judges
+  requests as vLLM does): a 200, or a 4xx in OpenAI's error shape whose
+  `param` is a field the body holds.
 
 The examples are derandomized, so a failure shows on every run, not one in
 a hundred.
@@ -17,10 +21,12 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 import yaml
 from http_support import (
     ALICE_KEY,
@@ -28,6 +34,7 @@ from http_support import (
     ENV,
     MODEL,
     SECRET,
+    Live,
     ScriptedBackend,
     live_app,
     make_policy,
@@ -36,6 +43,7 @@ from http_support import (
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict
+from upstream_support import BACKENDS, VOCAB_SIZE, live_backend
 
 from qosgate.config.loader import ConfigError, load_policy_text
 from qosgate.config.models import PolicyConfig
@@ -503,3 +511,137 @@ async def test_lone_surrogate_is_a_400_not_a_500() -> None:
         assert response.status == 400, await response.text()
         assert "surrogate" in (await response.json())["error"]["message"]
     assert live.gateway.streams == []
+
+
+# -- every sampling field, through the live gateway over each backend ----------------------
+
+HTTP_FUZZ = settings(
+    FUZZ,
+    max_examples=300,
+    # One live server serves every example (a server per example would be
+    # most of the run); the fixture is function-scoped for its event loop.
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+junk = st.one_of(
+    json_values,
+    st.sampled_from(
+        [None, True, False, 10**30, -(10**30), 2**63, 2**31, -1, 0, 1, 0.5, 1e308, -1e-308,
+         "NaN", "Infinity", "1", "", "true", [], {}, [None], {"": None}, [[1]], {"a": {"b": []}}]
+    ),
+)  # fmt: skip
+_WORDS = ["", "x", "\n", "stop", "\u00e9\u4e2d"]
+_FUNCTION = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+SAMPLING: dict[str, list[Any]] = {
+    "temperature": [0, 0.0, 1, 2, 2.0001, -0.01, 1e-9],
+    "top_p": [0, 1e-9, 0.5, 1, 1.0001, -0.0],
+    "top_k": [-2, -1, 0, 1, 40, VOCAB_SIZE, VOCAB_SIZE + 1, 2**31 - 1, 2**31],
+    "min_p": [0, 0.5, 1, 1.01, -0.01],
+    "seed": [0, -1, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 7.0],
+    "presence_penalty": [-2, 2, 0, 2.01, -2.01],
+    "frequency_penalty": [-2, 2, 0, 2.01, -2.01],
+    "repetition_penalty": [0, 0.009, 0.01, 1, 10, 10.01],
+    "min_tokens": [0, 1, 2, 16, 17, 2**31 - 1, 2**31, -1],
+    "max_tokens": [1, 2, 16, 17, 4.0, 0, -1, 10**12, 2**31],
+    "max_completion_tokens": [1, 2, 16, 17, 0, -1, 10**12],
+    "n": [1, 1.0, 2, 0],
+    "best_of": [1, 2, 0],
+    "stop": [*_WORDS, [], ["a"], ["a", "b", "c", "d"], ["a", "b", "c", "d", "e"], [1], [None]],
+    "stop_token_ids": [[], [0], [VOCAB_SIZE], [2**31 - 1], [2**31], [-1], list(range(65))],
+    "logit_bias": [{}, {"5": 100}, {"5": -100.0}, {"5": 100.1}, {"x": 1}, {"5": "1"},
+                   {str(VOCAB_SIZE): 1}, {"1" * 10: 1}],  # fmt: skip
+    "logprobs": [True, False, 0, 1, 5, 6, 20, 21, -1],
+    "top_logprobs": [0, 1, 20, 21, -1],
+    "echo": [True, False],
+    "suffix": ["", "x"],
+    "response_format": [
+        {"type": "text"}, {"type": "json_object"}, {"type": "yaml"}, {},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+        {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"name": "bad name"}},
+    ],  # fmt: skip
+    "tools": [[], [_FUNCTION], [{"type": "function"}], [{"type": "function", "function": {}}],
+              [_FUNCTION] * 129],  # fmt: skip
+    "tool_choice": ["none", "auto", "required", "any", {"type": "function"},
+                    {"type": "function", "function": {"name": "f"}},
+                    {"type": "function", "function": {"name": "g"}}],  # fmt: skip
+    "parallel_tool_calls": [True, False],
+    "stream": [True, False],
+    "stream_options": [{"include_usage": True}, {"include_usage": False},
+                       {"continuous_usage_stats": True}, {"include_usage": "yes"}, {}],  # fmt: skip
+    "user": ["u-1", ""],
+    "metadata": [{}, {"k": "v"}, {"k": 1}, {"k" * 65: "v"}, {str(i): "v" for i in range(17)}],
+    "store": [True, False],
+    "service_tier": ["auto", "default"],
+    "priority": [0, 1, 1000, 10**9, -1],
+    "ignore_eos": [True, False],
+    "skip_special_tokens": [True, False],
+    "spaces_between_special_tokens": [True, False],
+    "include_stop_str_in_output": [True, False],
+}
+
+
+# A field and its value: mostly one the field has a meaning for (valid, at a
+# bound, just past one), else anything at all. A body holds several, and one
+# wrong value refuses it: with junk as likely as the rest, few were served.
+sampling_field = st.one_of(
+    [
+        st.tuples(st.just(name), st.sampled_from(values) | st.sampled_from(values) | junk)
+        for name, values in SAMPLING.items()
+    ]
+)
+sampling_bodies = st.tuples(endpoints, st.lists(sampling_field, min_size=1, max_size=4)).map(
+    lambda drawn: (drawn[0], {**VALID[drawn[0]], **dict(drawn[1])})
+)
+
+
+@pytest.fixture(params=BACKENDS)
+async def fuzzed(
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[tuple[Live, aiohttp.ClientSession]]:
+    async with (
+        live_backend(request.param) as (live, _),
+        aiohttp.ClientSession(headers={"Authorization": f"Bearer {ALICE_KEY}"}) as http,
+    ):
+        yield live, http
+        # What the examples did leaves the gateway serving, and saying so.
+        async with http.post(live.url + "/v1/completions", json=VALID["completions"]) as response:
+            assert response.status == 200, await response.text()
+        async with http.get(live.url + "/readyz") as response:
+            assert response.status == 200, await response.text()
+
+
+def _check_answer(body: dict[str, Any], status: int, content_type: str, raw: bytes) -> None:
+    assert status == 200 or 400 <= status < 500, (status, raw[:300])
+    if status == 200:
+        if content_type == "text/event-stream":
+            events = [line[6:] for line in raw.decode().split("\n") if line.startswith("data: ")]
+            assert events[-1] == "[DONE]", raw[-300:]
+            for data in events[:-1]:
+                assert "error" not in json.loads(data), data
+        else:
+            assert json.loads(raw)["choices"], raw[:300]
+        event("200")
+        return
+    error = json.loads(raw)["error"]
+    assert set(error) == {"message", "type", "code", "param"}, error
+    assert isinstance(error["message"], str) and error["message"].strip(), error
+    if status == 400 and error["param"] is not None:
+        # Every body here has its required fields: what a 400 names, it holds.
+        assert str(error["param"]).split(".")[0] in body, (error["param"], body)
+    event(f"{status} {error['param']}")
+
+
+@HTTP_FUZZ
+@given(sampling_bodies)
+@example(("chat", {**VALID["chat"], "top_p": 0}))
+@example(("chat", {**VALID["chat"], "max_tokens": 100, "min_tokens": 50}))
+@example(("chat", {**VALID["chat"], "logprobs": True, "top_logprobs": 1, "stream": True}))
+@example(("chat", {**VALID["chat"], "tools": [_FUNCTION], "tool_choice": "required"}))
+@example(("completions", {**VALID["completions"], "logprobs": 1, "echo": True}))
+async def test_every_sampling_field_gets_200_or_a_4xx_in_openais_shape(
+    fuzzed: tuple[Live, aiohttp.ClientSession], drawn: tuple[str, dict[str, Any]]
+) -> None:
+    live, http = fuzzed
+    endpoint, body = drawn
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    async with http.post(live.url + path, json=body) as response:
+        _check_answer(body, response.status, response.content_type, await response.read())

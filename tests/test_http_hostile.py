@@ -1,8 +1,12 @@
-"""A corpus of malformed and hostile requests against one live server.
+"""A corpus of malformed and hostile requests against one live server, over
+each backend: the simulated GPU, and the openai backend in front of an
+upstream that judges requests as vLLM does (upstream_support.VllmUpstream).
 
-Each gets its exact 4xx in OpenAI's error shape, none a 5xx, and the server
-keeps serving: the corpus runs in one test against one server, and a valid
-request after it still completes.
+Each gets its exact status (a 4xx in OpenAI's error shape, never a 5xx), and
+the server keeps serving: the corpus runs in one test against one server, and
+after it a valid request still completes and /readyz says ready. Where the
+backends differ (the sim refuses by name what it cannot honour, the openai
+backend passes it on for its upstream to judge), the case says so.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 from http_support import ALICE_KEY, MAX_BODY, MODEL, SECRET, live_app
+from upstream_support import BACKENDS, VOCAB_SIZE, live_backend
 
 AUTH = {"Authorization": f"Bearer {ALICE_KEY}"}
 JSON = {"Content-Type": "application/json"}
@@ -49,6 +54,19 @@ class Case:
     headers: dict[str, str] = field(default_factory=lambda: {**AUTH, **JSON})
     param: str | None = None
     code: str | None = None
+    upstream: int | None = None
+    """Under the openai backend, which refuses nothing by name, the request
+    goes on to the upstream, and this is the status its answer makes."""
+    upstream_param: str | None = None
+
+    def expected(self, backend: str) -> tuple[int, str | None, str | None]:
+        """(status, param, code) under `backend`."""
+        if backend == "openai" and self.upstream is not None:
+            return self.upstream, self.upstream_param, None
+        return self.status, self.param, self.code
+
+    def reaches_backend(self, backend: str) -> bool:
+        return self.status == 200 or (backend == "openai" and self.upstream is not None)
 
 
 def no_auth(**extra: str) -> dict[str, str]:
@@ -197,26 +215,50 @@ CASES = [
     Case("prompt of a negative token id", 400, comp(prompt=[1, -2]), path=COMP, param="prompt"),
     Case("prompt of mixed ids", 400, comp(prompt=[1, "a"]), path=COMP, param="prompt"),
     # Past the model's context, as OpenAI answers (the sim's model has 128k).
+    # The openai backend knows no context length: the tier's cap clamps the
+    # ask before the upstream sees it.
     Case("max_tokens 1e12", 400, chat(max_tokens=10**12), param="max_tokens",
-         code="context_length_exceeded"),
+         code="context_length_exceeded", upstream=200),
     Case("max_tokens 1e300", 400, chat(max_tokens=10**300), param="max_tokens",
-         code="context_length_exceeded"),
+         code="context_length_exceeded", upstream=200),
     Case("max_completion_tokens past the context", 400,
          chat(max_tokens=DROP, max_completion_tokens=131_073), param="max_completion_tokens",
-         code="context_length_exceeded"),
-    # What the simulated GPU cannot honour is refused by name, never dropped.
-    Case("unknown field", 400, chat(unknown_field={"nested": [1]}), param="unknown_field"),
+         code="context_length_exceeded", upstream=200),
+    # What the simulated GPU cannot honour is refused by name, never dropped;
+    # the openai backend's upstream honours it, or refuses it itself.
+    Case("unknown field", 400, chat(unknown_field={"nested": [1]}), param="unknown_field",
+         upstream=200),
     Case("image part", 400, chat(messages=[
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
-    ]), param="messages.0.content.0"),
+    ]), param="messages.0.content.0", upstream=400),
     Case("tools", 400, chat(tools=[{"type": "function", "function": {"name": "f"}}],
-                            tool_choice="required"), param="tools"),
+                            tool_choice="required"), param="tools", upstream=200),
+    Case("tool_choice without tools", 400, chat(tool_choice="required"), param="tool_choice",
+         upstream=400),
     Case("json schema output", 400, chat(response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
-        param="response_format"),
-    Case("chat logprobs", 400, chat(logprobs=True, top_logprobs=2), param="logprobs"),
-    Case("completion logprobs", 400, comp(logprobs=1), path=COMP, param="logprobs"),
-    Case("echo", 400, comp(echo=True), path=COMP, param="echo"),
+        param="response_format", upstream=200),
+    Case("chat logprobs", 400, chat(logprobs=True, top_logprobs=2), param="logprobs",
+         upstream=200),
+    Case("top_logprobs without logprobs", 400, chat(top_logprobs=2), param="top_logprobs",
+         upstream=400, upstream_param="top_logprobs"),
+    Case("completion logprobs", 400, comp(logprobs=1), path=COMP, param="logprobs",
+         upstream=200),
+    Case("echo", 400, comp(echo=True), path=COMP, param="echo", upstream=200),
+    Case("suffix", 400, comp(suffix="x"), path=COMP, param="suffix", upstream=400),
+    # Valid to OpenAI's model, which the simulated GPU serves; vLLM refuses them.
+    Case("top_p 0", 200, chat(top_p=0), upstream=400, upstream_param="top_p"),
+    Case("top_k past the vocabulary", 200, chat(top_k=VOCAB_SIZE + 1), upstream=400,
+         upstream_param="top_k"),
+    Case("logit_bias past the vocabulary", 200, chat(logit_bias={str(VOCAB_SIZE): 5}),
+         upstream=400, upstream_param="logit_bias"),
+    Case("min_tokens over max_tokens", 200, chat(min_tokens=3), upstream=400,
+         upstream_param="min_tokens"),
+    Case("prompt id past the vocabulary", 200, comp(prompt=[1, VOCAB_SIZE]), path=COMP,
+         upstream=400),
+    # Where nothing types it, JSON allows any integer; it goes on as sent.
+    Case("30-digit integer in a message's extra key", 200,
+         chat(messages=[{"role": "user", "content": "hi", "x": 10**30}])),
     Case("several prompts", 400, comp(prompt=["a", "b"]), path=COMP, param="prompt"),
     Case(
         "completion, max_tokens negative", 400, comp(max_tokens=-1), path=COMP, param="max_tokens"
@@ -246,42 +288,54 @@ async def _send(http: aiohttp.ClientSession, base: str, case: Case) -> aiohttp.C
     return await http.request(case.method, base + case.path, data=data, headers=case.headers)
 
 
-async def test_hostile_corpus_gets_exact_4xx_and_server_keeps_serving() -> None:
+def _check(case: Case, backend: str, status: int, raw: bytes, headers: Any) -> str | None:
+    """What is wrong with the answer to `case`, if anything."""
+    want, param, code = case.expected(backend)
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return f"{status}, not JSON: {raw[:80]!r}"
+    if status != want:
+        return f"status {status}, want {want}: {raw[:200]!r}"
+    if "x-request-id" not in headers:
+        return "no x-request-id"
+    if status == 200:
+        return None if "choices" in body else f"not a completion: {raw[:200]!r}"
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error, dict) or set(error) != {"message", "type", "code", "param"}:
+        return f"not OpenAI's error shape: {raw[:200]!r}"
+    if not isinstance(error["message"], str) or not error["message"]:
+        return "empty message"
+    if param is not None and error["param"] != param:
+        return f"param {error['param']!r}, want {param!r}"
+    if code is not None and error["code"] != code:
+        return f"code {error['code']!r}, want {code!r}"
+    if "Retry-After" in headers:
+        return "a client error must not invite a retry"
+    if status == 405 and not headers.get("Allow"):
+        return "405 without Allow"
+    return None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_hostile_corpus_gets_exact_4xx_and_server_keeps_serving(backend: str) -> None:
     failures: list[str] = []
     async with (
-        live_app() as live,
+        live_backend(backend) as (live, upstream),
         aiohttp.ClientSession(skip_auto_headers={"Content-Type"}) as http,
     ):
         for case in CASES:
             async with await _send(http, live.url, case) as response:
                 raw = await response.read()
-                status = response.status
-                headers = response.headers
-            try:
-                body = json.loads(raw)
-            except ValueError:
-                failures.append(f"{case.name}: {status}, not JSON: {raw[:80]!r}")
-                continue
-            error = body.get("error") if isinstance(body, dict) else None
-            if status != case.status:
-                failures.append(f"{case.name}: status {status}, want {case.status}: {raw[:200]!r}")
-            elif not isinstance(error, dict) or set(error) != {"message", "type", "code", "param"}:
-                failures.append(f"{case.name}: not OpenAI's error shape: {raw[:200]!r}")
-            elif not isinstance(error["message"], str) or not error["message"]:
-                failures.append(f"{case.name}: empty message")
-            elif case.param is not None and error["param"] != case.param:
-                failures.append(f"{case.name}: param {error['param']!r}, want {case.param!r}")
-            elif case.code is not None and error["code"] != case.code:
-                failures.append(f"{case.name}: code {error['code']!r}, want {case.code!r}")
-            elif "x-request-id" not in headers:
-                failures.append(f"{case.name}: no x-request-id")
-            elif "Retry-After" in headers:
-                failures.append(f"{case.name}: a client error must not invite a retry")
-            if case.status == 405 and status == 405 and not headers.get("Allow"):
-                failures.append(f"{case.name}: 405 without Allow")
+                problem = _check(case, backend, response.status, raw, response.headers)
+            if problem is not None:
+                failures.append(f"{case.name}: {problem}")
 
-        # Nothing above reached the scheduler: each was refused at the door.
-        assert live.gateway.streams == []
+        # The rest were refused at the door, none reached the backend.
+        reached = sum(case.reaches_backend(backend) for case in CASES)
+        assert len(live.gateway.streams) == reached
+        if upstream is not None:
+            assert len(upstream.requests) == reached
 
         async with http.post(
             live.url + CHAT, data=json.dumps(chat()).encode(), headers={**AUTH, **JSON}
@@ -289,8 +343,8 @@ async def test_hostile_corpus_gets_exact_4xx_and_server_keeps_serving() -> None:
             assert response.status == 200, await response.text()
             reply = await response.json()
         assert reply["usage"]["completion_tokens"] == 2
-        async with http.get(live.url + "/healthz") as response:
-            assert response.status == 200
+        async with http.get(live.url + "/readyz") as response:
+            assert response.status == 200, await response.text()
     assert not failures, "\n".join(failures)
 
 
@@ -310,6 +364,10 @@ async def test_hostile_corpus_gets_exact_4xx_and_server_keeps_serving() -> None:
         chat(temperature=0, top_p=1, n=1, stream=False),
         # Values that ask for nothing the backend lacks.
         chat(logprobs=False, tool_choice="none", response_format={"type": "text"}),
+        # The tier's cap lowers max_tokens below it: min_tokens comes down too,
+        # or an upstream that checks the two (vLLM) refuses what the client
+        # did not ask.
+        chat(max_tokens=100, min_tokens=50),
     ],
     ids=[
         "max_tokens 1e5",
@@ -318,10 +376,12 @@ async def test_hostile_corpus_gets_exact_4xx_and_server_keeps_serving() -> None:
         "roles and parts",
         "edge values",
         "no-op values",
+        "min_tokens past the tier's cap",
     ],
 )
-async def test_odd_but_valid_requests_succeed(body: dict[str, Any]) -> None:
-    async with live_app() as live, aiohttp.ClientSession() as http:
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_odd_but_valid_requests_succeed(backend: str, body: dict[str, Any]) -> None:
+    async with live_backend(backend) as (live, _), aiohttp.ClientSession() as http:
         async with http.post(live.url + CHAT, json=body, headers=AUTH) as response:
             assert response.status == 200, await response.text()
             reply = await response.json()

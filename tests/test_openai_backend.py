@@ -1,9 +1,5 @@
-"""The openai backend against real HTTP servers on loopback ports.
-
-Each fake upstream is an aiohttp app speaking the OpenAI streaming protocol.
-Its text starts with its own name, so a test can tell which upstream served a
-request from the client side alone.
-"""
+"""The openai backend against real HTTP servers on loopback ports: fake
+OpenAI-compatible upstreams (upstream_support.FakeUpstream)."""
 
 from __future__ import annotations
 
@@ -17,8 +13,8 @@ from typing import Any, Literal
 import aiohttp
 import openai
 import pytest
-from aiohttp import web
 from http_support import ALICE_KEY, MODEL, Live, live_app
+from upstream_support import FakeUpstream, chat_logprobs, text_logprobs
 
 from qosgate.backends.base import (
     BackendError,
@@ -32,178 +28,6 @@ from qosgate.config.models import OpenAIBackendConfig
 
 # A guard against a hang, never a wait: every await below ends on an event.
 LIMIT_S = 5.0
-
-
-class FakeUpstream:
-    def __init__(self, name: str, models: tuple[str, ...] = ("m",)) -> None:
-        self.name = name
-        self.models = list(models)
-        # ok | hold (stop after the first delta until `release`) | kill (drop
-        # the connection after the first delta) | status | malformed
-        self.mode = "ok"
-        self.send_usage = True
-        self.completion_tokens: int | None = None  # None: one per delta
-        self.tokens_per_delta_usage: int | None = None  # vLLM's continuous usage stats
-        self.delta_extra: dict[str, Any] = {}
-        self.script: list[dict[str, Any]] | None = None
-        """Streamed choices sent instead of the pieces, the finishing one included."""
-        self.whole_choice: dict[str, Any] | None = None
-        """The whole answer's choice, instead of one made of the pieces."""
-        self.status = 500
-        self.status_headers: dict[str, str] = {}
-        self.status_body: Any = {"error": {"message": "boom", "type": "server_error"}}
-        self.answer_headers: dict[str, str] = {}
-        """Sent with every whole (non-streamed) answer."""
-        self.release = asyncio.Event()
-        # When set, the end of the body waits for it after [DONE] was sent.
-        self.eof_gate: asyncio.Event | None = None
-        self.done_sent = asyncio.Event()
-        self.held = asyncio.Event()
-        """Set when a whole answer is being held (mode hold)."""
-        self.disconnected = asyncio.Event()
-        self.requests: list[dict[str, Any]] = []
-        self.model_probes: list[dict[str, str]] = []
-        self.active = 0
-        self.max_active = 0
-        self.port = 0
-        self._runner: web.AppRunner | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    @property
-    def pieces(self) -> list[str]:
-        return [self.name, " says", " hi"]
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_post("/v1/chat/completions", self._generate)
-        app.router.add_post("/v1/completions", self._generate)
-        # Cancelling the handler on disconnect is how a held stream learns its
-        # client is gone.
-        self._runner = web.AppRunner(app, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
-        await site.start()
-        self.port = self._runner.addresses[0][1]
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    async def _models(self, request: web.Request) -> web.Response:
-        self.model_probes.append(dict(request.headers))
-        return web.json_response({"object": "list", "data": [{"id": m} for m in self.models]})
-
-    async def _generate(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        assert request.transport is not None
-        self.requests.append({
-            "path": request.path,
-            "body": body,
-            "headers": dict(request.headers),
-            "peer": request.transport.get_extra_info("peername"),
-        })
-        if self.mode == "status":
-            return web.json_response(
-                self.status_body, status=self.status, headers=self.status_headers
-            )
-        chat = request.path.endswith("/chat/completions")
-        if body.get("stream") is not True:
-            return await self._whole(request, body, chat)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        self.active += 1
-        self.max_active = max(self.max_active, self.active)
-        counted = True
-
-        async def send(payload: Any) -> None:
-            data = payload if isinstance(payload, str) else json.dumps(payload)
-            await response.write(f"data: {data}\n\n".encode())
-
-        def choice(text: str, finish: str | None, extra: dict[str, Any] | None = None) -> dict:
-            if chat:
-                delta: dict[str, Any] = {"content": text} if text else {}
-                delta.update(extra or {})
-                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-
-        try:
-            if chat:
-                await send(
-                    {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
-                )
-            if self.mode == "malformed":
-                await send("{not json")
-            for scripted in self.script or []:
-                await send({"choices": [scripted]})
-            for i, piece in enumerate(self.pieces if self.script is None else []):
-                event: dict[str, Any] = {
-                    "choices": [choice(piece, None, self.delta_extra if i == 0 else None)]
-                }
-                if self.tokens_per_delta_usage:
-                    done = self.tokens_per_delta_usage * (i + 1)
-                    event["usage"] = {"prompt_tokens": 5, "completion_tokens": done}
-                await send(event)
-                if i == 0 and self.mode == "hold":
-                    await self.release.wait()
-                if i == 0 and self.mode == "kill":
-                    assert request.transport is not None
-                    request.transport.close()
-                    return response
-            # Counted out before the last bytes: the client frees its slot only
-            # after reading them, so its count can never trail this one.
-            self.active -= 1
-            counted = False
-            if self.script is None:
-                await send({"choices": [choice("", "stop")]})
-            if self.send_usage and body.get("stream_options", {}).get("include_usage"):
-                done = self.completion_tokens or len(self.pieces)
-                usage = {"prompt_tokens": 5, "completion_tokens": done, "total_tokens": 5 + done}
-                await send({"choices": [], "usage": usage})
-            await send("[DONE]")
-            if self.eof_gate is not None:
-                self.done_sent.set()
-                await self.eof_gate.wait()
-            await response.write_eof()
-            return response
-        except (asyncio.CancelledError, ConnectionError):
-            self.disconnected.set()
-            raise
-        finally:
-            if counted:
-                self.active -= 1
-
-
-    async def _whole(self, request: web.Request, body: dict, chat: bool) -> web.StreamResponse:
-        """The same answer, not streamed."""
-        if self.mode == "malformed":
-            return web.Response(text="{not json", content_type="application/json")
-        if self.mode == "hold":
-            self.active += 1
-            self.held.set()
-            try:
-                await self.release.wait()
-            except asyncio.CancelledError:
-                self.disconnected.set()
-                raise
-            finally:
-                self.active -= 1
-        text = "".join(self.pieces)
-        if chat:
-            message = {"role": "assistant", "content": text, **self.delta_extra}
-            choice = {"index": 0, "message": message, "finish_reason": "stop"}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": "stop"}
-        answer: dict[str, Any] = {"object": "x", "choices": [self.whole_choice or choice]}
-        if self.send_usage:
-            done = self.completion_tokens or len(self.pieces)
-            answer["usage"] = {"prompt_tokens": 5, "completion_tokens": done,
-                               "total_tokens": 5 + done}
-        return web.json_response(answer, headers=self.answer_headers)
 
 
 class Harness:
@@ -1033,27 +857,6 @@ WEATHER = {
     },
 }
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
-
-
-def chat_logprobs(*tokens: str) -> dict[str, Any]:
-    def entry(token: str) -> dict[str, Any]:
-        return {"token": token, "logprob": -0.5, "bytes": list(token.encode())}
-
-    return {"content": [{**entry(t), "top_logprobs": [entry(t)]} for t in tokens]}
-
-
-def text_logprobs(tokens: list[str], offset: int) -> dict[str, Any]:
-    """Completions' shape: parallel lists, offsets from the start of the text."""
-    offsets = []
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [-0.5] * len(tokens),
-        "top_logprobs": [{t: -0.5} for t in tokens],
-        "text_offset": offsets,
-    }
 
 
 def call_delta(**fields: Any) -> dict[str, Any]:

@@ -1,21 +1,25 @@
 """Schemathesis against a live gateway, driven by the gateway's own /openapi.json.
 
 Schemathesis' CLI runs in a subprocess against the real stack (app, gateway,
-simulated backend) listening on a loopback port in this test's event loop.
+backend) listening on a loopback port in this test's event loop, over each
+backend: the simulated GPU, and the openai backend in front of an upstream
+that judges requests as vLLM does (upstream_support.VllmUpstream).
 It sends what the document allows and what it forbids, with every check it
 has: no 5xx, status codes, content types, headers and bodies as documented,
 schema-valid requests accepted and invalid ones refused, 405 with Allow for
 undocumented methods, 401 without credentials. One run has a tenant's key
-and the admin token (its negative cases still drop them); a second has no
-credentials at all.
+and the admin token (its negative cases still drop them); a second, on the
+sim only, has no credentials at all.
 
-The counts go to test-artifacts/schemathesis.json. The run is seeded and
+The counts go to test-artifacts/schemathesis.json (the sim) and
+schemathesis-openai.json. The run is seeded and
 keeps no example database, so a failure reproduces with the same command.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
 import os
@@ -28,7 +32,8 @@ import aiohttp
 import pytest
 import schemathesis
 from aiohttp.test_utils import TestServer
-from http_support import ALICE_KEY, ENV, MODEL
+from http_support import ALICE_KEY, ENV, MODEL, live_app
+from upstream_support import BACKENDS, backend_policy
 
 from qosgate.backends import build_backend
 from qosgate.config.loader import load_policy_text
@@ -38,14 +43,15 @@ from qosgate.runtime.gate import Gateway
 
 ADMIN_TOKEN = "test-admin-token"
 SEED = 20240611
-# About 20 s for both runs on a 2-core machine, most of it on the two
-# completion routes (which also get ~200 boundary cases each from the
-# coverage phase, whatever this says).
-AUTH_EXAMPLES = 200
+# About 20 s for the sim's two runs on a 2-core machine, most of it on the
+# two completion routes (which also get ~200 boundary cases each from the
+# coverage phase, whatever this says); the openai backend's requests each
+# cross one more HTTP hop.
+AUTH_EXAMPLES = {"sim": 200, "openai": 100}
 ANON_EXAMPLES = 20
 _OPEN_PATHS = {"/healthz", "/readyz", "/metrics", "/dashboard", "/openapi.json"}
 """The paths that need no credentials."""
-ARTIFACT = Path(__file__).resolve().parent.parent / "test-artifacts" / "schemathesis.json"
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 
 POLICY_YAML = f"""
 version: 1
@@ -82,6 +88,14 @@ bearer = "{ALICE_KEY}"
 
 [auth.openapi.adminToken]
 bearer = "{ADMIN_TOKEN}"
+"""
+# The openai backend's document takes what OpenAI's request model takes; its
+# upstream judges the rest, and refuses some of it as vLLM does (top_p 0, a
+# token id past its vocabulary). Such a 400 is the upstream's, which the test
+# checks after the run, so that a 400 of the gateway's own still fails it.
+UPSTREAM_ACCEPTANCE = """
+[checks.positive_data_acceptance]
+expected-statuses = ["2xx", "400", "401", "403", "404", "409", "429", "5xx"]
 """
 
 
@@ -167,56 +181,77 @@ def _summary(run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def test_schemathesis_finds_nothing_against_a_live_gateway(tmp_path: Path) -> None:
-    policy_path = tmp_path / "policy.yaml"
-    policy_path.write_text(POLICY_YAML)
-    policy = load_policy_text(POLICY_YAML, str(policy_path))
-    gateway = Gateway(policy, build_backend(policy.backend))
-    await gateway.start()
-    app = build_app(
-        gateway,
-        policy,
-        environ={**ENV, "QG_TEST_ADMIN_TOKEN": ADMIN_TOKEN},
-        policy_path=str(policy_path),
-    )
-    server = TestServer(app, host="127.0.0.1", handler_cancellation=True)
-    await server.start_server()
-    url = str(server.make_url("")).rstrip("/")
-    try:
-        authed = await _schemathesis(url, tmp_path, "auth", AUTH_EXAMPLES, AUTH_CONFIG)
-        anonymous = await _schemathesis(url, tmp_path, "anonymous", ANON_EXAMPLES, None)
-        # The gateway came through it and still serves.
-        async with (
-            aiohttp.ClientSession() as http,
-            http.post(
-                f"{url}/v1/completions",
-                json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
-                headers={"Authorization": f"Bearer {ALICE_KEY}"},
-            ) as response,
-        ):
-            assert response.status == 200, await response.text()
-    finally:
-        await server.close()
-        await gateway.close()
+def _positive_refusals(events: list[dict[str, Any]]) -> list[str]:
+    """The messages of the 400s that answered schema-valid requests."""
+    messages = []
+    for event in events:
+        recorder = event.get("ScenarioFinished", {}).get("recorder", {})
+        cases = recorder.get("cases", {})
+        for case_id, interaction in recorder.get("interactions", {}).items():
+            response = interaction.get("response")
+            meta = cases.get(case_id, {}).get("value", {}).get("meta") or {}
+            if meta.get("generation", {}).get("mode") != "positive" or response is None:
+                continue
+            if response["status_code"] == 400:
+                content = base64.b64decode(response["content"]["$base64"])
+                messages.append(json.loads(content)["error"]["message"])
+    return messages
 
-    runs = {"authenticated": _summary(authed), "anonymous": _summary(anonymous)}
-    total = sum(run["generated"] for run in runs.values())
-    ARTIFACT.parent.mkdir(exist_ok=True)
-    ARTIFACT.write_text(
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_schemathesis_finds_nothing_against_a_live_gateway(
+    tmp_path: Path, backend: str
+) -> None:
+    async with backend_policy(backend, POLICY_YAML) as (policy_text, upstream):
+        policy_path = tmp_path / "policy.yaml"
+        policy_path.write_text(policy_text)
+        async with (
+            live_app(
+                load_policy_text(policy_text, str(policy_path)),
+                environ={**ENV, "QG_TEST_ADMIN_TOKEN": ADMIN_TOKEN},
+                policy_path=str(policy_path),
+            ) as live,
+            aiohttp.ClientSession(headers={"Authorization": f"Bearer {ALICE_KEY}"}) as http,
+        ):
+            config = AUTH_CONFIG if upstream is None else AUTH_CONFIG + UPSTREAM_ACCEPTANCE
+            runs = {"authenticated": await _schemathesis(
+                live.url, tmp_path, "auth", AUTH_EXAMPLES[backend], config
+            )}  # fmt: skip
+            if backend == "sim":
+                # Credentials are checked before any backend is: one backend's
+                # run without them says it for every backend.
+                runs["anonymous"] = await _schemathesis(
+                    live.url, tmp_path, "anonymous", ANON_EXAMPLES, None
+                )
+            # The gateway came through it, still serves and says so.
+            async with http.post(
+                f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}
+            ) as response:
+                assert response.status == 200, await response.text()
+            async with http.get(f"{live.url}/readyz") as response:
+                assert response.status == 200, await response.text()
+
+    summaries = {name: _summary(run) for name, run in runs.items()}
+    total = sum(summary["generated"] for summary in summaries.values())
+    name = "schemathesis.json" if backend == "sim" else f"schemathesis-{backend}.json"
+    artifact = ARTIFACTS / name
+    artifact.parent.mkdir(exist_ok=True)
+    artifact.write_text(
         json.dumps(
             {
                 "schemathesis_version": schemathesis.__version__,
+                "backend": backend,
                 "seed": SEED,
                 "cases": total,
-                "runs": runs,
+                "runs": summaries,
             },
             indent=2,
         )
         + "\n"
     )
-    print(f"schemathesis tried {total} cases ({ARTIFACT})")
+    print(f"schemathesis tried {total} cases ({artifact})")
 
-    for name, run in (("authenticated", authed), ("anonymous", anonymous)):
+    for name, run in runs.items():
         assert run["exit_code"] == 0 and not run["report"]["failures"], (
             f"schemathesis ({name} run) found problems:\n{run['output'][-20000:]}"
         )
@@ -224,7 +259,7 @@ async def test_schemathesis_finds_nothing_against_a_live_gateway(tmp_path: Path)
 
     # A run whose requests never got past the door would pass every check
     # above; these say it did get through.
-    ops = runs["authenticated"]["operations"]
+    ops = summaries["authenticated"]["operations"]
     for label in ("POST /v1/chat/completions", "POST /v1/completions"):
         statuses = ops[label]["statuses"]
         assert statuses.get("200", 0) >= 20, (label, statuses)
@@ -232,9 +267,18 @@ async def test_schemathesis_finds_nothing_against_a_live_gateway(tmp_path: Path)
         assert statuses.get("401", 0) >= 1, (label, statuses)
     for label in ("GET /admin/stats", "GET /admin/quotas", "POST /admin/reload", "GET /v1/models"):
         assert ops[label]["statuses"].get("200", 0) >= 1, (label, ops[label]["statuses"])
-    for label, entry in runs["anonymous"]["operations"].items():
+    for label, entry in summaries.get("anonymous", {"operations": {}})["operations"].items():
         if label.split()[1] not in _OPEN_PATHS:
             assert set(entry["statuses"]) <= {"401", "405"}, (label, entry["statuses"])
+    refused = _positive_refusals(runs["authenticated"]["events"])
+    if upstream is None:
+        assert not refused
+    else:
+        # Each schema-valid request refused was refused by the upstream, in
+        # its words: the gateway's door took every one.
+        assert refused and set(refused) <= set(upstream.refusals), (
+            set(refused) - set(upstream.refusals)
+        )
 
 
 async def test_openapi_document_lists_every_route_and_needs_no_key() -> None:

@@ -8,10 +8,37 @@ without polling.
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Literal, Protocol
 
+import orjson
+
 from qosgate.core.scheduler import BackendCapacity
+
+
+def dump_body(body: dict[str, Any]) -> bytes:
+    """A request body as JSON, to send on. The gateway does not type every
+    place in it (an unknown field a passthrough backend forwards, a tool's
+    JSON schema, a message's extra keys), and a client may write an integer
+    past 64 bits there, which orjson cannot encode: Python's json can."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+# 19 digits in a row: perhaps an integer past 64 bits.
+_LONG_NUMBER = re.compile(rb"[0-9]{19}")
+
+
+def load_body(raw: bytes) -> Any:
+    """What `dump_body` wrote, as it was: orjson reads an integer past 64
+    bits as a float. Raises ValueError if it is not JSON."""
+    if _LONG_NUMBER.search(raw):
+        return json.loads(raw)
+    return orjson.loads(raw)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ from qosgate.backends.base import (
     BackendUnavailable,
     Chunk,
     GenerationJob,
+    dump_body,
 )
 from qosgate.backends.tokens import (
     TokenizerCounter,
@@ -407,7 +408,7 @@ class OpenAIBackend:
             try:
                 response = await self._session.post(
                     url,
-                    data=orjson.dumps(self._request_body(job)),
+                    data=dump_body(self._request_body(job)),
                     headers=headers,
                     timeout=self._stream_timeout if job.streamed else self._whole_timeout,
                 )

@@ -17,7 +17,14 @@ from typing import Any, Literal
 
 import orjson
 
-from qosgate.backends.base import BackendError, BackendRejected, Chunk, GenerationJob
+from qosgate.backends.base import (
+    BackendError,
+    BackendRejected,
+    Chunk,
+    GenerationJob,
+    dump_body,
+    load_body,
+)
 
 CHUNK = "c"
 ERROR = "e"
@@ -35,7 +42,7 @@ Event = tuple[str, int, str, Any]
 
 
 def encode_job(job: GenerationJob, reply_to: str) -> bytes:
-    return orjson.dumps(
+    return dump_body(
         {
             "id": job.request_id,
             "endpoint": job.endpoint,
@@ -54,7 +61,7 @@ def encode_job(job: GenerationJob, reply_to: str) -> bytes:
 def decode_job(payload: bytes) -> tuple[GenerationJob, str]:
     """The job and its gateway's reply channel; ValueError if malformed."""
     try:
-        data = orjson.loads(payload)
+        data = load_body(payload)
         job = GenerationJob(
             request_id=data["id"],
             endpoint=data["endpoint"],

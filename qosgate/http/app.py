@@ -643,6 +643,13 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
         max_tokens = body["max_tokens"] = fitted
         if "max_completion_tokens" in body:
             body["max_completion_tokens"] = fitted
+    least = parsed.min_tokens
+    if least is not None and least > max_tokens and (asked is None or least <= asked):
+        # The clamp put max_tokens under a min_tokens the client asked within
+        # its own: a backend that checks the two (vLLM) would refuse the
+        # request for the gateway's doing. One past the client's own
+        # max_tokens is left for the backend to judge.
+        body["min_tokens"] = max_tokens
     request_id = request[REQUEST_ID]
     call = _Call(
         endpoint=endpoint,
