@@ -58,11 +58,17 @@ class Case:
     """Under the openai backend, which refuses nothing by name, the request
     goes on to the upstream, and this is the status its answer makes."""
     upstream_param: str | None = None
+    vllm: int | None = None
+    """Under the in-process vllm backend (make test-vllm), where it differs:
+    the engine honours more than the sim, and refuses what vLLM refuses."""
+    vllm_param: str | None = None
 
     def expected(self, backend: str) -> tuple[int, str | None, str | None]:
         """(status, param, code) under `backend`."""
         if backend == "openai" and self.upstream is not None:
             return self.upstream, self.upstream_param, None
+        if backend == "vllm" and self.vllm is not None:
+            return self.vllm, self.vllm_param, None
         return self.status, self.param, self.code
 
     def reaches_backend(self, backend: str) -> bool:
@@ -237,25 +243,26 @@ CASES = [
          upstream=400),
     Case("json schema output", 400, chat(response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
-        param="response_format", upstream=200),
+        param="response_format", upstream=200, vllm=200),
     Case("chat logprobs", 400, chat(logprobs=True, top_logprobs=2), param="logprobs",
-         upstream=200),
+         upstream=200, vllm=200),
     Case("top_logprobs without logprobs", 400, chat(top_logprobs=2), param="top_logprobs",
          upstream=400, upstream_param="top_logprobs"),
     Case("completion logprobs", 400, comp(logprobs=1), path=COMP, param="logprobs",
-         upstream=200),
+         upstream=200, vllm=200),
     Case("echo", 400, comp(echo=True), path=COMP, param="echo", upstream=200),
     Case("suffix", 400, comp(suffix="x"), path=COMP, param="suffix", upstream=400),
     # Valid to OpenAI's model, which the simulated GPU serves; vLLM refuses them.
-    Case("top_p 0", 200, chat(top_p=0), upstream=400, upstream_param="top_p"),
+    Case("top_p 0", 200, chat(top_p=0), upstream=400, upstream_param="top_p", vllm=400,
+         vllm_param="top_p"),
     Case("top_k past the vocabulary", 200, chat(top_k=VOCAB_SIZE + 1), upstream=400,
          upstream_param="top_k"),
     Case("logit_bias past the vocabulary", 200, chat(logit_bias={str(VOCAB_SIZE): 5}),
-         upstream=400, upstream_param="logit_bias"),
+         upstream=400, upstream_param="logit_bias", vllm=400, vllm_param="logit_bias"),
     Case("min_tokens over max_tokens", 200, chat(min_tokens=3), upstream=400,
-         upstream_param="min_tokens"),
+         upstream_param="min_tokens", vllm=400, vllm_param="min_tokens"),
     Case("prompt id past the vocabulary", 200, comp(prompt=[1, VOCAB_SIZE]), path=COMP,
-         upstream=400),
+         upstream=400, vllm=400, vllm_param="prompt"),
     # Where nothing types it, JSON allows any integer; it goes on as sent.
     Case("30-digit integer in a message's extra key", 200,
          chat(messages=[{"role": "user", "content": "hi", "x": 10**30}])),

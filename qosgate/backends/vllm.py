@@ -447,6 +447,11 @@ class VllmBackend:
         top = _top_logprobs(job)
         if top is not None:
             fields["logprobs"] = top
+        elif job.endpoint == "chat" and body.get("top_logprobs"):
+            # As vLLM's server answers, rather than leave the field unread.
+            raise BackendRejected(
+                "top_logprobs is only allowed when logprobs is true", param="top_logprobs"
+            )
         response_format = body.get("response_format") or {}
         if response_format.get("type") == "json_object":
             fields["structured_outputs"] = StructuredOutputsParams(json_object=True)
@@ -462,7 +467,7 @@ class VllmBackend:
                 **fields,
             )
         except Exception as exc:
-            raise _rejected(exc, None) from exc
+            raise _rejected(exc, _named_field(exc, body)) from exc
 
     async def _stream(
         self, job: GenerationJob, engine_input: dict[str, Any], params: Any, run: _Run
@@ -518,7 +523,11 @@ class VllmBackend:
                 "the vLLM engine died", retry_after_s=_DOWN_RETRY_AFTER_S
             ) from exc
         except VLLMClientError as exc:
-            raise _rejected(exc, None) from exc
+            # Without a parameter of its own, a refusal at this stage is of
+            # the prompt (a token id past the vocabulary) or of a field its
+            # message begins with.
+            where = "prompt" if job.endpoint == "completions" else "messages"
+            raise _rejected(exc, _named_field(exc, job.body) or where) from exc
         except (BackendError, GeneratorExit, asyncio.CancelledError):
             raise
         except Exception as exc:
@@ -592,6 +601,13 @@ def _logprobs(endpoint: str, completion: Any, top: int, run: _Run) -> dict[str, 
 # vLLM appends "(parameter=x, value=y)" to its validation messages; the
 # parameter travels as `param` instead, and the value may be long.
 _VLLM_DETAIL = re.compile(r"\s*\(parameter=[^)]*\)$")
+
+
+def _named_field(exc: BaseException, body: dict[str, Any]) -> str | None:
+    """The request field a message of the engine's begins with ("min_tokens
+    must be ..."), when the request has it."""
+    first = str(exc).split(" ", 1)[0]
+    return first if first in body else None
 
 
 def _rejected(exc: BaseException, param: str | None) -> BackendRejected:

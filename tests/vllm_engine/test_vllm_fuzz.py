@@ -116,3 +116,18 @@ async def test_every_sampling_field_gets_200_or_a_4xx_through_the_engine(
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     async with http.post(live.url + path, json=body) as response:
         _check_answer(body, response.status, response.content_type, await response.read())
+
+
+async def test_the_hostile_corpus_gets_exact_4xx_through_the_engine(live) -> None:
+    from tests.test_http_hostile import CASES, _check, _send
+
+    failures = []
+    async with aiohttp.ClientSession(skip_auto_headers={"Content-Type"}) as http:
+        for case in CASES:
+            async with await _send(http, live.url, case) as response:
+                raw = await response.read()
+                problem = _check(case, "vllm", response.status, raw, response.headers)
+            if problem is not None:
+                failures.append(f"{case.name}: {problem}")
+    await _still_serves(live)
+    assert not failures, "\n".join(failures)
