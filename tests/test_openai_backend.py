@@ -666,6 +666,28 @@ async def test_models_are_the_union_reported_by_upstreams(h):
     assert (await h.backend([a, b], models=("only",))).models == ("only",)
 
 
+async def test_models_carry_the_upstreams_root(h):
+    """vLLM lists the path it loaded as `root`, and its benchmark client run
+    without --model loads the tokenizer from there: /v1/models relays it."""
+    a = await h.upstream("a", models=("tiny", "other"))
+    a.roots["tiny"] = "/models/tiny-llama"
+    b = await h.upstream("b", models=("tiny",))
+    b.roots["tiny"] = "/elsewhere/tiny"  # the first upstream to list it wins
+    backend = OpenAIBackend(OpenAIBackendConfig(
+        upstreams=[{"url": a.url}, {"url": b.url}], health_interval_s=3600.0,
+    ))  # fmt: skip
+    async with live_app(backend=backend) as live, aiohttp.ClientSession() as http:
+        async with http.get(
+            live.url + "/v1/models", headers={"Authorization": f"Bearer {ALICE_KEY}"}
+        ) as r:
+            assert r.status == 200
+            entries = (await r.json())["data"]
+    # No root from the upstream: the name is all there is.
+    assert [(e["id"], e["root"]) for e in entries] == [
+        ("tiny", "/models/tiny-llama"), ("other", "other")
+    ]
+
+
 async def test_api_key_from_environment(h, monkeypatch):
     up = await h.upstream("a")
     entries = [{"url": up.url, "api_key_env": "FAKE_UPSTREAM_KEY"}]

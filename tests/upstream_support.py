@@ -63,6 +63,8 @@ class FakeUpstream:
         self.disconnected = asyncio.Event()
         self.requests: list[dict[str, Any]] = []
         self.model_probes: list[dict[str, str]] = []
+        self.roots: dict[str, str] = {}
+        """Each model's `root` in /models (vLLM lists the path it loaded)."""
         self.active = 0
         self.max_active = 0
         self.port = 0
@@ -111,7 +113,9 @@ class FakeUpstream:
 
     async def _models(self, request: web.Request) -> web.Response:
         self.model_probes.append(dict(request.headers))
-        return web.json_response({"object": "list", "data": [{"id": m} for m in self.models]})
+        data = [{"id": m, **({"root": self.roots[m]} if m in self.roots else {})}
+                for m in self.models]
+        return web.json_response({"object": "list", "data": data})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

@@ -185,6 +185,10 @@ class OpenAIBackend:
         self._cfg = cfg
         self._upstreams = [_Upstream(u, i) for i, u in enumerate(cfg.upstreams)]
         self.models: tuple[str, ...] = tuple(cfg.models)
+        self.model_roots: dict[str, str] = {}
+        """Each model's `root` as the first upstream to list it gave it (vLLM:
+        the path or hub name it loaded, which its clients load the tokenizer
+        from); /v1/models lists it."""
         self.support = PASSTHROUGH
         self._learn_models = not cfg.models
         self._session: aiohttp.ClientSession | None = None
@@ -525,6 +529,9 @@ class OpenAIBackend:
                     upstream.healthy = True
                     recovered = True
                     log.info("upstream %s is healthy", upstream.url)
+                for name, root in models.items():
+                    if root is not None:
+                        self.model_roots.setdefault(name, root)
                 if self._learn_models and models:
                     known = set(self.models)
                     new = tuple(m for m in models if m not in known)
@@ -535,22 +542,24 @@ class OpenAIBackend:
         if recovered:
             self._notify()
 
-    async def _probe(self, upstream: _Upstream) -> tuple[bool, list[str], str]:
+    async def _probe(self, upstream: _Upstream) -> tuple[bool, dict[str, str | None], str]:
+        """(healthy, {model: its root if the upstream gives one}, why not)."""
         assert self._session is not None
         try:
             async with self._session.get(
                 upstream.url + "/models", headers=upstream.headers, timeout=self._health_timeout
             ) as response:
                 if response.status != 200:
-                    return False, [], f"GET /models answered {response.status}"
+                    return False, {}, f"GET /models answered {response.status}"
                 payload = await response.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-            return False, [], f"GET /models failed: {exc!r}"
-        models: list[str] = []
+            return False, {}, f"GET /models failed: {exc!r}"
+        models: dict[str, str | None] = {}
         if isinstance(payload, dict) and isinstance(payload.get("data"), list):
             for entry in payload["data"]:
                 if isinstance(entry, dict) and isinstance(entry.get("id"), str):
-                    models.append(entry["id"])
+                    root = entry.get("root")
+                    models[entry["id"]] = root if isinstance(root, str) and root else None
         return True, models, ""
 
 

@@ -360,7 +360,7 @@ async def _models(request: web.Request) -> web.Response:
                     "object": "model",
                     "created": state.started,
                     "owned_by": "qosgate",
-                    "root": _model_root(state.policy.backend, name),
+                    "root": _model_root(state.policy.backend, state.gateway.backend, name),
                     "parent": None,
                 }
                 for name in state.gateway.backend.models
@@ -369,13 +369,15 @@ async def _models(request: web.Request) -> web.Response:
     )
 
 
-def _model_root(config: BackendConfig, name: str) -> str:
+def _model_root(config: BackendConfig, backend: object, name: str) -> str:
     """What vLLM lists as a model's `root` (clients such as its benchmark
     read it to find the tokenizer): the path or hub name the engine loaded,
-    which `served_model_name` hides. The other backends know a name only."""
+    which `served_model_name` hides; the openai backend's upstream's own
+    `root` (`model_roots`). Otherwise the name is all there is."""
     if isinstance(config, VllmBackendConfig) and name == (config.served_model_name or config.model):
         return config.model
-    return name
+    roots: dict[str, str] = getattr(backend, "model_roots", {})
+    return roots.get(name, name)
 
 
 async def _openapi(request: web.Request) -> web.Response:
