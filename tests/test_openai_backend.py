@@ -688,6 +688,35 @@ async def test_models_carry_the_upstreams_root(h):
     ]
 
 
+async def test_the_upstreams_context_bounds_asks_at_the_door(h):
+    """vLLM lists each model's max_model_len: an ask past it is the client's
+    400 at the gateway, as on the other backends, not the upstream's; the
+    smallest of the upstreams' counts, since a request may go to any."""
+    a = await h.upstream("a", models=("m",))
+    b = await h.upstream("b", models=("m",))
+    a.contexts["m"], b.contexts["m"] = 4096, 2048
+    backend = OpenAIBackend(OpenAIBackendConfig(
+        upstreams=[{"url": a.url}, {"url": b.url}], health_interval_s=3600.0,
+    ))  # fmt: skip
+    async with live_app(backend=backend) as live, aiohttp.ClientSession() as http:
+        assert backend.max_model_len == 2048
+        headers = {"Authorization": f"Bearer {ALICE_KEY}"}
+        body = {"model": "m", "prompt": "hi"}
+        async with http.post(live.url + "/v1/completions", headers=headers,
+                             json={**body, "max_tokens": 3000}) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["code"] == "context_length_exceeded"
+        async with http.post(live.url + "/v1/completions", headers=headers,
+                             json={**body, "max_tokens": 2000}) as r:
+            assert r.status == 200, await r.text()
+        assert len(a.requests) + len(b.requests) == 1
+        # Models with different contexts: no one bound for the backend.
+        a.models.append("big")
+        a.contexts["big"] = 131_072
+        await backend._check_all()
+        assert backend.max_model_len is None
+
+
 async def test_api_key_from_environment(h, monkeypatch):
     up = await h.upstream("a")
     entries = [{"url": up.url, "api_key_env": "FAKE_UPSTREAM_KEY"}]

@@ -64,6 +64,8 @@ class FakeUpstream:
         self.requests: list[dict[str, Any]] = []
         self.model_probes: list[dict[str, str]] = []
         self.roots: dict[str, str] = {}
+        self.contexts: dict[str, int] = {}
+        """Each model's `max_model_len`, listed in /models as vLLM lists it."""
         """Each model's `root` in /models (vLLM lists the path it loaded)."""
         self.active = 0
         self.max_active = 0
@@ -113,7 +115,8 @@ class FakeUpstream:
 
     async def _models(self, request: web.Request) -> web.Response:
         self.model_probes.append(dict(request.headers))
-        data = [{"id": m, **({"root": self.roots[m]} if m in self.roots else {})}
+        data = [{"id": m, **({"root": self.roots[m]} if m in self.roots else {}),
+                 **({"max_model_len": self.contexts[m]} if m in self.contexts else {})}
                 for m in self.models]
         return web.json_response({"object": "list", "data": data})
 

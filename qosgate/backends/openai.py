@@ -190,6 +190,11 @@ class OpenAIBackend:
         the path or hub name it loaded, which its clients load the tokenizer
         from); /v1/models lists it."""
         self.support = PASSTHROUGH
+        self.max_model_len: int | None = None
+        """The served model's context, where the upstreams say it (vLLM's
+        `max_model_len` in /models) and agree on one: asks past it are 400s at
+        the door. None: unknown, and the upstream judges."""
+        self._contexts: dict[str, int] = {}
         self._learn_models = not cfg.models
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -523,7 +528,7 @@ class OpenAIBackend:
     async def _check_all(self) -> None:
         results = await asyncio.gather(*(self._probe(u) for u in self._upstreams))
         recovered = False
-        for upstream, (ok, models, reason) in zip(self._upstreams, results):
+        for upstream, (ok, models, reason, contexts) in zip(self._upstreams, results):
             if ok:
                 if not upstream.healthy:
                     upstream.healthy = True
@@ -532,6 +537,9 @@ class OpenAIBackend:
                 for name, root in models.items():
                     if root is not None:
                         self.model_roots.setdefault(name, root)
+                for name, context in contexts.items():
+                    # The smallest any upstream serves it with: a request may go to any.
+                    self._contexts[name] = min(context, self._contexts.get(name, context))
                 if self._learn_models and models:
                     known = set(self.models)
                     new = tuple(m for m in models if m not in known)
@@ -539,28 +547,38 @@ class OpenAIBackend:
                         self.models = self.models + new
             else:
                 self._mark_unhealthy(upstream, reason, recheck=False)
+        distinct = set(self._contexts.values())
+        # One number for the backend: where models differ, no one bound fits all.
+        self.max_model_len = distinct.pop() if len(distinct) == 1 else None
         if recovered:
             self._notify()
 
-    async def _probe(self, upstream: _Upstream) -> tuple[bool, dict[str, str | None], str]:
-        """(healthy, {model: its root if the upstream gives one}, why not)."""
+    async def _probe(
+        self, upstream: _Upstream
+    ) -> tuple[bool, dict[str, str | None], str, dict[str, int]]:
+        """(healthy, {model: its root if the upstream gives one}, why not,
+        {model: its context where the upstream gives one})."""
         assert self._session is not None
         try:
             async with self._session.get(
                 upstream.url + "/models", headers=upstream.headers, timeout=self._health_timeout
             ) as response:
                 if response.status != 200:
-                    return False, {}, f"GET /models answered {response.status}"
+                    return False, {}, f"GET /models answered {response.status}", {}
                 payload = await response.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-            return False, {}, f"GET /models failed: {exc!r}"
+            return False, {}, f"GET /models failed: {exc!r}", {}
         models: dict[str, str | None] = {}
+        contexts: dict[str, int] = {}
         if isinstance(payload, dict) and isinstance(payload.get("data"), list):
             for entry in payload["data"]:
                 if isinstance(entry, dict) and isinstance(entry.get("id"), str):
                     root = entry.get("root")
                     models[entry["id"]] = root if isinstance(root, str) and root else None
-        return True, models, ""
+                    context = entry.get("max_model_len")
+                    if isinstance(context, int) and not isinstance(context, bool) and context > 0:
+                        contexts[entry["id"]] = context
+        return True, models, "", contexts
 
 
 class _Call:
