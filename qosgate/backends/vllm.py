@@ -450,7 +450,8 @@ class VllmBackend:
         elif job.endpoint == "chat" and body.get("top_logprobs"):
             # As vLLM's server answers, rather than leave the field unread.
             raise BackendRejected(
-                "top_logprobs is only allowed when logprobs is true", param="top_logprobs"
+                f"{_REFUSED}: top_logprobs is only allowed when logprobs is true",
+                param="top_logprobs",
             )
         response_format = body.get("response_format") or {}
         if response_format.get("type") == "json_object":
@@ -603,6 +604,9 @@ def _logprobs(endpoint: str, completion: Any, top: int, run: _Run) -> dict[str, 
 _VLLM_DETAIL = re.compile(r"\s*\(parameter=[^)]*\)$")
 
 
+_REFUSED = "The vLLM engine refused the request"
+
+
 def _named_field(exc: BaseException, body: dict[str, Any]) -> str | None:
     """The request field a message of the engine's begins with ("min_tokens
     must be ..."), when the request has it."""
@@ -615,6 +619,6 @@ def _rejected(exc: BaseException, param: str | None) -> BackendRejected:
     name = getattr(exc, "parameter", None) or param
     message = _VLLM_DETAIL.sub("", str(exc)) or type(exc).__name__
     return BackendRejected(
-        f"The vLLM engine refused the request: {message[:500]}",
+        f"{_REFUSED}: {message[:500]}",
         param=_PARAM_NAMES.get(name, name) if name else None,
     )

@@ -409,6 +409,8 @@ async def test_logprobs_come_back_from_the_engine_streamed_and_whole(live):
                                       extra_body={"ignore_eos": True})
     lp = done.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 4
-    assert all(len(alts) == 2 for alts in lp.top_logprobs)
+    # A mapping of token text to logprob, OpenAI's shape for completions: two
+    # alternatives that decode alike (pieces of one character) share a key.
+    assert all(1 <= len(alts) <= 2 for alts in lp.top_logprobs)
     assert lp.text_offset[0] == 0
     await c.close()
