@@ -61,7 +61,8 @@ QUOTAS = {
 
 
 def make_policy(
-    backend: dict[str, Any], *, stall_s: float = 60.0, max_tokens: int = 64, **scheduler: Any
+    backend: dict[str, Any], *, stall_s: float = 60.0, max_tokens: int = 64,
+    tier: dict[str, Any] | None = None, **scheduler: Any,
 ) -> PolicyConfig:
     return PolicyConfig.model_validate({
         "server": {"client_stall_timeout_s": stall_s},
@@ -69,7 +70,7 @@ def make_policy(
         "scheduler": {"initial_drain_rate": 1e6, **scheduler},
         "observability": {"log_requests": False},
         "tiers": {"standard": {"priority": 0, "max_queue_wait_ms": 60_000,
-                               "max_tokens": max_tokens}},
+                               "max_tokens": max_tokens, **(tier or {})}},
         "tenants": [
             {"id": tenant, "tier": "standard", "quotas": QUOTAS,
              "api_keys": [f"sha256:{hashlib.sha256(key.encode()).hexdigest()}"]}
@@ -817,6 +818,124 @@ async def test_a_client_that_stops_reading_is_dropped_and_never_buffered_for() -
             f"pulled {seen['pulled']} tokens ({pulled_bytes >> 10} KiB) of {ENDLESS_TOKENS}; "
             f"client read {len(got)} B, its socket holds {seen['client_rcvq']} B, the "
             f"server's {seen['server_sndq']} B, the transport {seen['transport']} B"
+        )
+
+
+# -- c2. slow readers --------------------------------------------------------
+
+SLOW_READERS = 4
+SLOW_PACE = 256
+"""Bytes a second each slow reader takes."""
+FLOOR = 1024
+"""The tier's delivery floor in the test, in bytes a second: four times the pace."""
+WINDOW_S = 1.0
+SLO_S = 5.0
+"""Carol's objective: her first token within 5 s (her tier's ttft_slo_ms)."""
+
+
+async def slow_reader(sock: socket.socket, fast: asyncio.Event) -> bytes:
+    """Reads SLOW_PACE bytes a second until `fast` is set, then all the rest
+    at once, to the end of the connection."""
+    loop = asyncio.get_running_loop()
+    got = b""
+    with contextlib.suppress(ConnectionResetError):
+        while not fast.is_set():
+            block = await loop.sock_recv(sock, SLOW_PACE)
+            if not block:
+                return got
+            got += block
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):  # the reader's own pace
+                    await fast.wait()
+        while block := await loop.sock_recv(sock, 1 << 20):
+            got += block
+    return got
+
+
+async def test_slow_readers_do_not_keep_another_tenant_from_being_served() -> None:
+    """Four clients that read 256 B/s hold all four of the backend's slots
+    with answers larger than the buffers between them and the gateway. The
+    tier's delivery floor ends their streams, with a `client_too_slow` event,
+    and the slots go to carol's request, queued behind them, within her SLO."""
+    pulls: dict[str, int] = Counter()
+
+    async def endless(job: GenerationJob) -> AsyncIterator[Chunk]:
+        if job.body["messages"][-1]["content"] != "endless":
+            yield Chunk(text="ok", tokens=1, finish_reason="stop")
+            return
+        for i in range(job.max_tokens):
+            pulls[job.request_id] += 1
+            yield Chunk(text=BLOCK, tokens=1,
+                        finish_reason="length" if i == job.max_tokens - 1 else None)  # fmt: skip
+
+    backend = ScriptedBackend(endless, models=(MODEL,), free_slots=SLOW_READERS)
+    policy = make_policy(
+        {"kind": "sim"}, max_tokens=ENDLESS_TOKENS,
+        tier={"ttft_slo_ms": SLO_S * 1000, "max_queue_wait_ms": 8_000,
+              "min_delivery_bytes_per_s": FLOOR, "delivery_window_s": WINDOW_S},
+    )  # fmt: skip
+    async with serving(policy, backend) as stage, aiohttp.ClientSession() as http:
+        loop = asyncio.get_running_loop()
+        gate = stage.gate
+        fast = asyncio.Event()
+        readers = []
+        for _ in range(SLOW_READERS):
+            sock = await raw_request(
+                stage, chat("endless", stream=True, max_tokens=ENDLESS_TOKENS), "alice",
+                rcvbuf=4096,
+            )
+            readers.append(asyncio.ensure_future(slow_reader(sock, fast)))
+        # Every slot is taken by a slow reader before carol asks.
+        await gate.until(lambda: len(gate.streams) == SLOW_READERS and all(
+            s.request.first_token_at is not None for s in gate.streams.values()))  # fmt: skip
+        start = loop.time()
+        carol = asyncio.ensure_future(
+            served(http, stage, "carol", chat("ok", stream=True, max_tokens=4))
+        )
+        await gate.until(lambda: len(gate.streams) == SLOW_READERS + 1)
+        carol_rid = next(r for r, s in gate.streams.items() if s.request.tenant == "carol")
+        async with asyncio.timeout(LIMIT_S):
+            carol_tokens = await carol
+        carol_took = loop.time() - start
+        carol_request = gate.streams[carol_rid].request
+        carol_ttft = carol_request.first_token_at - carol_request.arrival
+        slow = [r for r, s in gate.streams.items() if s.request.tenant == "alice"]
+        # Each slow reader was cut (cancelled), before carol ran.
+        await gate.until(lambda: all(gate.observer.ends[r] == 1 for r in slow))
+        assert all(gate.outcome(r) is Outcome.CANCELLED for r in slow)
+        assert carol_ttft < SLO_S, carol_ttft
+        # Charged what ran: its prompt and every token pulled for it.
+        for rid in slow:
+            assert gate.observer.usage[rid] == (5, pulls[rid])
+        assert await stage.used("alice") == {
+            "tokens_per_minute": sum(5 + pulls[r] for r in slow), "requests_per_minute": 4,
+            "max_concurrency": 0,
+        }  # fmt: skip
+        assert all(pulls[r] < ENDLESS_TOKENS // 4 for r in slow)
+
+        # A client that reads on gets what was sent, then the error event, and
+        # the connection ends: no [DONE].
+        fast.set()
+        async with asyncio.timeout(LIMIT_S):
+            got = await asyncio.gather(*readers)
+        for raw in got:
+            assert raw.startswith(b"HTTP/1.1 200")
+            tail = raw.rstrip(b"\r\n0").rsplit(b"data: ", 1)[1]
+            body = json.loads(tail.split(b"\r\n", 1)[0])
+            message = assert_error(body, "client_too_slow")
+            assert "bytes a second" in message
+            assert b"[DONE]" not in raw
+
+        alice_tokens = await served(http, stage, "alice", chat("ok", stream=True, max_tokens=3))
+        stage.assert_every_request_ended_once()
+        assert (await stage.used("carol"))["tokens_per_minute"] == carol_tokens
+        assert (await stage.used("alice"))["tokens_per_minute"] == sum(
+            5 + pulls[r] for r in slow) + alice_tokens  # fmt: skip
+        print(
+            f"\n[c2] {SLOW_READERS} readers at {SLOW_PACE} B/s on {SLOW_READERS} slots, floor "
+            f"{FLOOR} B/s over {WINDOW_S:g} s: carol's first token {carol_ttft:.2f}s "
+            f"(SLO {SLO_S:g}s), served in {carol_took:.2f}s; the slow ones pulled "
+            f"{min(pulls[r] for r in slow)}-{max(pulls[r] for r in slow)} tokens of 1 KiB"
         )
 
 

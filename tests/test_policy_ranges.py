@@ -40,6 +40,8 @@ TIER_AT_MAX = f"""
     on_timeout: delay
     max_tokens: {m.MAX_COUNT}
     default_max_tokens: {m.MAX_COUNT}
+    min_delivery_bytes_per_s: {m.MAX_BODY_BYTES}
+    delivery_window_s: {WEEK_S}
 """
 SERVER_AT_MAX = f"""
 server:

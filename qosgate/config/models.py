@@ -76,6 +76,8 @@ MillisOrZero = _number(float, ge=0, le=MAX_DURATION_MS)
 WholeMillis = _number(int, gt=0, le=MAX_DURATION_MS)
 Factor = _number(float, ge=MIN_FACTOR, le=MAX_FACTOR)
 FactorOrZero = _number(float, ge=0, le=MAX_FACTOR)
+ByteRate = _number(float, ge=0, le=MAX_BODY_BYTES)
+"""Bytes per second (0: no floor)."""
 TokenRate = _number(float, ge=MIN_FACTOR, le=MAX_COUNT)
 """Tokens per second; predicted waits divide by it."""
 
@@ -180,6 +182,16 @@ class TierConfig(StrictModel):
     """max_tokens for requests that do not give one (default: the cap)."""
     preemptible: bool = False
     """Whether running requests of this tier may be preempted for higher tiers."""
+    min_delivery_bytes_per_s: ByteRate = 1024.0
+    """Delivery floor of a stream: while the gateway waits on the client (the
+    buffers to it are full, so the backend's slot is held for it), the client
+    must take at least this many bytes a second, measured over every
+    `delivery_window_s` of such waiting, or its stream ends with a
+    `client_too_slow` event and its slot goes to the queue (0: no floor).
+    Far below any real reader: a model's SSE output runs at several KB/s."""
+    delivery_window_s: Seconds = 60.0
+    """Time spent waiting on the client over which the delivery floor is
+    judged; also the grace before it is first judged."""
 
     @model_validator(mode="after")
     def _default_within_cap(self) -> TierConfig:

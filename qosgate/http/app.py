@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fcntl
 import hashlib
 import hmac
 import importlib.resources
@@ -17,6 +18,7 @@ import logging
 import os
 import socket
 import struct
+import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -700,7 +702,8 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
         session=session[:_MAX_SESSION_LEN] if session else None,
     )
     if parsed.stream:
-        return await _stream_response(request, stream, call, state)
+        pace = _Pace(tier.min_delivery_bytes_per_s, tier.delivery_window_s)
+        return await _stream_response(request, stream, call, state, pace)
     return await _json_response(stream, call)
 
 
@@ -895,7 +898,7 @@ def _usage_event(call: _Call, usage: dict[str, int]) -> bytes:
 
 
 async def _stream_response(
-    request: web.Request, stream: RequestStream, call: _Call, state: AppState
+    request: web.Request, stream: RequestStream, call: _Call, state: AppState, pace: _Pace
 ) -> web.StreamResponse:
     chunks = stream.__aiter__()
     try:
@@ -948,7 +951,7 @@ async def _stream_response(
             if pending and chunk.finish_reason is None and not stream.ready():
                 data = b"".join(pending)
                 pending.clear()
-                await _write(request, response, data, stall_s)
+                await _write(request, response, data, stall_s, pace=pace)
             try:
                 chunk = await chunks.__anext__()
             except StopAsyncIteration:
@@ -968,12 +971,35 @@ async def _stream_response(
         pending.append(_DONE_EVENT)
         data = b"".join(pending)
         pending.clear()
-        await _write(request, response, data, stall_s, last=True)
+        await _write(request, response, data, stall_s, last=True, pace=pace)
     except _ClientStalled:
         # Cancelled, not failed: the client is as good as gone, and what ran
         # for it is charged; its backend slot goes to the queue.
         await stream.aclose()
         _drop_stalled(request, stall_s)
+    except _ClientTooSlow as slow:
+        # As a stall (cancelled, charged what ran, the slot to the queue), but
+        # the client still reads: the reason goes as the stream's last event,
+        # behind what the buffers hold, and the connection closes after it.
+        await stream.aclose()
+        log.warning(
+            "request %s: the client took %.0f B in %gs of waiting on it (floor %g B/s); ended",
+            request[REQUEST_ID], slow.taken, slow.waited_s, pace.floor,
+        )  # fmt: skip
+        response.force_close()
+        await _send_error_event(
+            request,
+            response,
+            error_payload(
+                f"The client read the stream slower than {pace.floor:g} bytes a second "
+                f"(tier delivery floor) for {slow.waited_s:g}s; the stream was ended.",
+                "server_error",
+                "client_too_slow",
+                None,
+            ),
+            pending,
+            stall_s,
+        )
     except ConnectionError:
         # The client went away mid-stream (aiohttp's write errors are
         # ConnectionResetError): end the request as cancelled.
@@ -1012,6 +1038,100 @@ class _ClientStalled(Exception):
     """The client took none of a write for `server.client_stall_timeout_s`."""
 
 
+class _ClientTooSlow(Exception):
+    """The client took less than its tier's delivery floor while the gateway
+    waited on it for a whole window."""
+
+    def __init__(self, taken: float, waited_s: float) -> None:
+        super().__init__(taken, waited_s)
+        self.taken = taken
+        self.waited_s = waited_s
+
+
+_SIOCOUTQ = 0x5411
+"""Linux's ioctl for the bytes a TCP socket holds that its peer has not yet
+acknowledged (TIOCOUTQ's number)."""
+
+
+class _Pace:
+    """A stream's delivery floor (issue 20). The gateway pulls the backend's
+    next chunk only once the client's socket took the last write, so a reader
+    slower than the backend holds the backend's slot for as long as it reads:
+    a 4,000-token answer at 256 B/s takes an hour. The stall timeout catches
+    only a reader that takes nothing at all.
+
+    The floor is judged only over the time the gateway waits on the client:
+    then the buffers to it are full and the client alone holds the slot. A
+    slow model keeps no write waiting, so a client of a slow model is never
+    judged, however long the answer takes; a rate rather than a maximum
+    duration for the same reason, since a duration long enough for a slow
+    model's longest answer bounds nothing. While the gateway waits, what the
+    client took is what left the transport's buffer and the kernel's send
+    queue (the queue holds what the client's kernel has not acknowledged,
+    SIOCOUTQ; where that cannot be read, what left the transport, which comes
+    in bursts as the kernel frees room: a window must then outlast a burst).
+    Once the waits add up to `window_s`, the bytes taken must reach
+    `floor * window_s`, or the stream ends; the count then starts over.
+
+    So a reader holds a slot for at most about the answer's bytes over the
+    floor, on top of the backend's own time, and never more than `window_s`
+    of waiting at below the floor."""
+
+    __slots__ = ("floor", "window_s", "waited_s", "taken")
+
+    def __init__(self, floor: float, window_s: float) -> None:
+        self.floor = floor
+        self.window_s = window_s
+        self.waited_s = 0.0
+        self.taken = 0.0
+
+    @staticmethod
+    def backlog(transport: asyncio.Transport) -> int:
+        """Bytes written that the client's kernel has not acknowledged."""
+        held = transport.get_write_buffer_size()
+        if sys.platform == "linux":
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                try:
+                    raw = fcntl.ioctl(sock.fileno(), _SIOCOUTQ, b"\0" * 4)
+                    held += struct.unpack("i", raw)[0]
+                except OSError:
+                    pass
+        return held
+
+    async def wait(self, write: Any, transport: asyncio.Transport, size: int,
+                   stall_s: float) -> None:  # fmt: skip
+        """Await `write` (which adds `size` bytes), bounded by the stall
+        timeout and judged against the floor."""
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(write)
+        start = loop.time()
+        backlog = self.backlog(transport) + size
+        try:
+            while True:
+                now = loop.time()
+                until = min(start + stall_s, now + max(0.0, self.window_s - self.waited_s))
+                await asyncio.wait((task,), timeout=max(0.0, until - now))
+                left = self.backlog(transport)
+                self.waited_s += loop.time() - now
+                self.taken += max(0, backlog - left)
+                backlog = left
+                if task.done():
+                    task.result()
+                    return
+                if loop.time() - start >= stall_s:
+                    raise _ClientStalled
+                if self.waited_s >= self.window_s:
+                    if self.taken < self.floor * self.waited_s:
+                        raise _ClientTooSlow(self.taken, self.waited_s)
+                    self.waited_s = self.taken = 0.0
+        finally:
+            if not task.done():
+                # Settled before anything else is written to the response.
+                task.cancel()
+                await asyncio.wait((task,))
+
+
 _WRITE_SLACK = 4096
 """Bytes aiohttp may add to a write: chunk framing, and the headers it sends
 along with the first one."""
@@ -1024,11 +1144,13 @@ async def _write(
     stall_s: float,
     *,
     last: bool = False,
+    pace: _Pace | None = None,
 ) -> None:
     """Send `data` (and end the body, if `last`). aiohttp's write waits while
     the socket's buffers are full, which is what keeps a slow reader from
     making the gateway pull the backend ahead and buffer its output; bounding
-    that wait keeps a reader that stopped from holding its backend slot."""
+    that wait keeps a reader that stopped from holding its backend slot, and
+    `pace`'s floor one that reads too slowly."""
     transport = request.transport
     if (
         transport is not None
@@ -1043,6 +1165,10 @@ async def _write(
             await response.write_eof(data)
         else:
             await response.write(data)
+        return
+    if pace is not None and pace.floor > 0 and transport is not None:
+        write = response.write_eof(data) if last else response.write(data)
+        await pace.wait(write, transport, len(data), stall_s)
         return
     try:
         async with asyncio.timeout(stall_s):
