@@ -558,16 +558,18 @@ async def test_a_refusal_after_output_is_the_streams_last_event(upstream: Upstre
         assert (await stage.used("alice"))["tokens_per_minute"] == 0
 
 
-async def test_an_unreachable_upstream_is_a_502_to_retry_naming_no_address(
+async def test_an_unreachable_upstream_is_a_503_to_retry_naming_no_address(
     upstream: Upstream,
 ) -> None:
+    """Down, not failing: 503 with Retry-After, which OpenAI's clients wait
+    out, where a 502 is retried at once."""
     async with serving(make_policy(openai_backend(upstream))) as stage, \
             aiohttp.ClientSession() as http:  # fmt: skip
         await upstream.stop()
         async with http.post(stage.api, json=chat("ok", stream=False),
                              headers=auth("alice")) as resp:  # fmt: skip
-            assert (resp.status, resp.headers.get("Retry-After")) == (502, "1")
-            message = assert_error(await resp.json(), "backend_error")
+            assert (resp.status, resp.headers.get("Retry-After")) == (503, "1")
+            message = assert_error(await resp.json(), "backend_unavailable")
         assert upstream.url not in message and str(upstream.port) not in message
         stage.assert_every_request_ended_once()
         assert (await stage.used("alice"))["tokens_per_minute"] == 0

@@ -139,6 +139,12 @@ The client's to fix: no other upstream would take it either. The other 4xx
 (401, 403, 404) say the gateway's upstream configuration is wrong."""
 
 
+_DOWN_RETRY_AFTER_S = 1.0
+"""Retry-After for a request whose upstream could not be reached: the failure
+triggers a health probe at once, so the upstream is back in rotation, or out
+of it, by then."""
+
+
 def _upstream_error(
     status: int | None, body: bytes, *, retry_after: str | None = None, started: bool = False
 ) -> BackendError:
@@ -427,9 +433,19 @@ class OpenAIBackend:
                 if isinstance(exc, TimeoutError):
                     raise
                 self._mark_unhealthy(upstream, repr(exc))
-                # No answer came, so no output was produced: the error says so
-                # (retryable), though the gateway does not retry it yet.
-                raise BackendError("the upstream could not be reached", retryable=True) from exc
+                if isinstance(exc, aiohttp.ServerDisconnectedError):
+                    # It took the request and hung up: no answer came, so no
+                    # output was produced (retryable), but it failed the request.
+                    raise BackendError(
+                        "the upstream dropped the connection", retryable=True
+                    ) from exc
+                # Down, not failing: it could not be connected to, or sent
+                # the request. The client is told when to come back (503 with
+                # Retry-After) rather than handed a 502 that OpenAI's clients
+                # retry at once.
+                raise BackendUnavailable(
+                    "the upstream could not be reached", _DOWN_RETRY_AFTER_S
+                ) from exc
             call.response = response
             if call.aborted:
                 raise call.abort_error()
