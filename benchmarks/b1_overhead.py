@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/b1_overhead.py [--json benchmarks/results/b1_overhead.json]
 
-One run, on one machine, side by side (../shared/BENCHMARKS.md, B1):
+One run, on one machine, side by side (B1 of benchmarks/RESULTS.md):
 
 - an OpenAI-compatible upstream (benchmarks/b1_upstream.py, its own process)
   on two ports: one answers at once, one after 50 ms; always 8 tokens;

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/b7_quota.py [--duration 180] [--json benchmarks/results/b7_quota.json]
 
-Two runs (../shared/BENCHMARKS.md, B7), each `--duration` seconds:
+Two runs (B7 of benchmarks/RESULTS.md), each `--duration` seconds:
 
 - one: one gateway (memory store), 64 concurrent streams of one tenant;
 - four: four gateway processes sharing one real redis-server (started here on

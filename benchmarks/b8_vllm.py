@@ -3,7 +3,7 @@
     make test-vllm   # once: builds .venv-vllm with vLLM's CPU build
     .venv-vllm/bin/python benchmarks/b8_vllm.py [--json benchmarks/results/b8_vllm.json]
 
-One run, the same engine arguments both ways (../shared/BENCHMARKS.md, B8):
+One run, the same engine arguments both ways (B8 of benchmarks/RESULTS.md):
 
 - direct: vLLM's own OpenAI server (`vllm.entrypoints.openai.api_server`),
   FCFS, the engine alone;

@@ -35,7 +35,7 @@ class CostProfile:
     """One simulated GPU + model: the step cost model and the engine's limits.
 
     A step costs, in ms, `t0 + c_p*P + c_q*sum(l_i^2) + c_d*D**decode_exponent
-    + c_kv*K` (DESIGN.md section 5), with P the prefill tokens of the step, l_i
+    + c_kv*K` (docs/SIMULATE.md), with P the prefill tokens of the step, l_i
     each prefill chunk's length, D the decoding sequences and K their total
     context tokens.
     """
@@ -56,7 +56,7 @@ class CostProfile:
     max_num_seqs: int
     max_num_batched_tokens: int
     decode_exponent: float = 1.0
-    """1.0 is DESIGN.md's linear model. Below 1, the per-sequence decode cost
+    """1.0 is the linear model above. Below 1, the per-sequence decode cost
     falls as the batch fills the GPU; only a profile whose table no linear
     model can fit sets it (see `a100-llama3-8b`)."""
 
@@ -83,8 +83,8 @@ PROFILES: dict[str, CostProfile] = {
     for p in (
         CostProfile(
             name="h100-llama3-8b",
-            description="Llama-3.1-8B, BF16, one H100 80GB (DESIGN.md section 5: fitted from "
-            "public simulator calibrations)",
+            description="Llama-3.1-8B, BF16, one H100 80GB (fitted from public simulator "
+            "calibrations)",
             t0_ms=6.0,
             c_p=0.025,
             c_q=8e-7,
@@ -94,8 +94,10 @@ PROFILES: dict[str, CostProfile] = {
             max_num_seqs=256,
             max_num_batched_tokens=2048,
         ),
-        # Fitted to the Hermes 3 70B / 4xA100 table in
-        # shared/reference/batch-processing-and-concurrent-inference.txt (section 61.1).
+        # Fitted to the Hermes 3 70B / 4xA100 table of section 61.1 ("Batch Processing vs.
+        # Single Inference: Throughput Comparison") of the public text "Batch Processing
+        # and Concurrent Inference Optimization" (chapter 61); the rows are in
+        # benchmarks/b10_seed_tables.yaml, the fit's result in benchmarks/RESULTS.md (B10).
         # Its latency column gives ~1,500 output tokens per request (tokens/s / batch *
         # latency = 1,499 at batch 1, 1,509 at 4); the prompt is not stated, 512 is assumed,
         # so decode context averages ~1,260 tokens. Prefill and KV-read costs are set from
@@ -117,17 +119,17 @@ PROFILES: dict[str, CostProfile] = {
             max_num_batched_tokens=2048,
         ),
         # Fitted to "A100 80GB: ~30 tokens/s at batch 1, ~300 at 16, ~900 at 64" for
-        # Llama-3-8B in shared/reference/dynamic-batching-for-llm.txt. The text gives no
-        # lengths: 512-token prompts and 256-token outputs are assumed (decode context
-        # ~640). No linear step model fits it within 10%: the step times it implies
-        # (33.3, 53.3, 71.1 ms) rise 1.33 ms per sequence from 1 to 16 and 0.37 from 16 to
-        # 64, and with per-token time t0/B + x the 16->64 gain needs t0 >= 38 ms while
-        # batch 1 needs t0 <= 37 ms. So the decode term is c_d * D**decode_exponent.
-        # t0 = 10 ms is 16 GB of weights read at ~1.6 TB/s; with it fixed (t0 and the
-        # decode term trade off freely over three rows), c_d and the exponent are the
-        # least-squares fit (log tokens/s, engine in the loop). c_p, c_q, c_kv are the
-        # H100 profile's scaled to the A100 (3.2x less compute, 1.7x less bandwidth);
-        # KV as for the H100 profile (same 80 GB).
+        # Llama-3-8B in the public text "Setting up dynamic batching for LLM" (section "Why
+        # batching is critical for LLM"). The text gives no lengths: 512-token prompts and
+        # 256-token outputs are assumed (decode context ~640). No linear step model fits it
+        # within 10%: the step times it implies (33.3, 53.3, 71.1 ms) rise 1.33 ms per
+        # sequence from 1 to 16 and 0.37 from 16 to 64, and with per-token time t0/B + x the
+        # 16->64 gain needs t0 >= 38 ms while batch 1 needs t0 <= 37 ms. So the decode term
+        # is c_d * D**decode_exponent. t0 = 10 ms is 16 GB of weights read at ~1.6 TB/s;
+        # with it fixed (t0 and the decode term trade off freely over three rows), c_d and
+        # the exponent are the least-squares fit (log tokens/s, engine in the loop). c_p,
+        # c_q, c_kv are the H100 profile's scaled to the A100 (3.2x less compute, 1.7x less
+        # bandwidth); KV as for the H100 profile (same 80 GB).
         CostProfile(
             name="a100-llama3-8b",
             description="Llama-3-8B, BF16, one A100 80GB",
