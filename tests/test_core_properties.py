@@ -124,7 +124,7 @@ def test_every_request_ends_once_nothing_lost_capacity_held(kind, fairness, pree
 )
 def test_ageing_bound_holds_for_a_trickle_under_a_flood(slots, service, flood_gap, batch_count,
                                                        fairness):
-    """DESIGN section 3: no admitted request waits longer than its tier's
+    """The ageing bound (docs/SCHEDULING.md): no admitted request waits longer than its tier's
     max_queue_wait_ms + max_boost * interval_ms + one service time."""
     budget, interval, max_boost, s_max = 2.0, 0.5, 2, 1.0
     policy = PolicyConfig.model_validate({

@@ -1,4 +1,4 @@
-"""/metrics under load: every metric of DESIGN.md section 7 is there, parsed
+"""/metrics under load: every documented metric (README, "Operations") is there, parsed
 with prometheus-client's own parser, and moves as the load does."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tests.http_support import (
     words,
 )
 
-# Metric families (counters without their _total suffix), as DESIGN.md section 7 names them.
+# Metric families (counters without their _total suffix), by their documented names.
 DESIGN_METRICS = {
     "qosgate_queue_depth", "qosgate_queue_tokens", "qosgate_oldest_wait_seconds",
     "qosgate_queue_wait_seconds", "qosgate_requests", "qosgate_ttft_seconds",

@@ -1,4 +1,4 @@
-"""Simulation reports: the numbers of BENCHMARKS.md on hand-built request lists."""
+"""Simulation reports: the benchmark figures (docs/SIMULATE.md) on hand-built request lists."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bench records -> the result JSON of BENCHMARKS.md, a table and plots.
+"""Bench records -> the benchmarks' result JSON (docs/BENCH.md), a table and plots.
 
 The per-tier, per-tenant and total figures come from the same code as
 `qosgate simulate` (`qosgate.sim.report.build_policy_report`): each record

@@ -184,7 +184,7 @@ class BenchScenario(StrictModel):
     """mode sweep: the concurrency levels and how long each runs."""
     metrics: MetricsConfig = MetricsConfig()
     """The fairness window and service weights of the service-difference
-    figures (BENCHMARKS B4), as in `qosgate simulate`."""
+    figures (B4; docs/SIMULATE.md), as in `qosgate simulate`."""
     sessions: Annotated[int, Field(ge=0)] = 0
     """Spread the requests over this many conversations: request n carries
     `X-Session-Id: s<n mod sessions>`, as the turns of a chat do (a gateway

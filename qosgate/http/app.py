@@ -1,9 +1,9 @@
-"""The OpenAI-compatible HTTP surface (DESIGN.md section 6).
+"""The OpenAI-compatible HTTP surface (docs/HTTP.md).
 
 A request goes identity -> body -> validation -> prompt tokens -> max_tokens
 (capped by the tier) -> `Gateway.submit`, then streams back as SSE or one JSON
 body. Every error, whether the gateway's own, aiohttp's (404, 405, 413) or a
-bug, leaves as OpenAI's `{"error": {...}}` with the status DESIGN.md gives it.
+bug, leaves as OpenAI's `{"error": {...}}` with the status docs/HTTP.md gives it.
 """
 
 from __future__ import annotations
@@ -965,8 +965,9 @@ async def _stream_response(
             pending.append(_chunk_event(call, last_text, finish, raw=last_raw))
             pending.append(_usage_event(call, usage))
         else:
-            # DESIGN.md wants usage in the final chunk even when not asked for;
-            # clients ignore a field they do not expect.
+            # Usage goes in the final chunk even when not asked for (so every
+            # stream can be metered by its reader); clients ignore a field
+            # they do not expect.
             pending.append(_chunk_event(call, last_text, finish, usage=usage, raw=last_raw))
         pending.append(_DONE_EVENT)
         data = b"".join(pending)

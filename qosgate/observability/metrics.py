@@ -1,4 +1,4 @@
-"""Prometheus metrics, named as DESIGN.md section 7 names them.
+"""Prometheus metrics, all named `qosgate_*` (the list is in the README, Operations).
 
 `GatewayMetrics` owns its metrics in a registry it is given (a fresh one by
 default), so two gateways in one process, or a test, never share counters.

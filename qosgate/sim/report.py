@@ -1,4 +1,4 @@
-"""Turning one simulated run into the numbers of BENCHMARKS.md, a table and a plot.
+"""Turning one simulated run into the benchmarks' result JSON, a table and a plot.
 
 `build_policy_report` gives the `{"tiers", "tenants", "totals"}` object of one
 scheduler policy in the machine-readable result; `format_table` prints a
@@ -121,7 +121,7 @@ def _tier_stats(
 
 class _ServiceLedger:
     """Weighted service per tenant, per fairness window and over the whole
-    measurement window (BENCHMARKS B4).
+    measurement window (the fairness metric of B4, docs/SIMULATE.md).
 
     A request's prompt tokens count at its first token; its output tokens are
     spread evenly over [first_token_at, finished_at].

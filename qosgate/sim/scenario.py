@@ -208,7 +208,7 @@ class MetricsConfig(StrictModel):
     """How results are measured."""
 
     window_s: PositiveFloat = 60.0
-    """Window for the service-difference fairness metric (BENCHMARKS B4)."""
+    """Window for the service-difference fairness metric (B4; docs/SIMULATE.md)."""
     service_w_in: NonNegativeFloat = 1.0
     """Service per prompt token."""
     service_w_out: NonNegativeFloat = 2.0
