@@ -235,6 +235,41 @@ async def test_a_slot_whose_holder_died_frees_when_its_lease_ends(store):
     assert (await reserve(store, lim, 1, T0 + LEASE)).admitted
 
 
+async def test_a_renewed_lease_outlives_its_first_end(store):
+    lim = limits(max_concurrency=1)
+    d = await reserve(store, lim, 1, T0)
+    rid = d.reservation.request_id
+    assert await store.renew({"t": [rid]}, T0 + LEASE - 1, lease_s=LEASE) == set()
+    assert not (await reserve(store, lim, 1, T0 + LEASE)).admitted
+    assert not (await reserve(store, lim, 1, T0 + 2 * LEASE - 2)).admitted
+    assert (await reserve(store, lim, 1, T0 + 2 * LEASE - 1)).admitted
+
+
+async def test_renewal_never_takes_back_an_ended_lease(store):
+    lim = limits(max_concurrency=1)
+    expired = await reserve(store, lim, 1, T0)
+    lost = await store.renew({"t": [expired.reservation.request_id]}, T0 + LEASE, lease_s=LEASE)
+    assert lost == {("t", expired.reservation.request_id)}
+    settled = await reserve(store, lim, 1, T0 + LEASE)
+    assert settled.admitted
+    await store.settle(settled.reservation, 1, True, T0 + LEASE + 1)
+    rid = settled.reservation.request_id
+    assert await store.renew({"t": [rid]}, T0 + LEASE + 2, lease_s=LEASE) == {("t", rid)}
+    assert state_of(await store.usage("t", lim, T0 + LEASE + 2), "max_concurrency").used == 0
+
+
+async def test_one_renewal_covers_every_tenant(store):
+    lim = limits(max_concurrency=1)
+    a = await reserve(store, lim, 1, T0, tenant="a")
+    b = await reserve(store, lim, 1, T0, tenant="b")
+    leases = {"a": [a.reservation.request_id], "b": [b.reservation.request_id, "never-held"]}
+    assert await store.renew(leases, T0 + LEASE / 2, lease_s=LEASE) == {("b", "never-held")}
+    for tenant in ("a", "b"):
+        assert not (await reserve(store, lim, 1, T0 + LEASE, tenant=tenant)).admitted
+        assert (await reserve(store, lim, 1, T0 + 1.5 * LEASE, tenant=tenant)).admitted
+    assert await store.renew({}, T0, lease_s=LEASE) == set()
+
+
 async def test_tenants_are_independent(store):
     lim = limits(tokens_per_minute=100, max_concurrency=1)
     assert (await reserve(store, lim, 100, T0, tenant="a")).admitted
@@ -295,7 +330,7 @@ async def test_both_stores_agree_and_no_minute_holds_more_than_the_limit(redis_s
         # (reserved at, tokens, known from): reservations, and refunds as
         # negative amounts that count from their settlement on.
         events: list[tuple[float, int, float]] = []
-        for step in range(600):
+        for step in range(700):
             now += rng.expovariate(4.0)
             if open_ and rng.random() < 0.45:
                 m_res, r_res = open_.pop(rng.randrange(len(open_)))
@@ -304,6 +339,12 @@ async def test_both_stores_agree_and_no_minute_holds_more_than_the_limit(redis_s
                 await memory.settle(m_res, charged, served, now)
                 await redis.settle(r_res, charged, served, now)
                 events.append((m_res.at, charged - m_res.tokens, now))
+                continue
+            if open_ and rng.random() < 0.1:
+                # A renewal tick: every open reservation's lease, some lost.
+                leases = {"t": [m_res.request_id for m_res, _ in open_]}
+                now_lost = await memory.renew(leases, now, lease_s=LEASE)
+                assert now_lost == await redis.renew(leases, now, lease_s=LEASE), step
                 continue
             tokens = rng.randint(100, 5000)
             rid = f"d{step}"

@@ -1,6 +1,7 @@
 """The Redis store's round trips, counted by a real redis-server.
 
-A reserve is one EVALSHA whatever the tenant's limits, and so is a settle;
+A reserve is one EVALSHA whatever the tenant's limits, and so is a settle,
+and so is a renewal tick for every running request of every tenant;
 the script text goes to the server once (the first call's NOSCRIPT, then
 SCRIPT LOAD), never per call. Counted from the server's `INFO commandstats`
 (benchmarks/b7_roundtrip.py measures what each costs in time).
@@ -80,6 +81,28 @@ async def test_reserve_and_settle_are_one_evalsha_each() -> None:
                 store.settle(d.reservation, 0, False, time.time()) for d in decisions
             ))  # fmt: skip
             assert diff(await sent(admin), before) == {"evalsha": 32}
+        finally:
+            await store.close()
+            await admin.aclose()
+
+
+async def test_a_renewal_tick_is_one_evalsha_for_every_tenant() -> None:
+    with RedisServer() as server:
+        admin = aioredis.Redis.from_url(server.url)
+        store = RedisQuotaStore(server.url)
+        try:
+            leases: dict[str, list[str]] = {}
+            for tenant in range(8):
+                for i in range(4):
+                    d = await store.reserve(f"t{tenant}", LIMITS, 1, f"r{i}", time.time(),
+                                            lease_s=600)  # fmt: skip
+                    assert d.reservation is not None
+                    leases.setdefault(f"t{tenant}", []).append(f"r{i}")
+            assert await store.renew(leases, time.time(), lease_s=600) == set()  # loads it
+            before = await sent(admin)
+            for _ in range(5):
+                assert await store.renew(leases, time.time(), lease_s=600) == set()
+            assert diff(await sent(admin), before) == {"evalsha": 5}
         finally:
             await store.close()
             await admin.aclose()

@@ -335,9 +335,10 @@ class QuotaStoreConfig(StrictModel):
     retry_interval_s: Seconds = 1.0
     """While Redis is down, how long before a request tries it again (doubling
     up to 8x while it stays down); the requests in between do not wait on it."""
-    lease_s: Seconds = 3600.0
-    """How long a max_concurrency slot stays held if its gateway dies without
-    releasing it; keep it above the longest a request can run."""
+    lease_s: Seconds = 30.0
+    """A max_concurrency slot is a lease of this long, renewed every third of
+    it while its request runs: how soon the slots of a gateway that died come
+    back (a request keeps its slot however long it runs)."""
 
 
 class SimBackendConfig(StrictModel):

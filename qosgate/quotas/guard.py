@@ -8,6 +8,17 @@ next request to arrive after that tries it again (the interval doubles, up to
 8x, while it stays down). Settlements run in tasks of their own so a
 request's end never waits on the network; those the store could not take are
 kept and sent again, in order, once it answers.
+
+A running request holds its tenant's concurrency slot on a lease of
+`lease_s`. One timer per gateway renews every running request's lease each
+third of `lease_s`, all tenants in one store call, so a request keeps its slot
+for as long as it runs and a gateway that dies gives its slots back within
+`lease_s`. A renewal the store cannot take counts as a store failure like any
+other call; the next tick tries again (two more before a lease runs out). A
+lease found gone (it ran out while the store was unreachable) is not taken
+back: fail_open lets the request finish uncounted by the store, as the
+reservations it makes on its local limiter are; fail_closed ends it
+(`on_lease_lost`), as it does once a lease it could not renew has run out.
 """
 
 from __future__ import annotations
@@ -49,6 +60,8 @@ class GuardCounters:
     """Settlements the store took late, after it came back."""
     settlements_dropped: int = 0
     """Settlements given up (too many waiting): their tokens stay charged."""
+    leases_lost: int = 0
+    """Running requests whose concurrency lease ran out before it was renewed."""
 
 
 class QuotaStoreDown(Exception):
@@ -92,6 +105,14 @@ class QuotaGuard:
         self._resending: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.counters = GuardCounters()
+        # Running requests holding a concurrency slot: (tenant, request id) ->
+        # the reservation and the end of its lease as last confirmed.
+        self._held: dict[tuple[str, str], tuple[Reservation, float]] = {}
+        self._renew_timer: asyncio.TimerHandle | None = None
+        self._renewing: asyncio.Task[None] | None = None
+        self.on_lease_lost: Callable[[Reservation], None] | None = None
+        """Called (fail_closed) for a running request whose lease is gone: the
+        gateway ends it."""
 
     @classmethod
     def from_policy(cls, policy: PolicyConfig, store: QuotaStore | None = None) -> QuotaGuard:
@@ -144,6 +165,7 @@ class QuotaGuard:
                 self._failed(now, exc)
             else:
                 self._recovered()
+                self._hold(decision, now)
                 return decision
         assert self._down_until is not None
         if self._cfg.on_error == "fail_closed":
@@ -153,9 +175,11 @@ class QuotaGuard:
                 retry_after_s=max(1.0, self._down_until - now),
             )
         self.counters.fallback_reservations += 1
-        return self._fallback.reserve(
+        decision = self._fallback.reserve(
             tenant, limits, tokens, request_id, now, lease_s=lease, store=FALLBACK
         )
+        self._hold(decision, now)
+        return decision
 
     async def _store_reserve(
         self, tenant: str, limits: TenantLimits, tokens: int, request_id: str, now: float
@@ -225,6 +249,88 @@ class QuotaGuard:
             self._unsent.popleft()
             self.counters.settlements_resent += 1
 
+    # -- lease renewal -----------------------------------------------------------
+
+    def _hold(self, decision: QuotaDecision, now: float) -> None:
+        reservation = decision.reservation
+        if reservation is None or reservation.limits.max_concurrency is None:
+            return
+        key = (reservation.tenant, reservation.request_id)
+        self._held[key] = (reservation, now + self._cfg.lease_s)
+        if self._renew_timer is None:
+            loop = asyncio.get_running_loop()
+            self._renew_timer = loop.call_at(loop.time() + self._cfg.lease_s / 3, self._on_renew)
+
+    def _on_renew(self) -> None:
+        self._renew_timer = None
+        if not self._held:
+            return  # the next reservation that holds a slot arms it again
+        loop = asyncio.get_running_loop()
+        self._renew_timer = loop.call_at(loop.time() + self._cfg.lease_s / 3, self._on_renew)
+        if self._renewing is None or self._renewing.done():
+            self._renewing = loop.create_task(self.renew())
+
+    async def renew(self) -> None:
+        """Extend the lease of every running request that holds a concurrency
+        slot to `lease_s` from now: one store call for all of them (the timer
+        does this every third of `lease_s`)."""
+        now = self._clock()
+        lease = self._cfg.lease_s
+        on_store: dict[str, list[str]] = {}
+        on_fallback: dict[str, list[str]] = {}
+        for (tenant, rid), (reservation, _) in self._held.items():
+            side = on_fallback if reservation.store == FALLBACK else on_store
+            side.setdefault(tenant, []).append(rid)
+        lost = self._fallback.renew(on_fallback, now, lease_s=lease) if on_fallback else set()
+        failed = False
+        if on_store:
+            try:
+                lost |= await self.store.renew(on_store, now, lease_s=lease)
+            except QuotaStoreError as exc:
+                self._failed(self._clock(), exc)
+                failed = True
+            else:
+                self._recovered()
+                self._confirm(on_store, lost, now + lease)
+        self._confirm(on_fallback, lost, now + lease)
+        for key in lost:
+            held = self._held.pop(key, None)
+            if held is not None:
+                self._lose(held[0])
+        if failed and self._cfg.on_error == "fail_closed":
+            self._expire(now)
+
+    def _confirm(
+        self, renewed: Mapping[str, list[str]], lost: set[tuple[str, str]], until: float
+    ) -> None:
+        for tenant, rids in renewed.items():
+            for rid in rids:
+                key = (tenant, rid)
+                held = self._held.get(key)
+                if held is not None and key not in lost:
+                    self._held[key] = (held[0], until)
+
+    def _expire(self, now: float) -> None:
+        """The store is unreachable and the gateway fails closed: the requests
+        whose leases run out before the next tick end now. (Failing open, they
+        run on; the store says which leases it lost once it answers again.)"""
+        horizon = now + self._cfg.lease_s / 3
+        for key, (reservation, until) in list(self._held.items()):
+            if reservation.store != FALLBACK and until <= horizon:
+                del self._held[key]
+                self._lose(reservation)
+
+    def _lose(self, reservation: Reservation) -> None:
+        self.counters.leases_lost += 1
+        closed = self._cfg.on_error == "fail_closed"
+        log.warning(
+            "the concurrency lease of request %s (tenant %s) ran out before it was renewed; %s",
+            reservation.request_id, reservation.tenant,
+            "ending it (fail_closed)" if closed else "it runs on, uncounted by the store",
+        )  # fmt: skip
+        if closed and self.on_lease_lost is not None:
+            self.on_lease_lost(reservation)
+
     # -- the store's health ----------------------------------------------------
 
     def _failed(self, now: float, exc: QuotaStoreError) -> None:
@@ -251,6 +357,11 @@ class QuotaGuard:
     async def close(self) -> None:
         """Wait for settlements in flight (and try the store once more for
         those kept), then close the store."""
+        if self._renew_timer is not None:
+            self._renew_timer.cancel()
+            self._renew_timer = None
+        if self._renewing is not None:
+            await asyncio.gather(self._renewing, return_exceptions=True)
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._resending is not None:

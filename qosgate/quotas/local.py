@@ -9,6 +9,7 @@ back on while Redis is down, and the reference the Redis store's Lua scripts
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from .model import (
@@ -234,6 +235,22 @@ class LocalLimiter:
                 window.set_bucket(rule, now, window.bucket(rule, now) - delta)
         if reservation.limits.max_concurrency is not None:
             self._inflight.get(tenant, {}).pop(reservation.request_id, None)
+
+    def renew(
+        self, leases: Mapping[str, Collection[str]], now: float, *, lease_s: float
+    ) -> set[tuple[str, str]]:
+        """Extend each live concurrency lease named (tenant -> request ids) to
+        `now + lease_s`. Returns the (tenant, request id) pairs whose lease had
+        already ended or been released: those are not taken back."""
+        lost = set()
+        for tenant, request_ids in leases.items():
+            inflight = self._live(tenant, now)
+            for rid in request_ids:
+                if rid in inflight:
+                    inflight[rid] = max(inflight[rid], now + lease_s)
+                else:
+                    lost.add((tenant, rid))
+        return lost
 
     def usage(self, tenant: str, limits: TenantLimits, now: float) -> tuple[LimitState, ...]:
         return self._states(tenant, limits, now)

@@ -1,6 +1,7 @@
 """`quota_store.kind: redis`: gateway replicas share one budget per tenant.
 
-Check-and-reserve and settle are each one Lua script, so two replicas can
+Check-and-reserve, settle and the renewal of every running request's
+concurrency lease (all tenants at once) are each one Lua script, so two replicas can
 never both take the last of a window. The scripts do only what must be atomic
 (prune, compare, write) and hand back the window's slots; the waits, resets
 and remainders are worked out in Python by the same functions the memory
@@ -16,6 +17,7 @@ tenants cost nothing.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import orjson
@@ -183,6 +185,36 @@ redis.call('ZREM', KEYS[nrules + 1], rid)
 return 1
 """
 
+# KEYS: the in-flight set of each tenant named.
+# ARGV: now, lease_s, then per key: how many ids, then the ids.
+# Returns JSON: per key, the ids whose lease had ended (not taken back).
+_RENEW = """
+local now = tonumber(ARGV[1])
+local lease = tonumber(ARGV[2])
+local until_ = string.format('%.17g', now + lease)
+local ttl = math.ceil(lease * 1000)
+local at = 3
+local lost = {}
+for k = 1, #KEYS do
+  local key = KEYS[k]
+  local n = tonumber(ARGV[at])
+  local gone = {}
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  for i = at + 1, at + n do
+    local held = redis.call('ZSCORE', key, ARGV[i])
+    if held then
+      if tonumber(held) < now + lease then redis.call('ZADD', key, 'XX', until_, ARGV[i]) end
+    else
+      gone[#gone + 1] = ARGV[i]
+    end
+  end
+  if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
+  lost[k] = gone
+  at = at + n + 1
+end
+return cjson.encode(lost)
+"""
+
 
 def _ttl_ms(rule: RateRule) -> int:
     # The window plus the slot it may still overlap, and one more for slack.
@@ -227,6 +259,7 @@ class RedisQuotaStore(QuotaStore):
         self._redis = client
         self._reserve = self._redis.register_script(_RESERVE)
         self._settle = self._redis.register_script(_SETTLE)
+        self._renew = self._redis.register_script(_RENEW)
 
     def key(self, tenant: str, kind: str) -> str:
         return f"{self._prefix}quota:{{{tenant}}}:{KEY_SUFFIX[kind]}"
@@ -324,6 +357,26 @@ class RedisQuotaStore(QuotaStore):
             await self._run(self._settle, keys, args)
         # Only once the store has it: a settlement that failed can be retried.
         mark_settled(reservation, charged)
+
+    async def renew(
+        self, leases: Mapping[str, Collection[str]], now: float, *, lease_s: float
+    ) -> set[tuple[str, str]]:
+        tenants = [tenant for tenant, ids in leases.items() if ids]
+        if not tenants:
+            return set()
+        keys = [self.key(tenant, "max_concurrency") for tenant in tenants]
+        args: list[Any] = [repr(now), repr(lease_s)]
+        for tenant in tenants:
+            ids = list(leases[tenant])
+            args += [len(ids), *ids]
+        raw = await self._run(self._renew, keys, args)
+        lost = orjson.loads(raw)
+        return {
+            (tenant, rid)
+            for tenant, gone in zip(tenants, lost)
+            # cjson writes an empty table as {}.
+            for rid in (gone if isinstance(gone, list) else [])
+        }
 
     async def usage(self, tenant: str, limits: TenantLimits, now: float) -> tuple[LimitState, ...]:
         result = await self._call(tenant, limits, 0, "", now, 0.0, False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Collection, Mapping
 
 from .local import LocalLimiter
 from .model import LimitState, QuotaDecision, Reservation, TenantLimits
@@ -41,6 +42,15 @@ class QuotaStore(ABC):
         was `served`; free its concurrency slot."""
 
     @abstractmethod
+    async def renew(
+        self, leases: Mapping[str, Collection[str]], now: float, *, lease_s: float
+    ) -> set[tuple[str, str]]:
+        """Extend the concurrency lease of each running request named (tenant
+        -> request ids, any number of tenants, in one call) to `now + lease_s`.
+        A lease that already ended (expired, or released by a settlement) is
+        not taken back: its (tenant, request id) is returned, as lost."""
+
+    @abstractmethod
     async def usage(self, tenant: str, limits: TenantLimits, now: float) -> tuple[LimitState, ...]:
         """Read-only: each limit as it stands."""
 
@@ -76,6 +86,11 @@ class MemoryQuotaStore(QuotaStore):
     def settle_now(self, reservation: Reservation, charged: int, served: bool, now: float) -> None:
         """`settle` without the await: nothing here waits on I/O."""
         self._limiter.settle(reservation, charged, served, now)
+
+    async def renew(
+        self, leases: Mapping[str, Collection[str]], now: float, *, lease_s: float
+    ) -> set[tuple[str, str]]:
+        return self._limiter.renew(leases, now, lease_s=lease_s)
 
     async def usage(self, tenant: str, limits: TenantLimits, now: float) -> tuple[LimitState, ...]:
         return self._limiter.usage(tenant, limits, now)

@@ -77,6 +77,15 @@ class QuotaStoreUnavailable(GatewayError):
     code = "quota_store_unavailable"
 
 
+class QuotaLeaseLost(QuotaStoreUnavailable):
+    """A running request's concurrency lease ran out before the quota store
+    could renew it, and the gateway fails closed: the request is cut (charged
+    what ran), so that none runs without a live lease."""
+
+    outcome = Outcome.CANCELLED
+    code = "quota_lease_lost"
+
+
 class Overloaded(GatewayError):
     """Admission predicted a queue wait beyond the tier's budget."""
 

@@ -42,6 +42,7 @@ from qosgate.runtime.errors import (
     GatewayError,
     Overloaded,
     QueueFull,
+    QuotaLeaseLost,
 )
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class Gateway:
         )
         self.quotas = quotas if quotas is not None else QuotaGuard.from_policy(policy)
         """Reserves at the door (the HTTP layer asks it) and settles here."""
+        self.quotas.on_lease_lost = self._lease_lost
         self.observer = observer if observer is not None else Observer(policy)
         """Metrics and the request log, fed at each event of a request."""
         self.observer.metrics.watch(self.snapshot)
@@ -418,6 +420,17 @@ class Gateway:
         if self._idle is not None and not self._streams and not self._idle.done():
             self._idle.set_result(None)
         self._wake()
+
+    def _lease_lost(self, reservation: Reservation) -> None:
+        """The quota store lost a running request's concurrency lease (fail_closed)."""
+        stream = self._streams.get(reservation.request_id)
+        if stream is not None and stream._reservation is reservation:
+            stream._end(
+                QuotaLeaseLost(
+                    "the quota store could not renew this request's concurrency lease",
+                    retry_after_s=1.0,
+                )
+            )
 
     def _settle(self, reservation: Reservation | None, charged: int, *, served: bool) -> None:
         if reservation is not None:
