@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 from aiohttp.test_utils import TestServer
 
 from qosgate.backends.base import Backend, BackendError, Chunk, GenerationJob
@@ -66,6 +67,18 @@ tenants:
     tier: batch
     api_keys: ["env:QG_TEST_BOB_KEY"]
 """
+
+
+async def assert_still_serves(url: str) -> None:
+    """After a run of hostile or fuzzed input: alice's good request completes
+    and /readyz says ready."""
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {ALICE_KEY}"}) as http:
+        async with http.post(
+            f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        ) as response:
+            assert response.status == 200, await response.text()
+        async with http.get(f"{url}/readyz") as response:
+            assert response.status == 200, await response.text()
 
 
 def make_policy(yaml_text: str = POLICY_YAML) -> PolicyConfig:

@@ -52,13 +52,6 @@ class WatchedStore(MemoryQuotaStore):
         await asyncio.wait_for(self.renewed.wait(), 5)
 
 
-async def trickle(job):
-    """A stream that never ends: a token every 20 ms."""
-    while True:
-        yield Chunk(text="w ", tokens=1)
-        await asyncio.sleep(0.02)
-
-
 @dataclasses.dataclass
 class Scene:
     """A gateway whose one tenant (max_concurrency 1) has a stream running,
@@ -70,6 +63,8 @@ class Scene:
     live: Any
     http: aiohttp.ClientSession
     first: aiohttp.ClientResponse
+    feed: asyncio.Queue[None]
+    """One more token of the stream for each item put."""
 
 
 @contextlib.asynccontextmanager
@@ -79,13 +74,32 @@ async def running_stream(on_error: str = "fail_open") -> AsyncIterator[Scene]:
     cfg = QuotaStoreConfig(lease_s=LEASE_S, on_error=on_error)
     limits = {t.id: TenantLimits.from_config(t.quotas) for t in policy.tenants}
     quotas = QuotaGuard(store, cfg, limits, clock=clock)
-    async with live_app(policy, ScriptedBackend(trickle), quotas=quotas) as live, \
+    feed: asyncio.Queue[None] = asyncio.Queue()
+
+    async def trickle(job):
+        """A stream that runs until it is closed or aborted: a token at once,
+        then one per item fed."""
+        yield Chunk(text="w ", tokens=1)
+        while True:
+            await feed.get()
+            if job.request_id in backend.aborted:
+                return
+            yield Chunk(text="w ", tokens=1)
+
+    class FedBackend(ScriptedBackend):
+        def abort(self, request_id: str) -> None:
+            # As a real backend's: an abort ends the run's stream now.
+            super().abort(request_id)
+            feed.put_nowait(None)
+
+    backend = FedBackend(trickle)
+    async with live_app(policy, backend, quotas=quotas) as live, \
             aiohttp.ClientSession() as http:  # fmt: skip
         first = await http.post(live.url + "/v1/chat/completions", json=chat(stream=True),
                                 headers=auth())  # fmt: skip
         assert first.status == 200
         await first.content.readline()  # it runs, holding the slot until T0 + LEASE_S
-        yield Scene(store, clock, quotas, live, http, first)
+        yield Scene(store, clock, quotas, live, http, first, feed)
 
 
 async def test_a_stream_outliving_its_first_lease_keeps_its_slot():
@@ -98,6 +112,8 @@ async def test_a_stream_outliving_its_first_lease_keeps_its_slot():
         assert b"max_concurrency" in body
         s.first.close()
         await asyncio.wait_for(s.live.gateway.aclosed.wait(), 5)
+        # Settled, its lease is no longer renewed, nor taken for one lost.
+        await s.quotas.renew()
     assert s.quotas.counters.leases_lost == 0
 
 
@@ -124,6 +140,7 @@ async def test_fail_open_lets_a_stream_run_on_when_its_lease_ran_out_unrenewed()
         await s.store.next_renewal()  # the store answers: that lease is gone
         assert s.quotas.counters.leases_lost == 1
         for _ in range(6):  # and the stream runs on (b"" would be its end)
+            s.feed.put_nowait(None)
             assert await asyncio.wait_for(s.first.content.readline(), 5)
         s.first.close()
         await asyncio.wait_for(s.live.gateway.aclosed.wait(), 5)

@@ -29,14 +29,15 @@ def dump_body(body: dict[str, Any]) -> bytes:
         return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-# 19 digits in a row: perhaps an integer past 64 bits.
-_LONG_NUMBER = re.compile(rb"[0-9]{19}")
+LONG_NUMBER = re.compile(rb"[0-9]{19}")
+"""19 digits in a row: perhaps an integer past 64 bits (or a whole float
+past 2**63, which rounds), which orjson does not read exactly."""
 
 
 def load_body(raw: bytes) -> Any:
     """What `dump_body` wrote, as it was: orjson reads an integer past 64
     bits as a float. Raises ValueError if it is not JSON."""
-    if _LONG_NUMBER.search(raw):
+    if LONG_NUMBER.search(raw):
         return json.loads(raw)
     return orjson.loads(raw)
 

@@ -21,6 +21,9 @@ SUFFIX = "suffix"
 IMAGE_URL = "image_url"
 INPUT_AUDIO = "input_audio"
 FILE = "file"
+MEDIA = (IMAGE_URL, INPUT_AUDIO, FILE)
+"""Content parts other than text, each a capability of its own."""
+
 
 @dataclass(frozen=True, slots=True)
 class RequestSupport:
@@ -31,10 +34,8 @@ class RequestSupport:
     upstreams): nothing is refused here, and the server's own 400 reaches
     the client."""
     features: frozenset[str] = frozenset()
-    """Optional capabilities it honours (the names above)."""
-    extensions: frozenset[str] = frozenset()
-    """Fields beyond the request model's that it reads; any other unknown
-    field is refused."""
+    """Optional capabilities it honours (the names above); unknown fields
+    are refused unless it is a passthrough."""
 
 
 PASSTHROUGH = RequestSupport("openai", passthrough=True)

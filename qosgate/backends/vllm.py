@@ -72,7 +72,7 @@ _SAMPLING_FIELDS = (
 )  # fmt: skip
 
 # vLLM's names for what a client set under another name.
-_PARAM_NAMES = {"structured_outputs": "response_format", "max_tokens": "max_tokens"}
+_PARAM_NAMES = {"structured_outputs": "response_format"}
 
 ENGINE_DEFAULTS: dict[str, Any] = {
     # The gateway passes priorities; vLLM honours them only under this policy.

@@ -436,10 +436,11 @@ class VllmBackendConfig(StrictModel):
     max_num_batched_tokens, enable_chunked_prefill, max_model_len, dtype,
     enforce_eager, ... (scheduling_policy defaults to priority)."""
     stall_timeout_s: Seconds = 60.0
-    """With requests in flight, how long the engine may produce no output at
-    all before it is taken for wedged: fenced (the gateway unready, its
-    requests ended 503 with Retry-After) and restarted. Keep it above the
-    longest prefill a step can hold."""
+    """With requests in flight, how long the engine may leave a request it
+    took unanswered, or produce no output at all, before it is taken for
+    wedged: fenced (the gateway unready, its requests ended 503 with
+    Retry-After) and restarted. Keep it above the longest prefill a step can
+    hold."""
     restart_backoff_s: Seconds = 1.0
     """Wait before the first try to restart an engine that died or wedged;
     it doubles after each failed try, up to 60 s."""

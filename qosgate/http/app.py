@@ -744,16 +744,18 @@ def _join_logprobs(have: Any, more: Any) -> Any:
     """Two consecutive chunks' logprobs as one. Every list in them runs along
     the tokens (chat's `content` and `refusal`; completions' `tokens`,
     `token_logprobs`, `top_logprobs`, `text_offset`, which upstreams count
-    from the start of the whole text), so the lists go end to end."""
-    if have is None:
-        return more
-    if not isinstance(have, dict) or not isinstance(more, dict):
+    from the start of the whole text), so the lists go end to end. The
+    joined lists are the response's own, extended in place: a whole answer
+    given token by token (the vllm backend's) joins in linear time."""
+    if not isinstance(more, dict):
         return have if more is None else more
-    joined = dict(have)
+    joined = have if isinstance(have, dict) else {}
     for key, value in more.items():
         before = joined.get(key)
         if isinstance(before, list) and isinstance(value, list):
-            joined[key] = before + value
+            before.extend(value)
+        elif isinstance(value, list):
+            joined[key] = list(value)  # a copy: the chunk's list is not ours to grow
         elif value is not None:
             joined[key] = value
     return joined
@@ -1055,7 +1057,7 @@ acknowledged (TIOCOUTQ's number)."""
 
 
 class _Pace:
-    """A stream's delivery floor (issue 20). The gateway pulls the backend's
+    """A stream's delivery floor. The gateway pulls the backend's
     next chunk only once the client's socket took the last write, so a reader
     slower than the backend holds the backend's slot for as long as it reads:
     a 4,000-token answer at 256 B/s takes an hour. The stall timeout catches

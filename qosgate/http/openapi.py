@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from qosgate.backends.support import LOGPROBS, PASSTHROUGH, RequestSupport
+from qosgate.backends.support import LOGPROBS, MEDIA, PASSTHROUGH, RequestSupport
 
-from .validation import NOT_ONLY_SPACE, PART_FEATURES, Endpoint, request_schema
+from .validation import NOT_ONLY_SPACE, Endpoint, nullable, request_schema
 
 OPENAPI_VERSION = "3.1.0"
 
@@ -26,17 +26,10 @@ _AUTH_THROTTLED = (
     "refused before its credentials are looked at."
 )
 _REF = "#/components"
-_NOT_ONLY_SPACE = NOT_ONLY_SPACE
 
 
 def _ref(kind: str, name: str) -> dict[str, str]:
     return {"$ref": f"{_REF}/{kind}/{name}"}
-
-
-def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
-    # Each field the gateway checks accepts JSON null as "not given", except
-    # the booleans (validation.py's _Body).
-    return {"anyOf": [schema, {"type": "null"}]}
 
 
 def _json(schema: dict[str, Any]) -> dict[str, Any]:
@@ -68,7 +61,7 @@ def _model_schema(models: Sequence[str]) -> dict[str, Any]:
         return {"type": "string", "enum": list(models)}
     # A backend that cannot list its models judges the name itself; the
     # gateway only refuses an empty or blank one.
-    return {"type": "string", "pattern": _NOT_ONLY_SPACE}
+    return {"type": "string", "pattern": NOT_ONLY_SPACE}
 
 
 def _request(
@@ -101,7 +94,7 @@ def _parts(support: RequestSupport) -> dict[str, Any]:
             "required": ["type", kind],
             "properties": {"type": {"const": kind}, kind: {"type": "object"}},
         }
-        for kind in PART_FEATURES
+        for kind in MEDIA
         if support.passthrough or kind in support.features
     ]
     return {"type": "array", "items": {"anyOf": kinds}}
@@ -172,7 +165,7 @@ def _schemas(
                     "required": ["role"],
                     "properties": {
                         "role": {"const": "assistant"},
-                        "content": {"anyOf": [{"type": "string"}, parts, {"type": "null"}]},
+                        "content": nullable({"anyOf": [{"type": "string"}, parts]}),
                     },
                 },
             ]

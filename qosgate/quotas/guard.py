@@ -207,6 +207,8 @@ class QuotaGuard:
     def settle_soon(self, reservation: Reservation, charged: int, served: bool) -> None:
         """Settle without making the caller wait (called from the request's
         end, which is synchronous). Exactly once per reservation."""
+        # Its slot is given back here: no lease of it is renewed any more.
+        self._held.pop((reservation.tenant, reservation.request_id), None)
         now = self._clock()
         if reservation.store == FALLBACK:
             self._fallback.settle(reservation, charged, served, now)

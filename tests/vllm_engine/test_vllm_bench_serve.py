@@ -120,7 +120,9 @@ class VllmServer:
     async def ready(self) -> None:
         """Until /health answers 200, or the process has exited. The engine
         loads for tens of seconds: /health is asked only once uvicorn has said
-        the app is up, and then until its socket listens (moments)."""
+        the app is up. Its socket listens a moment later, and nothing says
+        when (uvicorn, handed vLLM's pre-bound socket, logs nothing once it
+        listens), so that moment alone is polled for, bounded."""
         assert self._up is not None and self.proc is not None
         async with asyncio.timeout(START_LIMIT_S), aiohttp.ClientSession() as http:
             up = await asyncio.shield(self._up)
@@ -129,7 +131,7 @@ class VllmServer:
                     async with http.get(self.url + "/health") as r:
                         if r.status == 200:
                             return
-                await asyncio.sleep(0.05)  # a poll's pace, never a wait for it
+                await asyncio.sleep(0.05)  # no event marks the listen (above)
         raise AssertionError("vllm serve exited before it served:\n" + "\n".join(self.lines))
 
     async def stop(self) -> None:

@@ -20,7 +20,7 @@ import pytest
 import pytest_asyncio
 from hypothesis import given
 
-from tests.http_support import ALICE_KEY, ENV, MODEL, live_app
+from tests.http_support import ALICE_KEY, ENV, MODEL, assert_still_serves, live_app
 from tests.test_fuzz_inputs import HTTP_FUZZ, _check_answer, sampling_bodies
 from tests.test_schemathesis import (
     ADMIN_TOKEN,
@@ -70,20 +70,10 @@ async def live(tiny_model, tmp_path_factory):
         yield app
 
 
-async def _still_serves(live) -> None:
-    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {ALICE_KEY}"}) as http:
-        async with http.post(
-            f"{live.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}
-        ) as response:
-            assert response.status == 200, await response.text()
-        async with http.get(f"{live.url}/readyz") as response:
-            assert response.status == 200, await response.text()
-
-
 async def test_schemathesis_finds_nothing_against_the_vllm_backend(live) -> None:
     work: Path = live.work
     run = await _schemathesis(live.url, work, "vllm", 60, AUTH_CONFIG + UPSTREAM_ACCEPTANCE)
-    await _still_serves(live)
+    await assert_still_serves(live.url)
     summary = _summary(run)
     print(f"schemathesis tried {summary['generated']} cases against the vLLM backend")
     assert run["exit_code"] == 0 and not run["report"]["failures"], (
@@ -104,7 +94,7 @@ async def test_schemathesis_finds_nothing_against_the_vllm_backend(live) -> None
 async def http(live):
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {ALICE_KEY}"}) as session:
         yield session
-    await _still_serves(live)
+    await assert_still_serves(live.url)
 
 
 @HTTP_FUZZ.__class__(HTTP_FUZZ, max_examples=120)
@@ -129,5 +119,5 @@ async def test_the_hostile_corpus_gets_exact_4xx_through_the_engine(live) -> Non
                 problem = _check(case, "vllm", response.status, raw, response.headers)
             if problem is not None:
                 failures.append(f"{case.name}: {problem}")
-    await _still_serves(live)
+    await assert_still_serves(live.url)
     assert not failures, "\n".join(failures)
