@@ -270,6 +270,25 @@ async def test_one_renewal_covers_every_tenant(store):
     assert await store.renew({}, T0, lease_s=LEASE) == set()
 
 
+async def test_released_slots_free_at_once_and_keep_their_tokens(store):
+    lim = limits(max_concurrency=2, tokens_per_minute=100)
+    a = await reserve(store, lim, 30, T0, tenant="a")
+    b = await reserve(store, lim, 30, T0, tenant="b")
+    a2 = await reserve(store, lim, 30, T0, tenant="a")
+    assert not (await reserve(store, lim, 1, T0 + 1, tenant="a")).admitted
+    await store.release({
+        "a": [a.reservation.request_id, a2.reservation.request_id, "never-held"],
+        "b": [],
+    })  # fmt: skip
+    # Both of a's slots are back long before their lease ends; b's stays.
+    again = await reserve(store, lim, 40, T0 + 2, tenant="a")
+    assert again.admitted
+    assert state(again, "max_concurrency").used == 1
+    assert state(again, "tokens_per_minute").used == 100  # what was reserved stays charged
+    assert state(await reserve(store, lim, 1, T0 + 2, tenant="b"), "max_concurrency").used == 2
+    await store.release({})
+
+
 async def test_tenants_are_independent(store):
     lim = limits(tokens_per_minute=100, max_concurrency=1)
     assert (await reserve(store, lim, 100, T0, tenant="a")).admitted

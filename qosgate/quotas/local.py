@@ -252,6 +252,13 @@ class LocalLimiter:
                     lost.add((tenant, rid))
         return lost
 
+    def release(self, leases: Mapping[str, Collection[str]]) -> None:
+        """Free the concurrency slots named (tenant -> request ids)."""
+        for tenant, request_ids in leases.items():
+            inflight = self._inflight.get(tenant)
+            for rid in request_ids if inflight is not None else ():
+                inflight.pop(rid, None)
+
     def usage(self, tenant: str, limits: TenantLimits, now: float) -> tuple[LimitState, ...]:
         return self._states(tenant, limits, now)
 

@@ -378,6 +378,19 @@ class RedisQuotaStore(QuotaStore):
             for rid in (gone if isinstance(gone, list) else [])
         }
 
+    async def release(self, leases: Mapping[str, Collection[str]]) -> None:
+        # ZREM alone is atomic and needs no read: one pipelined round trip.
+        pipe = self._redis.pipeline(transaction=False)
+        for tenant, ids in leases.items():
+            if ids:
+                pipe.zrem(self.key(tenant, "max_concurrency"), *ids)
+        if not pipe.command_stack:
+            return
+        try:
+            await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise QuotaStoreError(f"redis unreachable: {exc}") from exc
+
     async def usage(self, tenant: str, limits: TenantLimits, now: float) -> tuple[LimitState, ...]:
         result = await self._call(tenant, limits, 0, "", now, 0.0, False)
         return self._states(limits, result, now)[0]

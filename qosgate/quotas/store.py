@@ -51,6 +51,12 @@ class QuotaStore(ABC):
         not taken back: its (tenant, request id) is returned, as lost."""
 
     @abstractmethod
+    async def release(self, leases: Mapping[str, Collection[str]]) -> None:
+        """Free the concurrency slot of each request named (tenant -> request
+        ids, in one call) whose holder is known to be gone, without settling
+        its tokens: what it reserved stays charged until its window passes."""
+
+    @abstractmethod
     async def usage(self, tenant: str, limits: TenantLimits, now: float) -> tuple[LimitState, ...]:
         """Read-only: each limit as it stands."""
 
@@ -91,6 +97,9 @@ class MemoryQuotaStore(QuotaStore):
         self, leases: Mapping[str, Collection[str]], now: float, *, lease_s: float
     ) -> set[tuple[str, str]]:
         return self._limiter.renew(leases, now, lease_s=lease_s)
+
+    async def release(self, leases: Mapping[str, Collection[str]]) -> None:
+        self._limiter.release(leases)
 
     async def usage(self, tenant: str, limits: TenantLimits, now: float) -> tuple[LimitState, ...]:
         return self._limiter.usage(tenant, limits, now)
