@@ -8,6 +8,7 @@ sleeping); its stderr goes to a log file shown when something fails.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -16,9 +17,12 @@ import subprocess
 import sys
 import threading
 import urllib.request
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import aiohttp
+import redis.asyncio as aioredis
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -70,6 +74,67 @@ def policy(
         doc["fleet"] = {"role": "gateway", "url": redis_url, "lease_s": lease_s,
                         "key_prefix": "fleet-test:", "affinity": affinity}  # fmt: skip
     return doc
+
+
+STANDARD = {"Authorization": f"Bearer {KEYS['standard']}"}
+"""The headers of tenant fleet-standard's requests."""
+
+
+def chat(max_tokens: int, stream: bool) -> dict[str, Any]:
+    return {"model": "sim-llama3-8b", "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": max_tokens, "stream": stream}  # fmt: skip
+
+
+def cap_concurrency(doc: dict[str, Any], redis_url: str, *, slots: int, lease_s: float,
+                    key_prefix: str) -> None:  # fmt: skip
+    """Put `doc`'s quotas on the Redis at `redis_url`, with concurrency leases
+    of `lease_s`, and let tenant fleet-standard run `slots` requests at once."""
+    doc["quota_store"] = {"kind": "redis", "url": redis_url, "lease_s": lease_s,
+                          "key_prefix": key_prefix}  # fmt: skip
+    for tenant in doc["tenants"]:
+        if tenant["id"] == "fleet-standard":
+            tenant["quotas"] = {"max_concurrency": slots}
+
+
+async def hold_streams(
+    http: aiohttp.ClientSession, url: str, count: int, max_tokens: int
+) -> list[aiohttp.ClientResponse]:
+    """`count` streams of tenant fleet-standard on the gateway at `url`, each
+    running: its headers come with its first chunk."""
+    streams = []
+    for _ in range(count):
+        response = await http.post(url + "/chat/completions", json=chat(max_tokens, True),
+                                   headers=STANDARD)  # fmt: skip
+        assert response.status == 200, await response.text()
+        streams.append(response)
+    return streams
+
+
+@contextlib.asynccontextmanager
+async def slot_events(
+    redis_url: str, event: Literal["expired", "zrem"]
+) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+    """A wait for the next keyspace event `event` on tenant fleet-standard's
+    concurrency key (its leases all live in that one key): the key running
+    out (expired), or leases taken out of it (zrem: a settlement or a
+    release). Subscribed before the block runs, so none is missed."""
+    store = aioredis.Redis.from_url(redis_url)
+    await store.config_set("notify-keyspace-events", {"expired": "Ex", "zrem": "Ez"}[event])
+    events = store.pubsub()
+    await events.subscribe(f"__keyevent@0__:{event}")
+
+    async def next_event() -> None:
+        async for message in events.listen():
+            if message["type"] == "message" and message["data"].endswith(
+                b"{fleet-standard}:conc"
+            ):
+                return
+
+    try:
+        yield next_event
+    finally:
+        await events.aclose()
+        await store.aclose()
 
 
 def bucket_quantile(cumulative: dict[float, float], q: float) -> float | None:

@@ -26,12 +26,14 @@ from qosgate.backends.base import BackendRejected, Chunk, GenerationJob
 from qosgate.backends.sim_live import SimBackend, filler_text
 from qosgate.config.models import FleetConfig, PolicyConfig
 from qosgate.core.request import Outcome
+from qosgate.fleet import engine as engine_module
 from qosgate.fleet import wire
 from qosgate.fleet.engine import EngineNode
 from qosgate.fleet.gateway import FleetBackend
 from qosgate.http.app import build_app
 from qosgate.runtime.errors import BadRequest, Expired, GatewayError, Overloaded, QueueFull
 from qosgate.runtime.gate import Gateway, RequestStream
+from tests.redis_server import free_port
 
 LIMIT_S = 20.0
 
@@ -39,7 +41,7 @@ LIMIT_S = 20.0
 def make_policy(
     redis_url: str, prefix: str, scheduler: dict[str, Any] | None = None,
     batch: dict[str, Any] | None = None, tenants: list[dict[str, Any]] | None = None,
-    **tier_overrides: Any,
+    quota_store: dict[str, Any] | None = None, **tier_overrides: Any,
 ) -> PolicyConfig:  # fmt: skip
     interactive = {"priority": 0, "max_queue_wait_ms": 60_000, **tier_overrides}
     return PolicyConfig.model_validate({
@@ -52,6 +54,7 @@ def make_policy(
         },
         "default_tier": "interactive",
         "fleet": {"role": "gateway", "url": redis_url, "key_prefix": prefix, "lease_s": 1.0},
+        "quota_store": quota_store or {},
     })  # fmt: skip
 
 
@@ -172,6 +175,29 @@ def record_starts(engine: EngineNode) -> asyncio.Queue[str]:
 
     engine._start = start  # type: ignore[method-assign]
     return started
+
+
+def record_releases(engine: EngineNode) -> asyncio.Queue[dict[str, list[str]]]:
+    """Each batch of quota slots `engine` asked to release (tenant -> request
+    ids), once the attempt is over, whether the store took it or not."""
+    released: asyncio.Queue[dict[str, list[str]]] = asyncio.Queue()
+    release = engine._release_quotas
+
+    async def record(stopped: dict[str, list[str]]) -> None:
+        await release(stopped)
+        if stopped:
+            released.put_nowait(stopped)
+
+    engine._release_quotas = record  # type: ignore[method-assign]
+    return released
+
+
+def second_replica(policy: PolicyConfig, node_id: str = "gw2") -> Gateway:
+    assert policy.fleet is not None
+    return Gateway(policy, FleetBackend(
+        policy, policy.fleet.model_copy(update={"node_id": node_id}),
+        models=("sim-llama3-8b",), count_prompt_tokens=lambda e, b: 8,
+    ))  # fmt: skip
 
 
 async def ended(engine: EngineNode, item_id: str) -> None:
@@ -481,11 +507,15 @@ async def test_a_replicas_metrics_show_the_fleet_queue_read_from_redis(redis_ser
 
 
 async def test_the_run_of_a_replica_that_crashed_stops_at_the_next_renewal(
-    redis_server, prefix
+    redis_server, prefix, monkeypatch
 ):
     # The replica holding the client dies mid-stream (OOM-killed, its host
     # lost): nobody can receive the output, so the node stops generating it
     # instead of filling a sequence slot for nobody until the end.
+    def no_store(_: Any) -> None:
+        raise AssertionError("a memory quota store died with its replica: nothing to release")
+
+    monkeypatch.setattr(engine_module, "build_store", no_store)
     async with Fleet(make_policy(redis_server.url, prefix), engines=1) as fleet:
         engine = fleet.engines[0]
         store = fleet.backend.store
@@ -558,6 +588,85 @@ async def test_an_item_queued_by_a_replica_that_crashed_is_dropped_when_claimed(
                 await asyncio.gather(reader, return_exceptions=True)
             await doomed.close()
             await restarted.close()
+
+
+async def test_a_dropped_item_of_a_replica_that_crashed_gives_its_quota_slot_back(
+    redis_server, prefix
+):
+    # The tenant's one slot is held by a request queued on a replica that
+    # then dies: once the node drops the item, the surviving replica admits
+    # the tenant again, long before the quota lease (30 s) would run out.
+    policy = make_policy(
+        redis_server.url, prefix,
+        tenants=[{"id": "t", "tier": "interactive", "quotas": {"max_concurrency": 1}}],
+        quota_store={"kind": "redis", "url": redis_server.url, "key_prefix": prefix},
+    )  # fmt: skip
+    async with Fleet(policy, engines=1, seqs=1) as fleet:
+        engine = fleet.engines[0]
+        released = record_releases(engine)
+        doomed = second_replica(policy)
+        await doomed.start()
+        reader: asyncio.Future[Any] | None = None
+        try:
+            async with asyncio.timeout(LIMIT_S), Enqueues(fleet) as enqueues:
+                running = fleet.submit(max_tokens=400, tenant="u")
+                await first_chunk(running)
+                request_id = uuid.uuid4().hex
+                held = await doomed.quotas.reserve("t", 16, request_id)
+                assert held is not None and held.admitted
+                orphan = doomed.submit(
+                    request_id=request_id, tenant="t", tier="interactive", endpoint="chat",
+                    body={"model": "sim-llama3-8b", "messages": []},
+                    prompt_tokens=8, max_tokens=8, reservation=held.reservation,
+                )  # fmt: skip
+                reader = asyncio.ensure_future(read_all(orphan))
+                await enqueues.wait(2)
+                refused = await fleet.gateway.quotas.reserve("t", 16, uuid.uuid4().hex)
+                assert refused is not None and not refused.admitted
+                await crash(doomed.backend)  # type: ignore[arg-type]
+                # The node's one slot frees, and it claims the dead replica's item.
+                await running.aclose()
+                assert await released.get() == {"t": [request_id]}
+                again = await fleet.gateway.quotas.reserve("t", 16, uuid.uuid4().hex)
+                assert again is not None and again.admitted, again.reason
+            assert engine.orphaned == 1
+            assert engine.completed == 0
+        finally:
+            if reader is not None:
+                reader.cancel()
+                await asyncio.gather(reader, return_exceptions=True)
+            await doomed.close()
+
+
+async def test_a_quota_release_that_fails_leaves_the_node_serving(redis_server, prefix, caplog):
+    # The quota store's Redis is down: the run of the dead replica is still
+    # stopped, the failure is logged (its slot comes back when its lease runs
+    # out), and the node goes on taking work.
+    policy = make_policy(redis_server.url, prefix, quota_store={
+        "kind": "redis", "url": f"redis://127.0.0.1:{free_port()}/0", "timeout_ms": 200,
+    })  # fmt: skip
+    async with Fleet(policy, engines=1) as fleet:
+        engine = fleet.engines[0]
+        released = record_releases(engine)
+        survivor = second_replica(policy)
+        await survivor.start()
+        try:
+            async with asyncio.timeout(LIMIT_S):
+                stream = fleet.submit(max_tokens=5000)
+                await first_chunk(stream)
+                await crash(fleet.backend)
+                assert await released.get() == {"t": [stream.request.id]}
+                assert "could not release the quota slots of 1 stopped runs" in caplog.text
+                assert engine.orphaned == 1
+                answer = survivor.submit(
+                    request_id=uuid.uuid4().hex, tenant="t", tier="interactive",
+                    endpoint="chat", body={"model": "sim-llama3-8b", "messages": []},
+                    prompt_tokens=8, max_tokens=8,
+                )  # fmt: skip
+                assert await read_all(answer) == (filler_text(0, 8), 8)
+            assert engine.completed == 1
+        finally:
+            await survivor.close()
 
 
 async def test_a_client_gone_while_its_item_waits_in_redis_is_not_charged(redis_server, prefix):

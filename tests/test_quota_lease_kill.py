@@ -12,27 +12,25 @@ import time
 from pathlib import Path
 
 import aiohttp
-import redis.asyncio as aioredis
 import yaml
 
-from tests.fleet_support import KEYS, Proc, policy
+from tests.fleet_support import (
+    STANDARD,
+    Proc,
+    cap_concurrency,
+    chat,
+    hold_streams,
+    policy,
+    slot_events,
+)
 from tests.redis_server import RedisServer
 
 LEASE_S = 2.0
 SLOTS = 4
-MODEL = "sim-llama3-8b"
-
-
-def body(max_tokens: int, stream: bool) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "hello"}],
-            "max_tokens": max_tokens, "stream": stream}  # fmt: skip
-
-
-HEADERS = {"Authorization": f"Bearer {KEYS['standard']}"}
 
 
 async def status_of(http: aiohttp.ClientSession, url: str) -> int:
-    async with http.post(url + "/chat/completions", json=body(1, False), headers=HEADERS) as r:
+    async with http.post(url + "/chat/completions", json=chat(1, False), headers=STANDARD) as r:
         await r.read()
         return r.status
 
@@ -42,11 +40,7 @@ async def test_a_killed_gateways_slots_come_back_within_the_lease(tmp_path: Path
     # A token every 50 ms or so: a 4,000-token stream outlives the test.
     doc["backend"]["speed"] = 0.05
     with RedisServer() as redis:
-        doc["quota_store"] = {"kind": "redis", "url": redis.url, "lease_s": LEASE_S,
-                              "key_prefix": "lease-kill:"}  # fmt: skip
-        for tenant in doc["tenants"]:
-            if tenant["id"] == "fleet-standard":
-                tenant["quotas"] = {"max_concurrency": SLOTS}
+        cap_concurrency(doc, redis.url, slots=SLOTS, lease_s=LEASE_S, key_prefix="lease-kill:")
         config = tmp_path / "policy.yaml"
         config.write_text(yaml.safe_dump(doc))
         gateways: list[Proc] = []
@@ -55,12 +49,7 @@ async def test_a_killed_gateways_slots_come_back_within_the_lease(tmp_path: Path
                 gateways.append(Proc(config, f"gateway-{index + 1}", tmp_path, None))
             doomed, survivors = gateways[0], gateways[1:]
             async with aiohttp.ClientSession() as http:
-                streams = []
-                for _ in range(SLOTS):
-                    response = await http.post(doomed.url + "/chat/completions",
-                                               json=body(4000, True), headers=HEADERS)  # fmt: skip
-                    assert response.status == 200, await response.text()
-                    streams.append(response)
+                streams = await hold_streams(http, doomed.url, SLOTS, 4000)
                 held_at = time.monotonic()
                 # The streams run on past their first lease (read as they come).
                 while time.monotonic() < held_at + 1.5 * LEASE_S:
@@ -70,25 +59,14 @@ async def test_a_killed_gateways_slots_come_back_within_the_lease(tmp_path: Path
                     assert await status_of(http, gateway.url) == 429, "a 5th slot was taken"
                 # The tenant's leases live in one key, which expires with the
                 # last lease renewed (Redis says when, as a keyspace event).
-                store = aioredis.Redis.from_url(redis.url)
-                await store.config_set("notify-keyspace-events", "Ex")
-                expiries = store.pubsub()
-                await expiries.psubscribe("__keyevent@*__:expired")
-                try:
+                async with slot_events(redis.url, "expired") as expired:
                     doomed.kill()
                     killed_at = time.monotonic()
                     for response in streams:
                         response.close()
                     async with asyncio.timeout(3 * LEASE_S):
-                        async for message in expiries.listen():
-                            if message["type"] == "pmessage" and message["data"].endswith(
-                                b"{fleet-standard}:conc"
-                            ):
-                                break
+                        await expired()
                     freed_after = time.monotonic() - killed_at
-                finally:
-                    await expiries.aclose()
-                    await store.aclose()
                 # Within the lease (and a renewal tick's slack), not an hour,
                 # and a survivor admits the tenant again at once.
                 assert freed_after <= LEASE_S + 0.5, freed_after

@@ -26,8 +26,12 @@ happened. A renewal timer extends every held lease each third of `lease_s`;
 a lease found lost (cancelled by its gateway, or taken over after this node
 stalled) stops its run. So does a gateway found gone: at each renewal, and
 after each claim, the node asks Redis whether anyone still subscribes to the
-reply channels of its items, and ends those nobody waits for. On shutdown the node releases what it has not
-finished, so other nodes take it at once, at its original arrival.
+reply channels of its items, and ends those nobody waits for. Their
+requests' quota concurrency slots (quota_store: redis) are released with
+them: a replica that died can neither settle nor renew them, and the
+tenant's other requests should not wait out `quota_store.lease_s` for them.
+On shutdown the node releases what it has not finished, so other nodes take
+it at once, at its original arrival.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from qosgate.backends.base import Backend, BackendError, BackendUnavailable, Chu
 from qosgate.config.models import FleetConfig, PolicyConfig
 from qosgate.core.admission import DEFAULT_DRAIN_RATE, DrainRateEstimator
 from qosgate.core.scheduler import MAX_PREEMPTIONS
+from qosgate.quotas import QuotaStore, QuotaStoreError, build_store
 
 from . import wire
 from .gateway import default_node_id, fleet_store
@@ -131,6 +136,11 @@ class EngineNode:
         self._live_replies: set[str] = set()
         self.orphaned = 0
         """Runs stopped because no gateway waited for them any more (for stats and tests)."""
+        # A memory store died with the replica that held the slots: only a
+        # shared one still counts them.
+        self._quotas: QuotaStore | None = (
+            build_store(policy.quota_store) if policy.quota_store.kind == "redis" else None
+        )
         self._claiming: asyncio.Task[None] | None = None
         self._again = False
         self._wake_handle: asyncio.Handle | None = None
@@ -208,6 +218,8 @@ class EngineNode:
         await self._wakes.close()
         await self.backend.close()
         await self.store.close()
+        if self._quotas is not None:
+            await self._quotas.close()
 
     def status(self) -> dict[str, Any]:
         return {
@@ -461,11 +473,13 @@ class EngineNode:
         live = {channel for channel, count in counts.items() if count > 0}
         self._live_replies = live if fresh else self._live_replies | live
         gone = {channel for channel, count in counts.items() if count == 0}
+        stopped: dict[str, list[str]] = {}
         for item_id in item_ids:
             if self._replies.get(item_id) not in gone:
                 continue
             task = self._runs.get(item_id)
-            if task is None or task.done():
+            lease = self._leases.get(item_id)
+            if task is None or task.done() or lease is None:
                 continue
             try:
                 await self.store.cancel(item_id, time.time())
@@ -476,6 +490,21 @@ class EngineNode:
             log.warning("work item %s: the gateway that queued it is gone; stopped", item_id)
             self.orphaned += 1
             task.cancel()
+            # The work item's id is the quota reservation's request id.
+            stopped.setdefault(lease.item.tenant, []).append(item_id)
+        await self._release_quotas(stopped)
+
+    async def _release_quotas(self, stopped: dict[str, list[str]]) -> None:
+        """Free the concurrency slots of the requests in `stopped` (tenant ->
+        request ids), whose gateway is gone; their tokens stay charged."""
+        if self._quotas is None or not stopped:
+            return
+        try:
+            await self._quotas.release(stopped)
+        except QuotaStoreError as exc:
+            # No retry: the leases run out on their own within quota_store.lease_s.
+            count = sum(len(ids) for ids in stopped.values())
+            log.warning("could not release the quota slots of %d stopped runs: %s", count, exc)
 
     def _used(self, job: GenerationJob, output_tokens: int) -> float | None:
         """The service a run used, which settles its tenant's counter (fair tiers)."""
