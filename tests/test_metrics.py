@@ -77,6 +77,10 @@ async def test_every_design_metric_is_exported_and_moves_with_the_load():
         before = await scrape(http, live.url)
         assert DESIGN_METRICS <= before[("families", ())]
         assert value(before, "qosgate_backend_capacity") == 2
+        # The quota store's counters, all zero on the memory store.
+        for name in ("store_errors", "unshared_tokens", "carries", "leases_lost"):
+            assert (f"qosgate_quota_{name}_total", ()) in before
+            assert value(before, f"qosgate_quota_{name}_total") == 0
 
         async def call(key: str, stream: bool) -> int:
             body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],

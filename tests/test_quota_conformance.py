@@ -19,6 +19,7 @@ from qosgate.quotas import (
     SLOTS,
     MemoryQuotaStore,
     QuotaStore,
+    Renewal,
     Reservation,
     SettledTwice,
     TenantLimits,
@@ -239,7 +240,7 @@ async def test_a_renewed_lease_outlives_its_first_end(store):
     lim = limits(max_concurrency=1)
     d = await reserve(store, lim, 1, T0)
     rid = d.reservation.request_id
-    assert await store.renew({"t": [rid]}, T0 + LEASE - 1, lease_s=LEASE) == set()
+    assert await store.renew({"t": [rid]}, T0 + LEASE - 1, lease_s=LEASE) == Renewal()
     assert not (await reserve(store, lim, 1, T0 + LEASE)).admitted
     assert not (await reserve(store, lim, 1, T0 + 2 * LEASE - 2)).admitted
     assert (await reserve(store, lim, 1, T0 + 2 * LEASE - 1)).admitted
@@ -249,12 +250,12 @@ async def test_renewal_never_takes_back_an_ended_lease(store):
     lim = limits(max_concurrency=1)
     expired = await reserve(store, lim, 1, T0)
     lost = await store.renew({"t": [expired.reservation.request_id]}, T0 + LEASE, lease_s=LEASE)
-    assert lost == {("t", expired.reservation.request_id)}
+    assert lost == Renewal(lost={("t", expired.reservation.request_id)})
     settled = await reserve(store, lim, 1, T0 + LEASE)
     assert settled.admitted
     await store.settle(settled.reservation, 1, True, T0 + LEASE + 1)
     rid = settled.reservation.request_id
-    assert await store.renew({"t": [rid]}, T0 + LEASE + 2, lease_s=LEASE) == {("t", rid)}
+    assert await store.renew({"t": [rid]}, T0 + LEASE + 2, lease_s=LEASE) == Renewal(lost={("t", rid)})
     assert state_of(await store.usage("t", lim, T0 + LEASE + 2), "max_concurrency").used == 0
 
 
@@ -263,11 +264,11 @@ async def test_one_renewal_covers_every_tenant(store):
     a = await reserve(store, lim, 1, T0, tenant="a")
     b = await reserve(store, lim, 1, T0, tenant="b")
     leases = {"a": [a.reservation.request_id], "b": [b.reservation.request_id, "never-held"]}
-    assert await store.renew(leases, T0 + LEASE / 2, lease_s=LEASE) == {("b", "never-held")}
+    assert await store.renew(leases, T0 + LEASE / 2, lease_s=LEASE) == Renewal(lost={("b", "never-held")})
     for tenant in ("a", "b"):
         assert not (await reserve(store, lim, 1, T0 + LEASE, tenant=tenant)).admitted
         assert (await reserve(store, lim, 1, T0 + 1.5 * LEASE, tenant=tenant)).admitted
-    assert await store.renew({}, T0, lease_s=LEASE) == set()
+    assert await store.renew({}, T0, lease_s=LEASE) == Renewal()
 
 
 async def test_released_slots_free_at_once_and_keep_their_tokens(store):

@@ -66,16 +66,19 @@ async def test_fail_open_serves_on_the_local_limiter_and_recovers(own_redis_serv
         assert guard.counters.store_errors == errors
 
         own_redis_server.start()
-        # Two failures (the settlement, then r2) doubled the interval to 2 s.
-        clock.now += 2.0
-        after = await guard.reserve("t", 200, "r5")
+        clock.now += 1.0
+        after = await guard.reserve("t", 100, "r5")
         assert after.admitted and after.reservation.store == "redis"
         assert not guard.store_down
-        # The kept settlement reached Redis: 600 reserved, 100 charged, +200.
-        assert guard._resending is not None
-        await guard._resending
+        # Back, the gateway carries in what it admitted alone (r2's 700 and
+        # r4's 100), then sends the settlement Redis missed (r1: 600 reserved,
+        # 100 charged): 100 + 800 + r5's 100.
+        assert guard._catching_up is not None
+        await guard._catching_up
         assert guard.counters.settlements_resent == 1
-        assert (await used(guard))["tokens_per_minute"] == 300
+        assert guard.counters.unshared_tokens == 800 and guard.counters.carried == 1
+        assert (await used(guard))["tokens_per_minute"] == 1000
+        assert not (await guard.reserve("t", 1, "r6")).admitted
         guard.settle_soon(during.reservation, 0, False)  # local, settles locally
     finally:
         await guard.close()
@@ -92,13 +95,13 @@ async def test_fail_closed_refuses_with_retry_after_and_recovers(own_redis_serve
         assert refused.value.retry_after_s >= 1.0
         assert guard.counters.refused_store_down == 1
         clock.now += 1.0
-        with pytest.raises(QuotaStoreDown):  # still down: the interval doubles
+        with pytest.raises(QuotaStoreDown):  # still down: tried, and refused
             await guard.reserve("t", 100, "r3")
         own_redis_server.start()
-        clock.now += 1.0  # not yet: the doubled interval has not passed
+        clock.now += 0.5  # not yet: the retry interval has not passed
         with pytest.raises(QuotaStoreDown):
             await guard.reserve("t", 100, "r4")
-        clock.now += 1.0
+        clock.now += 0.5  # one interval, never more, after the last failure
         back = await guard.reserve("t", 100, "r5")
         assert back.admitted and back.reservation.store == "redis"
         assert not guard.store_down
@@ -152,6 +155,11 @@ async def test_a_gateway_failing_closed_answers_503_then_recovers(own_redis_serv
             bob = {"Authorization": f"Bearer {BOB_KEY}"}
             async with http.post(url, json=body, headers=bob) as resp:
                 assert resp.status == 200
+            async with http.get(live.url + "/metrics") as resp:
+                metrics = await resp.text()
+            errors = [line for line in metrics.splitlines()
+                      if line.startswith("qosgate_quota_store_errors_total ")]  # fmt: skip
+            assert errors and float(errors[0].split()[1]) >= 1
             own_redis_server.start()
             clock.now += 1.0
             async with http.post(url, json=body, headers=headers) as resp:

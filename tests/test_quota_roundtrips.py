@@ -15,7 +15,7 @@ import time
 import redis.asyncio as aioredis
 
 from qosgate.config.models import TenantQuotas
-from qosgate.quotas import TenantLimits
+from qosgate.quotas import Renewal, TenantLimits
 from qosgate.quotas.redis_store import RedisQuotaStore
 from tests.redis_server import RedisServer
 
@@ -98,10 +98,10 @@ async def test_a_renewal_tick_is_one_evalsha_for_every_tenant() -> None:
                                             lease_s=600)  # fmt: skip
                     assert d.reservation is not None
                     leases.setdefault(f"t{tenant}", []).append(f"r{i}")
-            assert await store.renew(leases, time.time(), lease_s=600) == set()  # loads it
+            assert await store.renew(leases, time.time(), lease_s=600) == Renewal()  # loads it
             before = await sent(admin)
             for _ in range(5):
-                assert await store.renew(leases, time.time(), lease_s=600) == set()
+                assert await store.renew(leases, time.time(), lease_s=600) == Renewal()
             assert diff(await sent(admin), before) == {"evalsha": 5}
         finally:
             await store.close()

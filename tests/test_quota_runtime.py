@@ -43,8 +43,8 @@ class Ledger:
         self.served: dict[str, bool] = {}
         real_reserve, real_settle = store.reserve, store.settle
 
-        async def reserve(tenant, limits, tokens, request_id, now, *, lease_s):
-            decision = await real_reserve(tenant, limits, tokens, request_id, now, lease_s=lease_s)
+        async def reserve(tenant, limits, tokens, request_id, now, **kwargs):
+            decision = await real_reserve(tenant, limits, tokens, request_id, now, **kwargs)
             if decision.admitted:
                 self.reserved[request_id] = tokens
                 self.tenants[request_id] = tenant

@@ -332,9 +332,11 @@ class QuotaStoreConfig(StrictModel):
     """With Redis unreachable: keep serving on a local limiter, or answer 503."""
     timeout_ms: WholeMillis = 250
     """How long one Redis call may take before Redis counts as down."""
-    retry_interval_s: Seconds = 1.0
-    """While Redis is down, how long before a request tries it again (doubling
-    up to 8x while it stays down); the requests in between do not wait on it."""
+    retry_interval_s: Seconds = 0.25
+    """While Redis is down, how long before a request tries it again; the
+    requests in between do not wait on it. Also how long a tenant's
+    reservations wait, after Redis lost its data, for every gateway to carry
+    back what it had admitted."""
     lease_s: Seconds = 30.0
     """A max_concurrency slot is a lease of this long, renewed every third of
     it while its request runs: how soon the slots of a gateway that died come

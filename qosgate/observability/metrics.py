@@ -71,6 +71,25 @@ class _Levels(Collector):
         )
         restarts.add_metric([], backend.get("restarts", 0))
         yield from (depth, tokens, oldest, inflight, capacity, restarts)
+        quota_store = snap.get("quota_store", {})
+        for name, counter, text in _QUOTA_STORE_COUNTERS:
+            family = CounterMetricFamily(f"{PREFIX}{name}", text)
+            family.add_metric([], quota_store.get(counter, 0))
+            yield family
+
+
+_QUOTA_STORE_COUNTERS = (
+    ("quota_store_errors", "store_errors", "Calls to the quota store that failed"),
+    ("quota_unshared_tokens", "unshared_tokens",
+     "Tokens this gateway admitted on its own limiter while the shared quota store "
+     "was unreachable (fail_open): each gateway counts them alone until they are "
+     "carried into the store"),
+    ("quota_carries", "carried",
+     "Times this gateway carried a tenant's admissions into the quota store (after "
+     "an outage, or a restart that lost its data)"),
+    ("quota_leases_lost", "leases_lost",
+     "Running requests whose concurrency lease ran out before it was renewed"),
+)  # fmt: skip
 
 
 class _FleetLevels(Collector):

@@ -6,18 +6,21 @@ from .local import LocalLimiter
 from .model import (
     SLOTS,
     LimitState,
+    Holding,
     QuotaDecision,
     RateRule,
+    Renewal,
     Reservation,
     SettledTwice,
     TenantLimits,
 )
-from .store import MemoryQuotaStore, QuotaStore, QuotaStoreError
+from .store import MemoryQuotaStore, QuotaStore, QuotaStoreError, StoreRecovering, StoreReset
 
 __all__ = [
     "FALLBACK",
     "SLOTS",
     "GuardCounters",
+    "Holding",
     "LimitState",
     "LocalLimiter",
     "MemoryQuotaStore",
@@ -27,8 +30,11 @@ __all__ = [
     "QuotaStoreDown",
     "QuotaStoreError",
     "RateRule",
+    "Renewal",
     "Reservation",
     "SettledTwice",
+    "StoreRecovering",
+    "StoreReset",
     "TenantLimits",
     "build_store",
 ]

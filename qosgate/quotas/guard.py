@@ -4,10 +4,19 @@ It knows each tenant's limits, reads the wall clock, and decides what an
 unreachable store means (`quota_store.on_error`): fail open onto a
 `LocalLimiter` of this process, or refuse with 503. It never polls: after a
 failure the store is left alone until `retry_interval_s` has passed, and the
-next request to arrive after that tries it again (the interval doubles, up to
-8x, while it stays down). Settlements run in tasks of their own so a
-request's end never waits on the network; those the store could not take are
-kept and sent again, in order, once it answers.
+next request to arrive after that tries it again. Settlements run in tasks of
+their own so a request's end never waits on the network; those the store
+could not take are kept and sent again, in order, once it answers.
+
+Over a shared store (Redis) the guard also keeps a ledger: a `LocalLimiter`
+of everything this gateway admitted in the current windows, store and
+fallback alike, and its running requests. The fallback checks against it, so
+a gateway failing open admits no more than the limit counting what it had
+admitted before the outage (N gateways: at most N x the limit in a window).
+When the store answers again, what was admitted without it is carried into
+it; when the store lost its data (Redis restarted empty, seen as a changed
+generation of the tenant's keys), everything the ledger holds is, before this
+gateway reserves there again, and at the latest at its next renewal tick.
 
 A running request holds its tenant's concurrency slot on a lease of
 `lease_s`. One timer per gateway renews every running request's lease each
@@ -32,9 +41,17 @@ from dataclasses import dataclass
 
 from qosgate.config.models import PolicyConfig, QuotaStoreConfig
 
-from .local import LocalLimiter
-from .model import LimitState, QuotaDecision, Reservation, TenantLimits
-from .store import MemoryQuotaStore, QuotaStore, QuotaStoreError
+from .local import LocalLimiter, mark_settled, settle_deltas
+from .model import (
+    Holding,
+    LimitState,
+    QuotaDecision,
+    RateKind,
+    Reservation,
+    TenantLimits,
+    oldest_slot,
+)
+from .store import MemoryQuotaStore, QuotaStore, QuotaStoreError, StoreRecovering, StoreReset
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +79,13 @@ class GuardCounters:
     """Settlements given up (too many waiting): their tokens stay charged."""
     leases_lost: int = 0
     """Running requests whose concurrency lease ran out before it was renewed."""
+    unshared_tokens: int = 0
+    """Tokens reserved on the local limiter (fail_open): admitted without the
+    shared store, so each gateway's admissions add up alone until they are
+    carried into it."""
+    carried: int = 0
+    """Times this gateway carried a tenant's admissions into the store: after
+    an outage (what it admitted alone) or a data loss (all it held)."""
 
 
 class QuotaStoreDown(Exception):
@@ -73,12 +97,24 @@ class QuotaStoreDown(Exception):
         self.retry_after_s = retry_after_s
 
 
+def _in_window(slots: dict[RateKind, dict[int, int]], now: float) -> dict[RateKind, dict[int, int]]:
+    """The slots still in their limit's window: those older have left it."""
+    kept: dict[RateKind, dict[int, int]] = {}
+    for kind, amounts in slots.items():
+        oldest = oldest_slot(kind, now)
+        kept[kind] = {k: v for k, v in amounts.items() if k >= oldest and v}
+    return kept
+
+
 def build_store(cfg: QuotaStoreConfig) -> QuotaStore:
     if cfg.kind == "redis":
         from .redis_store import RedisQuotaStore
 
         return RedisQuotaStore(
-            cfg.url, key_prefix=cfg.key_prefix, socket_timeout_s=cfg.timeout_ms / 1000
+            cfg.url,
+            key_prefix=cfg.key_prefix,
+            socket_timeout_s=cfg.timeout_ms / 1000,
+            recovery_s=cfg.retry_interval_s,
         )
     return MemoryQuotaStore()
 
@@ -96,13 +132,19 @@ class QuotaGuard:
         self._cfg = cfg
         self._limits = dict(limits)
         self._clock = clock
-        self._fallback = LocalLimiter()
+        # The memory store is the ledger: it is never down and never loses data.
+        self._keeps_ledger = not isinstance(store, MemoryQuotaStore)
+        self._ledger = LocalLimiter()
+        # Requests not yet settled, per tenant; and per tenant, limit and slot,
+        # what was admitted on the fallback and has not reached the store.
+        self._running: dict[str, dict[str, Reservation]] = {}
+        self._unshared: dict[str, dict[RateKind, dict[int, int]]] = {}
+        self._carrying: dict[str, asyncio.Future[None]] = {}
         self._down_until: float | None = None
-        self._backoff = cfg.retry_interval_s
         self._unsent: collections.deque[tuple[Reservation, int, bool, float]] = (
             collections.deque()
         )
-        self._resending: asyncio.Task[None] | None = None
+        self._catching_up: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.counters = GuardCounters()
         # Running requests holding a concurrency slot: (tenant, request id) ->
@@ -147,7 +189,7 @@ class QuotaGuard:
                 return await self.store.usage(tenant, limits, now)
             except QuotaStoreError as exc:
                 self._failed(now, exc)
-        return self._fallback.usage(tenant, limits, now)
+        return self._ledger.usage(tenant, limits, now)
 
     # -- reserve and settle ----------------------------------------------------
 
@@ -157,62 +199,121 @@ class QuotaGuard:
         if limits is None:
             return None
         now = self._clock()
-        lease = self._cfg.lease_s
         if self._down_until is None or now >= self._down_until:
             try:
                 decision = await self._store_reserve(tenant, limits, tokens, request_id, now)
+            except StoreRecovering as exc:
+                return self._without_store(
+                    tenant, limits, tokens, request_id, now, str(exc), exc.retry_after_s
+                )
             except QuotaStoreError as exc:
                 self._failed(now, exc)
             else:
                 self._recovered()
-                self._hold(decision, now)
+                self._admitted(decision, now)
                 return decision
         assert self._down_until is not None
+        return self._without_store(
+            tenant, limits, tokens, request_id, now,
+            "the quota store is unreachable and this gateway fails closed",
+            self._down_until - now,
+        )  # fmt: skip
+
+    def _without_store(
+        self,
+        tenant: str,
+        limits: TenantLimits,
+        tokens: int,
+        request_id: str,
+        now: float,
+        why: str,
+        retry_after_s: float,
+    ) -> QuotaDecision:
+        """The store cannot decide now: refuse (fail_closed) or decide on this
+        gateway's ledger (fail_open)."""
         if self._cfg.on_error == "fail_closed":
             self.counters.refused_store_down += 1
-            raise QuotaStoreDown(
-                "the quota store is unreachable and this gateway fails closed",
-                retry_after_s=max(1.0, self._down_until - now),
-            )
+            raise QuotaStoreDown(why, retry_after_s=max(1.0, retry_after_s))
         self.counters.fallback_reservations += 1
-        decision = self._fallback.reserve(
-            tenant, limits, tokens, request_id, now, lease_s=lease, store=FALLBACK
+        decision = self._ledger.reserve(
+            tenant, limits, tokens, request_id, now, lease_s=self._cfg.lease_s, store=FALLBACK
         )
-        self._hold(decision, now)
+        if decision.reservation is not None:
+            self.counters.unshared_tokens += tokens
+            unshared = self._unshared.setdefault(tenant, {})
+            for rule in limits.rates:
+                slots = unshared.setdefault(rule.kind, {})
+                k = rule.slot(now)
+                slots[k] = slots.get(k, 0) + (1 if rule.counts_requests else tokens)
+        self._admitted(decision, now)
         return decision
 
     async def _store_reserve(
         self, tenant: str, limits: TenantLimits, tokens: int, request_id: str, now: float
     ) -> QuotaDecision:
-        call = self.store.reserve(tenant, limits, tokens, request_id, now, lease_s=self._cfg.lease_s)
         if isinstance(self.store, MemoryQuotaStore):
             # Nothing in it awaits, so a cancellation cannot land half-way.
-            return await call
+            return await self.store.reserve(
+                tenant, limits, tokens, request_id, now, lease_s=self._cfg.lease_s
+            )
         # A client that leaves while the script runs must not leave a
         # reservation behind: the call finishes on its own, and is refunded.
-        task = asyncio.ensure_future(call)
+        task = asyncio.ensure_future(self._reserve_carrying(tenant, limits, tokens, request_id, now))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             task.add_done_callback(self._refund_orphan)
             raise
 
+    async def _reserve_carrying(
+        self, tenant: str, limits: TenantLimits, tokens: int, request_id: str, now: float
+    ) -> QuotaDecision:
+        lease = self._cfg.lease_s
+        holds = self._ledger.holds(tenant, now)
+        try:
+            return await self.store.reserve(
+                tenant, limits, tokens, request_id, now, lease_s=lease, holds=holds
+            )
+        except StoreReset:
+            # The store lost what this gateway admitted: not one reservation
+            # there before it has it back. (A second loss meanwhile is a
+            # store failure like any other.)
+            await self._carry(tenant, whole=True)
+            return await self.store.reserve(
+                tenant, limits, tokens, request_id, now, lease_s=lease, holds=True
+            )
+
     def _refund_orphan(self, task: asyncio.Future[QuotaDecision]) -> None:
         if task.cancelled() or task.exception() is not None:
             return
         decision = task.result()
         if decision.reservation is not None:
+            self._admitted(decision, self._clock())
             self.settle_soon(decision.reservation, 0, False)
 
     def settle_soon(self, reservation: Reservation, charged: int, served: bool) -> None:
         """Settle without making the caller wait (called from the request's
         end, which is synchronous). Exactly once per reservation."""
         # Its slot is given back here: no lease of it is renewed any more.
-        self._held.pop((reservation.tenant, reservation.request_id), None)
+        tenant = reservation.tenant
+        self._held.pop((tenant, reservation.request_id), None)
         now = self._clock()
+        if self._keeps_ledger:
+            running = self._running.get(tenant, {})
+            running.pop(reservation.request_id, None)
+            if not running:
+                self._running.pop(tenant, None)
         if reservation.store == FALLBACK:
-            self._fallback.settle(reservation, charged, served, now)
+            mark_settled(reservation, charged)
+            self._ledger.apply(reservation, charged, served, now)
+            # Not carried yet: what reaches the store is what it came to.
+            unshared = self._unshared.setdefault(tenant, {})
+            for rule, delta, k in settle_deltas(reservation, charged, served):
+                slots = unshared.setdefault(rule.kind, {})
+                slots[k] = slots.get(k, 0) + delta
             return
+        if self._keeps_ledger:
+            self._ledger.apply(reservation, charged, served, now)
         if isinstance(self.store, MemoryQuotaStore):
             # No I/O to wait for: settle in this very step.
             self.store.settle_now(reservation, charged, served, now)
@@ -240,6 +341,74 @@ class QuotaGuard:
             self.counters.settlements_dropped += 1
         self._unsent.append((reservation, charged, served, now))
 
+    # -- carrying admissions into the store --------------------------------------
+
+    async def _carry(self, tenant: str, *, whole: bool) -> None:
+        """Bring the store what this gateway admitted of the tenant and it
+        lacks, once at a time per tenant: a caller that finds a carry under
+        way waits for that one, which leaves the store with everything."""
+        running = self._carrying.get(tenant)
+        if running is None:
+            running = asyncio.ensure_future(self._carry_now(tenant, whole))
+            self._carrying[tenant] = running
+            running.add_done_callback(lambda _: self._carrying.pop(tenant, None))
+        await asyncio.shield(running)
+
+    async def _carry_now(self, tenant: str, whole: bool) -> None:
+        lease = self._cfg.lease_s
+        now = self._clock()
+        running = list(self._running.get(tenant, {}).values())
+        if not whole:
+            unshared = self._unshared.pop(tenant, {})
+            holding = Holding(_in_window(unshared, now), [r for r in running if r.store == FALLBACK])
+            if holding.empty:
+                return
+            try:
+                await self.store.carry(tenant, holding, now, lease_s=lease, whole=False)
+            except StoreReset:
+                pass  # the store lost the rest too: carry the whole
+            except QuotaStoreError:
+                self._merge_unshared(tenant, unshared)
+                raise
+            else:
+                self._carried(holding, now)
+                return
+        holding = self._ledger.holding(tenant, now)
+        holding.running = running
+        await self.store.carry(tenant, holding, now, lease_s=lease, whole=True)
+        self._unshared.pop(tenant, None)
+        log.warning(
+            "the quota store had lost tenant %s's windows; carried back what this gateway "
+            "admitted in them", tenant,
+        )  # fmt: skip
+        self._carried(holding, now)
+
+    def _carried(self, holding: Holding, now: float) -> None:
+        self.counters.carried += 1
+        until = now + self._cfg.lease_s
+        for reservation in holding.running:
+            key = (reservation.tenant, reservation.request_id)
+            if key in self._held:
+                self._held[key] = (reservation, until)
+
+    def _merge_unshared(self, tenant: str, back: dict[RateKind, dict[int, int]]) -> None:
+        unshared = self._unshared.setdefault(tenant, {})
+        for kind, slots in back.items():
+            into = unshared.setdefault(kind, {})
+            for k, amount in slots.items():
+                into[k] = into.get(k, 0) + amount
+
+    async def _catch_up(self) -> None:
+        """The store answers again: carry in what was admitted without it,
+        then send the settlements it missed."""
+        for tenant in list(self._unshared):
+            try:
+                await self._carry(tenant, whole=False)
+            except QuotaStoreError as exc:
+                self._failed(self._clock(), exc)
+                return
+        await self._resend()
+
     async def _resend(self) -> None:
         while self._unsent:
             reservation, charged, served, at = self._unsent[0]
@@ -253,20 +422,27 @@ class QuotaGuard:
 
     # -- lease renewal -----------------------------------------------------------
 
-    def _hold(self, decision: QuotaDecision, now: float) -> None:
+    def _admitted(self, decision: QuotaDecision, now: float) -> None:
         reservation = decision.reservation
-        if reservation is None or reservation.limits.max_concurrency is None:
+        if reservation is None:
             return
-        key = (reservation.tenant, reservation.request_id)
-        self._held[key] = (reservation, now + self._cfg.lease_s)
+        if self._keeps_ledger:
+            if reservation.store != FALLBACK:
+                self._ledger.record(reservation, now)
+            self._running.setdefault(reservation.tenant, {})[reservation.request_id] = reservation
+        elif reservation.limits.max_concurrency is None:
+            return
+        if reservation.limits.max_concurrency is not None:
+            key = (reservation.tenant, reservation.request_id)
+            self._held[key] = (reservation, now + self._cfg.lease_s)
         if self._renew_timer is None:
             loop = asyncio.get_running_loop()
             self._renew_timer = loop.call_at(loop.time() + self._cfg.lease_s / 3, self._on_renew)
 
     def _on_renew(self) -> None:
         self._renew_timer = None
-        if not self._held:
-            return  # the next reservation that holds a slot arms it again
+        if not self._held and not (self._keeps_ledger and self._ledger.tenants(self._clock())):
+            return  # the next admission arms it again
         loop = asyncio.get_running_loop()
         self._renew_timer = loop.call_at(loop.time() + self._cfg.lease_s / 3, self._on_renew)
         if self._renewing is None or self._renewing.done():
@@ -275,7 +451,9 @@ class QuotaGuard:
     async def renew(self) -> None:
         """Extend the lease of every running request that holds a concurrency
         slot to `lease_s` from now: one store call for all of them (the timer
-        does this every third of `lease_s`)."""
+        does this every third of `lease_s`). The same call asks the store
+        whether it still has every tenant this gateway holds admissions of,
+        and what it lost is carried back."""
         now = self._clock()
         lease = self._cfg.lease_s
         on_store: dict[str, list[str]] = {}
@@ -283,15 +461,21 @@ class QuotaGuard:
         for (tenant, rid), (reservation, _) in self._held.items():
             side = on_fallback if reservation.store == FALLBACK else on_store
             side.setdefault(tenant, []).append(rid)
-        lost = self._fallback.renew(on_fallback, now, lease_s=lease) if on_fallback else set()
+        lost = self._ledger.renew(on_fallback, now, lease_s=lease) if on_fallback else set()
+        if self._keeps_ledger:
+            for tenant in self._ledger.tenants(now):
+                on_store.setdefault(tenant, [])
         failed = False
         if on_store:
             try:
-                lost |= await self.store.renew(on_store, now, lease_s=lease)
+                renewal = await self.store.renew(on_store, now, lease_s=lease)
+                for tenant in renewal.reset:
+                    await self._carry(tenant, whole=True)
             except QuotaStoreError as exc:
                 self._failed(self._clock(), exc)
                 failed = True
             else:
+                lost |= renewal.lost
                 self._recovered()
                 self._confirm(on_store, lost, now + lease)
         self._confirm(on_fallback, lost, now + lease)
@@ -343,18 +527,18 @@ class QuotaGuard:
                 "serving on this gateway's local limiter" if self._cfg.on_error == "fail_open"
                 else "refusing requests of tenants with quotas (fail_closed)",
             )  # fmt: skip
-            self._backoff = self._cfg.retry_interval_s
-        else:
-            self._backoff = min(self._backoff * 2, self._cfg.retry_interval_s * 8)
-        self._down_until = now + self._backoff
+        # No doubling: one call per interval is all a down store gets from a
+        # gateway, and a store back up is used again within the interval.
+        self._down_until = now + self._cfg.retry_interval_s
 
     def _recovered(self) -> None:
         if self._down_until is not None:
             log.warning("quota store reachable again")
             self._down_until = None
-            self._backoff = self._cfg.retry_interval_s
-        if self._unsent and (self._resending is None or self._resending.done()):
-            self._resending = asyncio.get_running_loop().create_task(self._resend())
+        if (self._unsent or self._unshared) and (
+            self._catching_up is None or self._catching_up.done()
+        ):
+            self._catching_up = asyncio.get_running_loop().create_task(self._catch_up())
 
     async def close(self) -> None:
         """Wait for settlements in flight (and try the store once more for
@@ -366,8 +550,8 @@ class QuotaGuard:
             await asyncio.gather(self._renewing, return_exceptions=True)
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._resending is not None:
-            await asyncio.gather(self._resending, return_exceptions=True)
+        if self._catching_up is not None:
+            await asyncio.gather(self._catching_up, return_exceptions=True)
         if self._unsent:
             await self._resend()
             if self._unsent:

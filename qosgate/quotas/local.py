@@ -14,12 +14,15 @@ from dataclasses import dataclass, field
 
 from .model import (
     SLOTS,
+    Holding,
     LimitState,
     QuotaDecision,
+    RateKind,
     RateRule,
     Reservation,
     SettledTwice,
     TenantLimits,
+    oldest_slot,
     refusal_reason,
 )
 
@@ -32,11 +35,9 @@ class _Window:
     level: float | None = None  # bucket level; None: full
     level_at: float = 0.0
 
-    def prune(self, rule: RateRule, now: float) -> int:
-        """Drop slots that no longer overlap the window; the amount still in it.
-        The window counts the current slot and the SLOTS before it: the ones
-        that overlap (now - period, now]."""
-        oldest = rule.slot(now) - SLOTS
+    def prune(self, kind: RateKind, now: float) -> int:
+        """Drop slots that no longer overlap the window; the amount still in it."""
+        oldest = oldest_slot(kind, now)
         stale = [k for k in self.slots if k < oldest]
         for k in stale:
             del self.slots[k]
@@ -146,14 +147,16 @@ class LocalLimiter:
     """Every tenant's windows and in-flight sets, in this process."""
 
     def __init__(self) -> None:
-        self._windows: dict[tuple[str, str], _Window] = {}
+        self._windows: dict[str, dict[RateKind, _Window]] = {}  # tenant -> limit -> window
         self._inflight: dict[str, dict[str, float]] = {}  # tenant -> request id -> lease end
 
-    def _window(self, tenant: str, rule: RateRule) -> _Window:
-        key = (tenant, rule.kind)
-        window = self._windows.get(key)
+    def _window(self, tenant: str, kind: RateKind) -> _Window:
+        windows = self._windows.get(tenant)
+        if windows is None:
+            windows = self._windows[tenant] = {}
+        window = windows.get(kind)
         if window is None:
-            window = self._windows[key] = _Window()
+            window = windows[kind] = _Window()
         return window
 
     def _live(self, tenant: str, now: float) -> dict[str, float]:
@@ -181,9 +184,9 @@ class LocalLimiter:
         checks = []
         refused: tuple[str, int, int, float | None] | None = None
         for rule in limits.rates:
-            window = self._window(tenant, rule)
+            window = self._window(tenant, rule.kind)
             need = 1 if rule.counts_requests else tokens
-            used = window.prune(rule, now)
+            used = window.prune(rule.kind, now)
             level = window.bucket(rule, now)
             checks.append((rule, window, need, used, level))
             if refused is None:
@@ -222,9 +225,13 @@ class LocalLimiter:
         """End a reservation: keep `charged` tokens of it (refund the rest, or
         charge the excess), and give back the request if it was not served."""
         mark_settled(reservation, charged)
+        self.apply(reservation, charged, served, now)
+
+    def apply(self, reservation: Reservation, charged: int, served: bool, now: float) -> None:
+        """`settle`'s changes to the windows, for a reservation settled elsewhere."""
         tenant = reservation.tenant
         for rule, delta, k in settle_deltas(reservation, charged, served):
-            window = self._window(tenant, rule)
+            window = self._window(tenant, rule.kind)
             if k in window.slots:
                 value = window.slots[k] + delta
                 if value > 0:
@@ -235,6 +242,62 @@ class LocalLimiter:
                 window.set_bucket(rule, now, window.bucket(rule, now) - delta)
         if reservation.limits.max_concurrency is not None:
             self._inflight.get(tenant, {}).pop(reservation.request_id, None)
+
+    def record(self, reservation: Reservation, now: float) -> None:
+        """Count an admission another store decided (a gateway's own ledger):
+        no check; its concurrency slot is held until it is applied."""
+        tenant = reservation.tenant
+        for rule in reservation.limits.rates:
+            window = self._window(tenant, rule.kind)
+            need = 1 if rule.counts_requests else reservation.tokens
+            k = rule.slot(reservation.at)
+            window.slots[k] = window.slots.get(k, 0) + need
+            if rule.bucketed:
+                window.set_bucket(rule, now, window.bucket(rule, now) - need)
+        if reservation.limits.max_concurrency is not None:
+            self._live(tenant, now)[reservation.request_id] = math.inf
+
+    def add(self, tenant: str, holding: Holding, now: float, *, lease_s: float) -> None:
+        """Add what another limiter admitted: its slots, and a lease of
+        `lease_s` for each of its running requests under max_concurrency."""
+        for kind, slots in holding.slots.items():
+            window = self._window(tenant, kind)
+            for k, amount in slots.items():
+                window.slots[k] = window.slots.get(k, 0) + amount
+        for reservation in holding.running:
+            if reservation.limits.max_concurrency is not None:
+                self._live(tenant, now)[reservation.request_id] = now + lease_s
+
+    def holding(self, tenant: str, now: float) -> Holding:
+        """The tenant's windows as they stand (its running requests are the
+        caller's to add)."""
+        slots: dict[RateKind, dict[int, int]] = {}
+        for kind, window in self._windows.get(tenant, {}).items():
+            if window.prune(kind, now):
+                slots[kind] = dict(window.slots)
+        return Holding(slots=slots)
+
+    def holds(self, tenant: str, now: float) -> bool:
+        """Whether anything of the tenant is in a window or in flight."""
+        windows = self._windows.get(tenant, {})
+        return bool(self._live(tenant, now)) or any(w.prune(k, now) for k, w in windows.items())
+
+    def tenants(self, now: float) -> set[str]:
+        """The tenants with anything in a window or in flight; the others are
+        forgotten."""
+        held = set()
+        for tenant in list(self._windows):
+            windows = self._windows[tenant]
+            if any(window.prune(kind, now) for kind, window in windows.items()):
+                held.add(tenant)
+            else:
+                del self._windows[tenant]
+        for tenant in list(self._inflight):
+            if self._live(tenant, now):
+                held.add(tenant)
+            else:
+                del self._inflight[tenant]
+        return held
 
     def renew(
         self, leases: Mapping[str, Collection[str]], now: float, *, lease_s: float
@@ -265,8 +328,8 @@ class LocalLimiter:
     def _states(self, tenant: str, limits: TenantLimits, now: float) -> tuple[LimitState, ...]:
         states = []
         for rule in limits.rates:
-            window = self._window(tenant, rule)
-            used = window.prune(rule, now)
+            window = self._window(tenant, rule.kind)
+            used = window.prune(rule.kind, now)
             states.append(limit_state(rule, window.slots, used, window.bucket(rule, now), now))
         if limits.max_concurrency is not None:
             states.append(concurrency_state(limits.max_concurrency, len(self._live(tenant, now))))

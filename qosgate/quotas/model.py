@@ -37,7 +37,16 @@ KEY_SUFFIX: dict[str, str] = {
     "tokens_per_day": "tpd",
     "requests_per_minute": "rpm",
     "max_concurrency": "conc",
+    "generation": "gen",
+    "recovery": "recovering",
 }
+
+
+def oldest_slot(kind: RateKind, now: float) -> int:
+    """The oldest slot still in the window of a limit at `now`: the window
+    counts it and the ones after, those that overlap (now - period, now]."""
+    # As RateRule.slot reckons it, to the last bit.
+    return math.floor(now / (PERIOD_S[kind] / SLOTS)) - SLOTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,9 +134,39 @@ class Reservation:
     limits: TenantLimits
     store: str = ""
     """Which store holds it (a fail-open gateway may hold some locally)."""
+    generation: str = ""
+    """The store's generation of the tenant's data it was made in (or carried
+    into): a settlement moves the windows only of that generation."""
     settled: bool = False
     charged: int | None = None
     """Tokens kept once settled (0 when refunded in full)."""
+
+
+@dataclass(slots=True)
+class Holding:
+    """What one gateway has admitted of a tenant in the current windows: what
+    it carries into a store that lost its data, or that did not see it."""
+
+    slots: dict[RateKind, dict[int, int]] = field(default_factory=dict)
+    """Per rate limit, slot index -> amount."""
+    running: list[Reservation] = field(default_factory=list)
+    """Its requests not yet settled: each takes the store's new generation,
+    and those under max_concurrency hold a slot again."""
+
+    @property
+    def empty(self) -> bool:
+        return not self.running and not any(self.slots.values())
+
+
+@dataclass(frozen=True, slots=True)
+class Renewal:
+    """What one lease renewal found."""
+
+    lost: set[tuple[str, str]] = field(default_factory=set)
+    """(tenant, request id) whose lease had already ended: not taken back."""
+    reset: set[str] = field(default_factory=set)
+    """Tenants whose data the store lost since this gateway last saw it: none
+    of their leases was renewed; the gateway carries what it holds back."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,11 +12,24 @@ slot index -> amount, plus `lvl`/`at` for the bucket) and `...:conc` (a sorted
 set: request id -> lease end). The braces keep one tenant's keys in one
 cluster slot; every write renews the key's expiry to its period, so idle
 tenants cost nothing.
+
+`...:gen` names the generation of a tenant's data: a random value set by the
+first write after it was missing, and outliving every other key of the
+tenant. A Redis that restarted empty has lost it, so the first script of each
+gateway that runs for the tenant afterwards sees a generation other than the
+one it knew, and, if the gateway had admitted any of the tenant's current
+windows, writes nothing and answers `stale`: the gateway carries what it
+holds (its ledger of the windows, its running requests' leases) back with
+`carry` before it reserves again. A settlement moves the windows only of the
+generation its reservation was made in or carried into; the carry already
+brought the rest. The scripts live in `lua/`, one file each.
 """
 
 from __future__ import annotations
 
+import importlib.resources
 import math
+import secrets
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -39,186 +52,42 @@ from .local import (
 )
 from .model import (
     KEY_SUFFIX,
+    PERIOD_S,
     SLOTS,
+    Holding,
     LimitState,
     QuotaDecision,
-    RateRule,
+    Renewal,
     Reservation,
     TenantLimits,
     refusal_reason,
 )
-from .store import QuotaStore, QuotaStoreError
+from .store import QuotaStore, QuotaStoreError, StoreRecovering, StoreReset
 
-# KEYS: one hash per rate rule, in ARGV's order, then the in-flight set.
-# ARGV: now, request id, lease_s, slots, number of rules, max_concurrency (0:
-#   none), write (1: reserve, 0: only read), then per rule: need, limit,
-#   burst, period_s, ttl_ms.
-# Returns JSON: {ok, failed (1-based rule, or -1 for concurrency, 0 none),
-#   rules: [[slot, amount, ...], level], inflight}.
-_RESERVE = """
-local function num(x) return string.format('%.17g', x) end
-local now = tonumber(ARGV[1])
-local rid = ARGV[2]
-local lease = tonumber(ARGV[3])
-local nslots = tonumber(ARGV[4])
-local nrules = tonumber(ARGV[5])
-local conc_max = tonumber(ARGV[6])
-local write = ARGV[7] == '1'
-
-local rules = {}
-local failed = 0
-for r = 1, nrules do
-  local base = 7 + (r - 1) * 5
-  local need = tonumber(ARGV[base + 1])
-  local limit = tonumber(ARGV[base + 2])
-  local burst = tonumber(ARGV[base + 3])
-  local period = tonumber(ARGV[base + 4])
-  local ttl = tonumber(ARGV[base + 5])
-  local key = KEYS[r]
-  local width = period / nslots
-  local slot = math.floor(now / width)
-  local oldest = slot - nslots
-  local flat = redis.call('HGETALL', key)
-  local used, pairs_, level, level_at = 0, {}, nil, now
-  for i = 1, #flat, 2 do
-    local f, v = flat[i], tonumber(flat[i + 1])
-    if f == 'lvl' then level = v
-    elseif f == 'at' then level_at = v
-    else
-      local k = tonumber(f)
-      if k < oldest then
-        if write then redis.call('HDEL', key, f) end
-      else
-        used = used + v
-        pairs_[#pairs_ + 1] = k
-        pairs_[#pairs_ + 1] = v
-      end
-    end
-  end
-  if level == nil then level = burst
-  else level = math.min(burst, level + (now - level_at) * limit / period) end
-  local bucketed = burst < limit
-  if failed == 0 and (used + need > limit or (bucketed and level < need)) then
-    failed = r
-  end
-  rules[r] = {key = key, need = need, slot = slot, used = used, pairs_ = pairs_,
-              level = level, bucketed = bucketed, ttl = ttl}
-end
-
-local inflight = 0
-local ckey = KEYS[nrules + 1]
-if conc_max > 0 then
-  if write then redis.call('ZREMRANGEBYSCORE', ckey, '-inf', now) end
-  inflight = redis.call('ZCOUNT', ckey, '(' .. now, '+inf')
-  if failed == 0 and inflight >= conc_max then failed = -1 end
-end
-
-local ok = 0
-if write and failed == 0 then
-  ok = 1
-  for r = 1, nrules do
-    local rule = rules[r]
-    redis.call('HINCRBY', rule.key, num(rule.slot), rule.need)
-    local merged = false
-    for i = 1, #rule.pairs_, 2 do
-      if rule.pairs_[i] == rule.slot then
-        rule.pairs_[i + 1] = rule.pairs_[i + 1] + rule.need
-        merged = true
-      end
-    end
-    if not merged then
-      rule.pairs_[#rule.pairs_ + 1] = rule.slot
-      rule.pairs_[#rule.pairs_ + 1] = rule.need
-    end
-    rule.used = rule.used + rule.need
-    if rule.bucketed then
-      rule.level = rule.level - rule.need
-      redis.call('HSET', rule.key, 'lvl', num(rule.level), 'at', num(now))
-    end
-    redis.call('PEXPIRE', rule.key, rule.ttl)
-  end
-  if conc_max > 0 then
-    redis.call('ZADD', ckey, now + lease, rid)
-    redis.call('PEXPIRE', ckey, math.ceil(lease * 1000))
-    inflight = inflight + 1
-  end
-end
-
-local out = {}
-for r = 1, nrules do
-  out[r] = {rules[r].pairs_, num(rules[r].level)}
-end
-return cjson.encode({ok = ok, failed = failed, rules = out, inflight = inflight})
-"""
-
-# KEYS: one hash per rule that moves, then the in-flight set.
-# ARGV: now, request id, number of rules, then per rule: slot, delta, limit,
-#   burst, period_s, ttl_ms.
-_SETTLE = """
-local function num(x) return string.format('%.17g', x) end
-local now = tonumber(ARGV[1])
-local rid = ARGV[2]
-local nrules = tonumber(ARGV[3])
-for r = 1, nrules do
-  local base = 3 + (r - 1) * 6
-  local slot = ARGV[base + 1]
-  local delta = tonumber(ARGV[base + 2])
-  local limit = tonumber(ARGV[base + 3])
-  local burst = tonumber(ARGV[base + 4])
-  local period = tonumber(ARGV[base + 5])
-  local ttl = tonumber(ARGV[base + 6])
-  local key = KEYS[r]
-  if redis.call('HEXISTS', key, slot) == 1 then
-    local value = redis.call('HINCRBY', key, slot, delta)
-    if value <= 0 then redis.call('HDEL', key, slot) end
-  end
-  if burst < limit then
-    local level = tonumber(redis.call('HGET', key, 'lvl') or burst)
-    local at = tonumber(redis.call('HGET', key, 'at') or now)
-    level = math.min(burst, level + (now - at) * limit / period)
-    level = math.min(burst, level - delta)
-    redis.call('HSET', key, 'lvl', num(level), 'at', num(now))
-    redis.call('PEXPIRE', key, ttl)
-  end
-end
-redis.call('ZREM', KEYS[nrules + 1], rid)
-return 1
-"""
-
-# KEYS: the in-flight set of each tenant named.
-# ARGV: now, lease_s, then per key: how many ids, then the ids.
-# Returns JSON: per key, the ids whose lease had ended (not taken back).
-_RENEW = """
-local now = tonumber(ARGV[1])
-local lease = tonumber(ARGV[2])
-local until_ = string.format('%.17g', now + lease)
-local ttl = math.ceil(lease * 1000)
-local at = 3
-local lost = {}
-for k = 1, #KEYS do
-  local key = KEYS[k]
-  local n = tonumber(ARGV[at])
-  local gone = {}
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-  for i = at + 1, at + n do
-    local held = redis.call('ZSCORE', key, ARGV[i])
-    if held then
-      if tonumber(held) < now + lease then redis.call('ZADD', key, 'XX', until_, ARGV[i]) end
-    else
-      gone[#gone + 1] = ARGV[i]
-    end
-  end
-  if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
-  lost[k] = gone
-  at = at + n + 1
-end
-return cjson.encode(lost)
-"""
+_LUA = importlib.resources.files(__package__) / "lua"
 
 
-def _ttl_ms(rule: RateRule) -> int:
+def _script(name: str) -> str:
+    return (_LUA / f"{name}.lua").read_text(encoding="utf-8")
+
+
+def _list(value: Any) -> list[Any]:
+    # cjson writes an empty table as {}.
+    return value if isinstance(value, list) else []
+
+
+def _ttl_ms(period_s: float) -> int:
     # The window plus the slot it may still overlap, and one more for slack.
-    return math.ceil((rule.period_s + 2 * rule.width_s) * 1000)
+    return math.ceil((period_s + 2 * period_s / SLOTS) * 1000)
+
+
+_GENERATION_TTL_MS = _ttl_ms(max(PERIOD_S.values()))
+"""A tenant's generation outlives every window key of it: while the key is
+there, the store still has what was admitted in the windows."""
+
+
+def _generation_ttl_ms(lease_s: float) -> int:
+    return max(_GENERATION_TTL_MS, math.ceil(lease_s * 1000) + 1000)
 
 
 class RedisQuotaStore(QuotaStore):
@@ -233,10 +102,22 @@ class RedisQuotaStore(QuotaStore):
         key_prefix: str = "qosgate:",
         socket_timeout_s: float = 0.5,
         max_connections: int = 64,
+        recovery_s: float = 0.25,
         client: aioredis.Redis | None = None,
     ) -> None:
+        """`recovery_s`: after a gateway finds the store lost a tenant's data
+        and carries its own back, how long the tenant's reservations wait for
+        the other gateways to find it too (each does at its next call)."""
         self._prefix = key_prefix
+        self._recovery_s = recovery_s
         if client is None:
+            # One retry on a fresh connection, so that a pooled connection the
+            # server dropped (a restart) is not taken for an outage; more would
+            # only delay what the gateway does about a real one. A retried
+            # reservation that had in fact run holds its tokens twice until
+            # its window passes: too strict, never too lax. (The retry is the
+            # connections' setting: given to a client over a pool of its own
+            # making, redis-py does not pass it on.)
             pool = aioredis.BlockingConnectionPool.from_url(
                 url,
                 # Beyond this many calls at once, a call waits for a connection
@@ -245,21 +126,19 @@ class RedisQuotaStore(QuotaStore):
                 timeout=max(1.0, 4 * socket_timeout_s),
                 socket_timeout=socket_timeout_s,
                 socket_connect_timeout=socket_timeout_s,
-            )
-            # One retry on a fresh connection, so that a pooled connection the
-            # server dropped (a restart) is not taken for an outage; more would
-            # only delay what the gateway does about a real one. A retried
-            # reservation that had in fact run holds its tokens twice until
-            # its window passes: too strict, never too lax.
-            client = aioredis.Redis(
-                connection_pool=pool,
                 retry=Retry(NoBackoff(), retries=1),
                 retry_on_error=[RedisConnectionError],
             )
+            client = aioredis.Redis(connection_pool=pool)
         self._redis = client
-        self._reserve = self._redis.register_script(_RESERVE)
-        self._settle = self._redis.register_script(_SETTLE)
-        self._renew = self._redis.register_script(_RENEW)
+        self._reserve = self._redis.register_script(_script("reserve"))
+        self._settle = self._redis.register_script(_script("settle"))
+        self._renew = self._redis.register_script(_script("renew"))
+        self._carry = self._redis.register_script(_script("carry"))
+        # Per tenant, the generation of its data this gateway last saw. Redis
+        # restarted empty has none: a script that finds it missing or changed
+        # knows the windows it holds lack what this gateway had admitted.
+        self._generations: dict[str, str] = {}
 
     def key(self, tenant: str, kind: str) -> str:
         return f"{self._prefix}quota:{{{tenant}}}:{KEY_SUFFIX[kind]}"
@@ -281,18 +160,28 @@ class RedisQuotaStore(QuotaStore):
         now: float,
         lease_s: float,
         write: bool,
+        holds: bool = False,
     ) -> dict[str, Any]:
         keys = [self.key(tenant, rule.kind) for rule in limits.rates]
-        keys.append(self.key(tenant, "max_concurrency"))
+        keys += [self.key(tenant, kind) for kind in ("max_concurrency", "generation", "recovery")]
         args: list[Any] = [
             repr(now), request_id, repr(lease_s), SLOTS, len(limits.rates),
             limits.max_concurrency or 0, 1 if write else 0,
+            self._generations.get(tenant, ""), secrets.token_hex(8), 1 if holds else 0,
+            _generation_ttl_ms(lease_s),
         ]  # fmt: skip
         for rule in limits.rates:
             need = 1 if rule.counts_requests else tokens
-            args += [need, rule.limit, rule.burst, repr(rule.period_s), _ttl_ms(rule)]
+            args += [need, rule.limit, rule.burst, repr(rule.period_s), _ttl_ms(rule.period_s)]
         raw = await self._run(self._reserve, keys, args)
-        return orjson.loads(raw)
+        result = orjson.loads(raw)
+        if result.get("stale"):
+            raise StoreReset(tenant)
+        if "recovering" in result:
+            raise StoreRecovering(tenant, float(result["recovering"]))
+        if write:
+            self._generations[tenant] = result["gen"]
+        return result
 
     def _states(
         self, limits: TenantLimits, result: dict[str, Any], now: float
@@ -319,11 +208,14 @@ class RedisQuotaStore(QuotaStore):
         now: float,
         *,
         lease_s: float,
+        holds: bool = False,
     ) -> QuotaDecision:
-        result = await self._call(tenant, limits, tokens, request_id, now, lease_s, True)
+        result = await self._call(tenant, limits, tokens, request_id, now, lease_s, True, holds)
         states, views = self._states(limits, result, now)
         if result["ok"] == 1:
-            reservation = Reservation(tenant, request_id, tokens, now, limits, store=self.name)
+            reservation = Reservation(
+                tenant, request_id, tokens, now, limits, store=self.name, generation=result["gen"]
+            )
             return QuotaDecision(admitted=True, reservation=reservation, states=states)
         failed = int(result["failed"])
         if failed == -1:
@@ -349,34 +241,62 @@ class RedisQuotaStore(QuotaStore):
         changes = settle_deltas(reservation, charged, served)
         limits = reservation.limits
         if changes or limits.max_concurrency is not None:
-            keys = [self.key(reservation.tenant, rule.kind) for rule, _, _ in changes]
-            keys.append(self.key(reservation.tenant, "max_concurrency"))
-            args: list[Any] = [repr(now), reservation.request_id, len(changes)]
+            tenant = reservation.tenant
+            keys = [self.key(tenant, rule.kind) for rule, _, _ in changes]
+            keys += [self.key(tenant, "max_concurrency"), self.key(tenant, "generation")]
+            args: list[Any] = [repr(now), reservation.request_id, reservation.generation, len(changes)]
             for rule, delta, slot in changes:
-                args += [slot, delta, rule.limit, rule.burst, repr(rule.period_s), _ttl_ms(rule)]
+                args += [
+                    slot, delta, rule.limit, rule.burst, repr(rule.period_s), _ttl_ms(rule.period_s)
+                ]  # fmt: skip
             await self._run(self._settle, keys, args)
         # Only once the store has it: a settlement that failed can be retried.
         mark_settled(reservation, charged)
 
     async def renew(
         self, leases: Mapping[str, Collection[str]], now: float, *, lease_s: float
-    ) -> set[tuple[str, str]]:
-        tenants = [tenant for tenant, ids in leases.items() if ids]
+    ) -> Renewal:
+        tenants = list(leases)
         if not tenants:
-            return set()
-        keys = [self.key(tenant, "max_concurrency") for tenant in tenants]
-        args: list[Any] = [repr(now), repr(lease_s)]
+            return Renewal()
+        keys = []
+        args: list[Any] = [repr(now), repr(lease_s), _generation_ttl_ms(lease_s)]
         for tenant in tenants:
+            keys += [self.key(tenant, "max_concurrency"), self.key(tenant, "generation")]
             ids = list(leases[tenant])
-            args += [len(ids), *ids]
-        raw = await self._run(self._renew, keys, args)
-        lost = orjson.loads(raw)
-        return {
-            (tenant, rid)
-            for tenant, gone in zip(tenants, lost)
-            # cjson writes an empty table as {}.
-            for rid in (gone if isinstance(gone, list) else [])
-        }
+            args += [self._generations.get(tenant, ""), len(ids), *ids]
+        result = orjson.loads(await self._run(self._renew, keys, args))
+        return Renewal(
+            lost={
+                (tenant, rid)
+                for tenant, gone in zip(tenants, _list(result["lost"]))
+                for rid in _list(gone)
+            },
+            reset={tenants[t - 1] for t in _list(result["stale"])},
+        )
+
+    async def carry(
+        self, tenant: str, holding: Holding, now: float, *, lease_s: float, whole: bool
+    ) -> None:
+        keys = [self.key(tenant, kind) for kind in ("generation", "max_concurrency", "recovery")]
+        ids = [r.request_id for r in holding.running if r.limits.max_concurrency is not None]
+        args: list[Any] = [
+            "whole" if whole else "add", self._generations.get(tenant, ""), secrets.token_hex(8),
+            _generation_ttl_ms(lease_s), repr(now + lease_s), math.ceil(lease_s * 1000),
+            repr(now + self._recovery_s) if self._recovery_s > 0 else "0", len(ids), *ids,
+        ]  # fmt: skip
+        for kind, slots in holding.slots.items():
+            keys.append(self.key(tenant, kind))
+            args += [_ttl_ms(PERIOD_S[kind]), len(slots)]
+            for k, amount in slots.items():
+                args += [k, amount]
+        result = orjson.loads(await self._run(self._carry, keys, args))
+        if result.get("stale"):
+            raise StoreReset(tenant)
+        generation = self._generations[tenant] = result["gen"]
+        for reservation in holding.running:
+            reservation.store = self.name
+            reservation.generation = generation
 
     async def release(self, leases: Mapping[str, Collection[str]]) -> None:
         # ZREM alone is atomic and needs no read: one pipelined round trip.

@@ -6,11 +6,32 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping
 
 from .local import LocalLimiter
-from .model import LimitState, QuotaDecision, Reservation, TenantLimits
+from .model import Holding, LimitState, QuotaDecision, Renewal, Reservation, TenantLimits
 
 
 class QuotaStoreError(Exception):
     """The store could not be reached or did not answer in time."""
+
+
+class StoreReset(QuotaStoreError):
+    """The store lost the tenant's data (Redis restarted empty) while this
+    gateway holds admissions of it: carry them back (`carry`, whole) first."""
+
+    def __init__(self, tenant: str) -> None:
+        super().__init__(f"the quota store lost tenant {tenant!r}'s windows")
+        self.tenant = tenant
+
+
+class StoreRecovering(Exception):
+    """The store lost the tenant's data a moment ago and the gateways are
+    carrying theirs back: no reservation of it for `retry_after_s`."""
+
+    def __init__(self, tenant: str, retry_after_s: float) -> None:
+        super().__init__(
+            f"the quota store is taking back tenant {tenant!r}'s windows from the gateways"
+        )
+        self.tenant = tenant
+        self.retry_after_s = retry_after_s
 
 
 class QuotaStore(ABC):
@@ -30,10 +51,14 @@ class QuotaStore(ABC):
         now: float,
         *,
         lease_s: float,
+        holds: bool = False,
     ) -> QuotaDecision:
         """Check every limit and reserve under all of them, atomically, or
         refuse. `lease_s` bounds how long a concurrency slot is held if the
-        holder never settles (a replica that died)."""
+        holder never settles (a replica that died). `holds`: this gateway has
+        admitted some of the tenant's current windows; a store that lost them
+        since raises StoreReset instead of deciding without them, and
+        StoreRecovering while other gateways may still be carrying theirs."""
 
     @abstractmethod
     async def settle(self, reservation: Reservation, charged: int, served: bool, now: float) -> None:
@@ -44,11 +69,24 @@ class QuotaStore(ABC):
     @abstractmethod
     async def renew(
         self, leases: Mapping[str, Collection[str]], now: float, *, lease_s: float
-    ) -> set[tuple[str, str]]:
+    ) -> Renewal:
         """Extend the concurrency lease of each running request named (tenant
         -> request ids, any number of tenants, in one call) to `now + lease_s`.
         A lease that already ended (expired, or released by a settlement) is
-        not taken back: its (tenant, request id) is returned, as lost."""
+        not taken back: its (tenant, request id) is returned, as lost. A
+        tenant named with no ids is only checked: one whose data the store
+        lost is returned in `reset` (its leases are not renewed)."""
+
+    @abstractmethod
+    async def carry(
+        self, tenant: str, holding: Holding, now: float, *, lease_s: float, whole: bool
+    ) -> None:
+        """Add what this gateway holds of the tenant to the store: `whole`,
+        everything, into a store that lost it (StoreReset); otherwise what it
+        admitted without the store (raises StoreReset if the store has lost
+        the rest since). Running requests join the store's current
+        generation, and those under max_concurrency hold a slot on a lease of
+        `lease_s`."""
 
     @abstractmethod
     async def release(self, leases: Mapping[str, Collection[str]]) -> None:
@@ -59,6 +97,9 @@ class QuotaStore(ABC):
     @abstractmethod
     async def usage(self, tenant: str, limits: TenantLimits, now: float) -> tuple[LimitState, ...]:
         """Read-only: each limit as it stands."""
+
+    async def ping(self) -> None:
+        """Raise QuotaStoreError unless the store answers."""
 
     async def close(self) -> None:
         """Release connections."""
@@ -81,6 +122,7 @@ class MemoryQuotaStore(QuotaStore):
         now: float,
         *,
         lease_s: float,
+        holds: bool = False,
     ) -> QuotaDecision:
         return self._limiter.reserve(
             tenant, limits, tokens, request_id, now, lease_s=lease_s, store=self.name
@@ -95,8 +137,16 @@ class MemoryQuotaStore(QuotaStore):
 
     async def renew(
         self, leases: Mapping[str, Collection[str]], now: float, *, lease_s: float
-    ) -> set[tuple[str, str]]:
-        return self._limiter.renew(leases, now, lease_s=lease_s)
+    ) -> Renewal:
+        return Renewal(lost=self._limiter.renew(leases, now, lease_s=lease_s))
+
+    async def carry(
+        self, tenant: str, holding: Holding, now: float, *, lease_s: float, whole: bool
+    ) -> None:
+        # Its data lives as long as the process: only 'add' ever comes here.
+        self._limiter.add(tenant, holding, now, lease_s=lease_s)
+        for reservation in holding.running:
+            reservation.store = self.name
 
     async def release(self, leases: Mapping[str, Collection[str]]) -> None:
         self._limiter.release(leases)

@@ -216,6 +216,7 @@ class Gateway:
             # A backend that restarts its engine (vllm) counts the restarts.
             "restarts": getattr(self._backend, "restarts", 0),
         }
+        snap["quota_store"] = vars(self.quotas.counters)
         return snap
 
     # -- requests ------------------------------------------------------------
