@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from http_support import live_app, make_policy
 
-from qosgate.backends.sim import get_profile
+from qosgate.profiles import get_profile
 from qosgate.core.request import Outcome
 
 MODEL = "sim-e2e-model"

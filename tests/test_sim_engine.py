@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qosgate.backends.sim import PROFILES, CostProfile, SimEngine, get_profile
+from qosgate.backends.sim import SimEngine
+from qosgate.profiles import PROFILES, CostProfile, get_profile
 from qosgate.config import SimBackendConfig, load_model
 from qosgate.sim.seed_tables import SeedTablesSpec, format_seed_tables, run_seed_tables
 

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from qosgate.profiles import PROFILES
+
 # Unbounded; the scenario files of `qosgate simulate` and `qosgate bench` use them.
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -365,17 +367,12 @@ class SimBackendConfig(StrictModel):
     @field_validator("profile")
     @classmethod
     def _known_profile(cls, value: str) -> str:
-        # Imported here: the engine model imports this module for its types.
-        from qosgate.backends.sim import PROFILES
-
         if value not in PROFILES:
             raise ValueError(f"unknown profile {value!r} (known: {', '.join(sorted(PROFILES))})")
         return value
 
     @model_validator(mode="after")
     def _step_holds_every_sequence(self) -> SimBackendConfig:
-        from qosgate.backends.sim import PROFILES
-
         profile = PROFILES[self.profile]
         seqs = self.max_num_seqs or profile.max_num_seqs
         budget = self.max_num_batched_tokens or profile.max_num_batched_tokens

@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from qosgate.backends.sim import CostProfile, SimEngine, get_profile
+from qosgate.backends.sim import SimEngine
+from qosgate.profiles import CostProfile, get_profile
 from qosgate.config.models import PositiveInt, StrictModel
 
 TOLERANCE = 0.10
@@ -27,7 +28,7 @@ class SeedRow(StrictModel):
 
 class SeedTable(StrictModel):
     profile: str
-    """Simulated profile fitted to this table (see qosgate.backends.sim.PROFILES)."""
+    """Simulated profile fitted to this table (see qosgate.profiles.PROFILES)."""
     prompt_tokens: PositiveInt
     """Prompt length of every sequence (what the fit assumed)."""
     output_tokens: PositiveInt
