@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Literal, Protocol
+from collections.abc import AsyncIterator, Callable, Mapping
+from types import MappingProxyType
+from typing import Any, Literal
 
 import orjson
 
+from qosgate.backends.support import PASSTHROUGH, RequestSupport
 from qosgate.core.scheduler import BackendCapacity
 
 
@@ -122,30 +125,66 @@ class BackendRejected(BackendError):
         """The request field the backend blamed, when it named one."""
 
 
-class Backend(Protocol):
-    """Port implemented by the sim, openai and vllm backends."""
+class Backend:
+    """Port implemented by the sim, openai and vllm backends and the fleet's
+    replica. The abilities only some backends have are declared here with
+    the answer of a backend that lacks them, so callers ask every backend
+    alike."""
 
     models: tuple[str, ...]
     """Model names it serves (for /v1/models and request validation)."""
 
+    support: RequestSupport = PASSTHROUGH
+    """What it honours of a request; PASSTHROUGH: it judges requests itself."""
+
+    max_model_len: int | None = None
+    """Its model's context in tokens, where known: asks past it are 400s at the door."""
+
+    model_roots: Mapping[str, str] = MappingProxyType({})
+    """A served model's `root` in /v1/models (the path its engine loaded),
+    by name, where it differs from the name."""
+
+    restarts: int = 0
+    """Times it restarted its engine (one that can, vllm, counts them)."""
+
     async def start(self) -> None:
         """Bring the backend up (engine start, first health check)."""
+
+    async def wait_ready(self) -> None:
+        """Return once a backend that loads in the background is ready; raise
+        if it cannot start, which stops the server. Others are ready once started."""
 
     async def close(self) -> None:
         """Abort what runs and release resources."""
 
     def ready(self) -> bool:
         """True when it can take work (readyz)."""
+        raise NotImplementedError
+
+    def gone(self) -> BackendUnavailable | None:
+        """The error when it cannot take work and will not recover by itself
+        (a dead engine), as opposed to not ready *yet*; None otherwise. The
+        gateway then refuses new requests and ends queued ones at once,
+        instead of letting them wait out their budgets."""
+        return None
 
     def capacity(self) -> BackendCapacity:
         """Free sequence slots and KV tokens right now."""
+        raise NotImplementedError
 
     def set_capacity_listener(self, listener: Callable[[], None]) -> None:
         """`listener` is called (from the event loop) whenever capacity may have
         grown: a request finished or aborted, the backend became ready."""
+        raise NotImplementedError
+
+    def set_start_listener(self, listener: Callable[[str, float], None]) -> None:
+        """For a backend that queues what it takes (the fleet's):
+        `listener(tier, waited_s)` is called when a request starts there.
+        Others start what they take at once, and never call it."""
 
     def count_prompt_tokens(self, endpoint: str, body: dict[str, Any]) -> int:
         """Prompt tokens of a request, with the backend's tokenizer where it has one."""
+        raise NotImplementedError
 
     def generate(self, job: GenerationJob) -> AsyncIterator[Chunk]:
         """Start `job` now and stream its output. Closing the iterator before its
@@ -156,12 +195,13 @@ class Backend(Protocol):
         and `started() -> bool`, for a backend that queues what it takes (the
         fleet's): False while the job waits there, so that a request cancelled
         then is refunded as one cancelled in the gateway's own queue."""
+        raise NotImplementedError
 
     def abort(self, request_id: str) -> None:
-        """Stop a running request (preemption, client gone). Idempotent.
+        """Stop a running request (preemption, client gone). Idempotent."""
+        raise NotImplementedError
 
-        A backend may also have `gone() -> BackendUnavailable | None`:
-        the error when it cannot take work and will not recover by itself (a
-        dead engine), as opposed to not ready *yet*. The gateway then refuses
-        new requests and ends queued ones at once, instead of letting them
-        wait out their budgets."""
+    async def fleet_levels(self) -> dict[str, Any] | None:
+        """The fleet's shared queue (`queued` per tier, `running`), for a
+        replica's backend; None for one node, or when it cannot be read."""
+        return None

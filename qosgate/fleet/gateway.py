@@ -39,6 +39,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from qosgate.backends.base import (
+    Backend,
     BackendError,
     BackendRejected,
     BackendUnavailable,
@@ -122,7 +123,7 @@ class _FleetStream:
         return self._waiting.started
 
 
-class FleetBackend:
+class FleetBackend(Backend):
     """The `Backend` port of a gateway replica: work goes to the shared queue."""
 
     def __init__(
