@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from qosgate.backends.base import BackendUnavailable, Chunk, GenerationJob
+from qosgate.backends.base import Backend, BackendUnavailable, Chunk, GenerationJob
 from qosgate.core.scheduler import BackendCapacity
 
 _END = object()
@@ -22,7 +22,7 @@ class FakeRun:
     tokens: int = 0
 
 
-class FakeBackend:
+class FakeBackend(Backend):
     models = ("fake-model",)
 
     def __init__(self, slots: int = 1, kv_tokens: int = 1 << 30, *, ready: bool = True) -> None:

@@ -149,7 +149,7 @@ async def live_app(
         await gateway.close()
 
 
-class ScriptedBackend:
+class ScriptedBackend(Backend):
     """Each job runs `script(job)`: an async generator of chunks written by the
     test. Records jobs and aborts; `closed[request_id]` is set when the job's
     stream is closed (finished, aborted, or the client left)."""

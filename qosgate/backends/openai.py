@@ -31,6 +31,7 @@ import aiohttp
 import orjson
 
 from qosgate.backends.base import (
+    Backend,
     BackendError,
     BackendRejected,
     BackendUnavailable,
@@ -184,7 +185,7 @@ def _int_fields(usage: dict[str, Any]) -> dict[str, int]:
     return {k: v for k, v in usage.items() if isinstance(v, int) and not isinstance(v, bool)}
 
 
-class OpenAIBackend:
+class OpenAIBackend(Backend):
     """Backend port over OpenAI-compatible HTTP servers (see module docstring)."""
 
     def __init__(self, cfg: OpenAIBackendConfig) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from qosgate.backends.base import (
+    Backend,
     BackendError,
     BackendUnavailable,
     Chunk,
@@ -73,7 +74,7 @@ class _Live:
     recomputed from scratch; tokens the client already has are not sent again."""
 
 
-class SimBackend:
+class SimBackend(Backend):
     """The `Backend` port over a real-time `SimEngine`."""
 
     def __init__(self, cfg: SimBackendConfig) -> None:

@@ -41,6 +41,7 @@ from typing import Any
 
 from qosgate.backends import support
 from qosgate.backends.base import (
+    Backend,
     BackendError,
     BackendRejected,
     BackendUnavailable,
@@ -97,7 +98,7 @@ class _Run:
     """Why the engine was fenced under this run, if it was."""
 
 
-class VllmBackend:
+class VllmBackend(Backend):
     """The `Backend` port over a co-located vLLM `AsyncLLM`."""
 
     def __init__(self, cfg: VllmBackendConfig) -> None:

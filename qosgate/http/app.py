@@ -31,8 +31,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from qosgate.backends.base import Chunk
-from qosgate.backends.support import PASSTHROUGH
+from qosgate.backends.base import Backend, Chunk
 from qosgate.config.models import BackendConfig, PolicyConfig, VllmBackendConfig
 from qosgate.core.request import Outcome
 from qosgate.observability.metrics import stats_view
@@ -285,12 +284,9 @@ async def _fleet_levels(gateway: Gateway) -> dict[str, Any] | None:
     """The fleet's shared queue (fleet mode), or None: one node, or Redis not
     read in time. A replica's own queue only holds work on its way to the
     fleet; the backlog operators watch is in the shared queue, read as asked."""
-    read = getattr(gateway.backend, "fleet_levels", None)
-    if read is None:
-        return None
     try:
         async with asyncio.timeout(_FLEET_LEVELS_TIMEOUT_S):
-            return await read()
+            return await gateway.backend.fleet_levels()
     except TimeoutError:
         return None
 
@@ -371,15 +367,14 @@ async def _models(request: web.Request) -> web.Response:
     )
 
 
-def _model_root(config: BackendConfig, backend: object, name: str) -> str:
+def _model_root(config: BackendConfig, backend: Backend, name: str) -> str:
     """What vLLM lists as a model's `root` (clients such as its benchmark
     read it to find the tokenizer): the path or hub name the engine loaded,
     which `served_model_name` hides; the openai backend's upstream's own
     `root` (`model_roots`). Otherwise the name is all there is."""
     if isinstance(config, VllmBackendConfig) and name == (config.served_model_name or config.model):
         return config.model
-    roots: dict[str, str] = getattr(backend, "model_roots", {})
-    return roots.get(name, name)
+    return backend.model_roots.get(name, name)
 
 
 async def _openapi(request: web.Request) -> web.Response:
@@ -392,8 +387,8 @@ async def _openapi(request: web.Request) -> web.Response:
         build_openapi(
             backend.models,
             max_body_bytes=state.policy.server.max_body_bytes,
-            support=getattr(backend, "support", PASSTHROUGH),
-            max_model_len=getattr(backend, "max_model_len", None),
+            support=backend.support,
+            max_model_len=backend.max_model_len,
         )
     )
 
@@ -620,9 +615,7 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     raw = await _read_json(request, state)
     gateway = state.gateway
     backend = gateway.backend
-    parsed = validate_body(
-        endpoint, raw, backend.models, getattr(backend, "support", PASSTHROUGH)
-    )
+    parsed = validate_body(endpoint, raw, backend.models, backend.support)
 
     tier = state.policy.tiers[identity.tier]
     asked = parsed.asked_max_tokens
@@ -640,9 +633,7 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     body.pop("priority", None)
 
     prompt_tokens = max(1, int(backend.count_prompt_tokens(endpoint, body)))
-    fitted = check_context(
-        parsed, prompt_tokens, max_tokens, getattr(backend, "max_model_len", None)
-    )
+    fitted = check_context(parsed, prompt_tokens, max_tokens, backend.max_model_len)
     if fitted != max_tokens:
         max_tokens = body["max_tokens"] = fitted
         if "max_completion_tokens" in body:

@@ -49,7 +49,7 @@ def gateway_backend(policy: PolicyConfig) -> Backend:
         policy, policy.fleet, models=backend.models,
         count_prompt_tokens=backend.count_prompt_tokens,
         support=backend.support,
-        max_model_len=getattr(backend, "max_model_len", None),
+        max_model_len=backend.max_model_len,
     )  # fmt: skip
 
 
@@ -90,18 +90,15 @@ async def serve(
     # start stops the server: an unready gateway that can never become ready
     # would only turn every request into a 503.
     failed: list[BaseException] = []
-    wait_ready = getattr(backend, "wait_ready", None)
-    watcher: asyncio.Task[None] | None = None
-    if wait_ready is not None:
 
-        async def watch() -> None:
-            try:
-                await wait_ready()
-            except Exception as exc:  # noqa: BLE001 - reported by the caller
-                failed.append(exc)
-                stop.set()
+    async def watch() -> None:
+        try:
+            await backend.wait_ready()
+        except Exception as exc:  # noqa: BLE001 - reported by the caller
+            failed.append(exc)
+            stop.set()
 
-        watcher = asyncio.get_running_loop().create_task(watch())
+    watcher = asyncio.get_running_loop().create_task(watch())
     runner: web.AppRunner | None = None
     loop = asyncio.get_running_loop()
     handled: list[signal.Signals] = []
@@ -148,8 +145,7 @@ async def serve(
     finally:
         for sig in handled:
             loop.remove_signal_handler(sig)
-        if watcher is not None:
-            watcher.cancel()
+        watcher.cancel()
         await _stop(runner, gateway, policy.server.shutdown_grace_s)
     if failed:
         error = failed[0]

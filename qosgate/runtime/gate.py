@@ -77,10 +77,6 @@ class Gateway:
         # of their own.
         self._policy = policy
         self._backend = backend
-        # Only a backend that can end for good (an engine that died) says so.
-        self._gone: Callable[[], BackendUnavailable | None] | None = getattr(
-            backend, "gone", None
-        )
         self.quotas = quotas if quotas is not None else QuotaGuard.from_policy(policy)
         """Reserves at the door (the HTTP layer asks it) and settles here."""
         self.quotas.on_lease_lost = self._lease_lost
@@ -89,9 +85,7 @@ class Gateway:
         self.observer.metrics.watch(self.snapshot)
         # A backend that queues what it takes (the fleet's) reports when the
         # waiting there ends.
-        on_start = getattr(backend, "set_start_listener", None)
-        if on_start is not None:
-            on_start(self.observer.metrics.fleet_started)
+        backend.set_start_listener(self.observer.metrics.fleet_started)
         self._scheduler = Scheduler(policy, drain_rate_hint=drain_rate_hint)
         self._loop: asyncio.AbstractEventLoop | None = None
         # Requests admitted and not yet finished.
@@ -213,8 +207,7 @@ class Gateway:
             "free_kv_tokens": cap.free_kv_tokens,
             "kv_capacity_tokens": cap.kv_capacity_tokens,
             "dispatched_not_started": len(self._reserved),
-            # A backend that restarts its engine (vllm) counts the restarts.
-            "restarts": getattr(self._backend, "restarts", 0),
+            "restarts": self._backend.restarts,
         }
         snap["quota_store"] = vars(self.quotas.counters)
         return snap
@@ -333,8 +326,8 @@ class Gateway:
         )
 
     def _backend_down(self) -> BackendUnavailableError | None:
-        probe = self._gone
-        error = probe() if probe is not None else None
+        # Only a backend that can end for good (an engine that died) says so.
+        error = self._backend.gone()
         if error is None:
             return None
         return BackendUnavailableError(str(error), retry_after_s=error.retry_after_s)
