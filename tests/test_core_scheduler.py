@@ -439,8 +439,12 @@ def test_a_request_that_has_streamed_output_is_never_preempted():
     sched.submit(b, 0.0)
     sched.schedule(0.0, BackendCapacity(1, 10**9, 10**9))
     sched.on_first_token(b.id, 0.2)
-    sched.submit(req("interactive"), 0.5)
-    assert not sched.schedule(0.5, FULL).preempt and b.state is RequestState.RUNNING
+    # Created as it arrives, so its budget is not spent and preemption is tried.
+    i = req("interactive", at=0.5)
+    sched.submit(i, 0.5)
+    plan = sched.schedule(0.5, FULL)
+    assert not plan.expired and i.state is RequestState.QUEUED
+    assert not plan.preempt and b.state is RequestState.RUNNING
 
 
 def test_no_preemption_for_equal_or_lower_tiers_or_when_disabled():
