@@ -20,6 +20,7 @@ import sys
 import time
 
 from qosgate.config.models import PolicyConfig
+from qosgate.config.scheduling import scheduling_policy
 from qosgate.core.request import Outcome, Request
 from qosgate.core.scheduler import BackendCapacity, Scheduler
 
@@ -52,7 +53,7 @@ def make_requests(n: int, start: int, rng: random.Random, t: float) -> list[Requ
 
 def measure(depth: int, seed: int) -> float:
     rng = random.Random(seed)
-    sched = Scheduler(policy(), drain_rate_hint=1e12)
+    sched = Scheduler(scheduling_policy(policy()), drain_rate_hint=1e12)
     for req in make_requests(depth, 0, rng, 0.0):
         sched.submit(req, 0.0)
     fresh = make_requests(MEASURED, depth, rng, 1.0)

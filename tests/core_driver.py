@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from qosgate.config.models import PolicyConfig
+from qosgate.config.scheduling import scheduling_policy
 from qosgate.core.request import Outcome, Request
 from qosgate.core.scheduler import BackendCapacity, SchedulePlan, Scheduler
 
@@ -58,7 +59,7 @@ class Harness:
     wakeup: float | None = None
 
     def __post_init__(self) -> None:
-        self.scheduler = Scheduler(self.policy, drain_rate_hint=self.drain_rate_hint)
+        self.scheduler = Scheduler(scheduling_policy(self.policy), drain_rate_hint=self.drain_rate_hint)
         self.backend = SlotBackend(self.slots)
 
     def submit(self, req: Request):

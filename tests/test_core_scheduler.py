@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from qosgate.config.models import PolicyConfig
+from qosgate.config.scheduling import scheduling_policy
 from qosgate.core.admission import DrainRateEstimator
 from qosgate.core.request import Outcome, Request, RequestState
 from qosgate.core.scheduler import BackendCapacity, Scheduler
@@ -52,7 +53,7 @@ def req(tier: str, tenant: str | None = None, *, at: float = 0.0, prompt: int = 
 
 
 def test_admission_refuses_when_predicted_wait_exceeds_budget():
-    sched = Scheduler(policy(), drain_rate_hint=1000.0)  # 1000 tokens/s
+    sched = Scheduler(scheduling_policy(policy()), drain_rate_hint=1000.0)  # 1000 tokens/s
     # Each request is 200 tokens of work: the 3rd sees 400 tokens ahead = 0.4 s
     # (within 0.5 s); the 4th sees 0.6 s and is refused with a retry hint.
     decisions = [sched.submit(req("interactive"), 0.0) for _ in range(4)]
@@ -66,14 +67,14 @@ def test_admission_refuses_when_predicted_wait_exceeds_budget():
 
 
 def test_admission_counts_only_tiers_that_outrank():
-    sched = Scheduler(policy(), drain_rate_hint=1000.0)
+    sched = Scheduler(scheduling_policy(policy()), drain_rate_hint=1000.0)
     for _ in range(20):
         sched.submit(req("standard"), 0.0)  # 4 s of standard work queued
     assert sched.submit(req("interactive"), 0.0).admitted
 
 
 def test_aged_delay_work_counts_ahead_of_the_level_it_reached():
-    sched = Scheduler(policy(), drain_rate_hint=1000.0)
+    sched = Scheduler(scheduling_policy(policy()), drain_rate_hint=1000.0)
     # Batch (priority 2, budget 10 s, 1 level/s) queued at t=0..9: by t=21.5
     # the oldest has climbed to level 0 and outranks interactive newcomers,
     # and more keeps climbing past them; interactive work alone would fit.
@@ -87,10 +88,10 @@ def test_aged_delay_work_counts_ahead_of_the_level_it_reached():
 
 
 def test_work_flowing_into_higher_tiers_lengthens_a_lower_tiers_predicted_wait():
-    sched = Scheduler(policy(tiers={
+    sched = Scheduler(scheduling_policy(policy(tiers={
         "interactive": {"priority": 0, "max_queue_wait_ms": 500},
         "standard": {"priority": 1, "max_queue_wait_ms": 2500},
-    }, tenants=[{"id": "i1", "tier": "interactive"}, {"id": "s1", "tier": "standard"}]),
+    }, tenants=[{"id": "i1", "tier": "interactive"}, {"id": "s1", "tier": "standard"}])),
         drain_rate_hint=1000.0)
     # Interactive work (200 tokens a request) arrives at 800 tokens/s and is
     # served at once, so its queue stays empty; a standard newcomer still
@@ -115,7 +116,7 @@ def test_work_flowing_into_higher_tiers_lengthens_a_lower_tiers_predicted_wait()
 def test_work_the_backend_has_room_for_is_not_backlog():
     # A batch window holds standard requests back while the backend is idle:
     # they all start when it opens, so none waits for the others.
-    sched = Scheduler(windowed(max_wait_ms=50, size=1000), drain_rate_hint=1000.0)
+    sched = Scheduler(scheduling_policy(windowed(max_wait_ms=50, size=1000)), drain_rate_hint=1000.0)
     sched.schedule(0.0, BackendCapacity(100, 10**6, 10**6))
     decisions = [sched.submit(req("standard", at=0.0), 0.0) for _ in range(30)]
     assert all(d.admitted for d in decisions)  # 30 x 200 tokens = 6 s at 1000 tokens/s
@@ -129,7 +130,7 @@ def test_delay_tier_is_not_refused_by_prediction_but_by_queue_cap():
         "interactive": {"priority": 0, "max_queue_wait_ms": 100},
         "batch": {"priority": 2, "max_queue_wait_ms": 100, "on_timeout": "delay", "max_queue_len": 3},
     }, tenants=[{"id": "b1", "tier": "batch"}, {"id": "i1", "tier": "interactive"}])
-    sched = Scheduler(p, drain_rate_hint=1.0)
+    sched = Scheduler(scheduling_policy(p), drain_rate_hint=1.0)
     decisions = [sched.submit(req("batch"), 0.0) for _ in range(4)]
     assert [d.admitted for d in decisions] == [True, True, True, False]
     assert decisions[3].outcome is Outcome.REJECTED_QUEUE_FULL
@@ -137,8 +138,8 @@ def test_delay_tier_is_not_refused_by_prediction_but_by_queue_cap():
 
 
 def test_refused_request_is_finished_with_its_outcome():
-    sched = Scheduler(policy(tiers={"interactive": {"priority": 0, "max_queue_len": 1}},
-                             tenants=[{"id": "i1", "tier": "interactive"}]))
+    sched = Scheduler(scheduling_policy(policy(tiers={"interactive": {"priority": 0, "max_queue_len": 1}},
+                             tenants=[{"id": "i1", "tier": "interactive"}])))
     sched.submit(req("interactive"), 0.0)
     r = req("interactive")
     sched.submit(r, 0.0)
@@ -149,14 +150,14 @@ def test_refused_request_is_finished_with_its_outcome():
 
 def test_unknown_tier_is_a_value_error():
     with pytest.raises(ValueError, match="unknown tier"):
-        Scheduler(policy()).submit(Request("x", "t", "gold", 1, 1, 0.0), 0.0)
+        Scheduler(scheduling_policy(policy())).submit(Request("x", "t", "gold", 1, 1, 0.0), 0.0)
 
 
 # -- expiry ----------------------------------------------------------------
 
 
 def test_queued_request_expires_at_its_deadline_and_wakeup_says_when():
-    sched = Scheduler(policy(), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(policy()), drain_rate_hint=10**6)
     r = req("interactive", at=1.0)
     sched.submit(r, 1.0)
     plan = sched.schedule(1.0, FULL)
@@ -169,7 +170,7 @@ def test_queued_request_expires_at_its_deadline_and_wakeup_says_when():
 
 
 def test_delay_tier_never_expires():
-    sched = Scheduler(policy(), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(policy()), drain_rate_hint=10**6)
     r = req("batch")
     sched.submit(r, 0.0)
     plan = sched.schedule(1000.0, FULL)
@@ -180,7 +181,7 @@ def test_delay_tier_never_expires():
 
 
 def test_higher_tier_goes_first_regardless_of_arrival():
-    sched = Scheduler(policy(), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(policy()), drain_rate_hint=10**6)
     b, s, i = req("batch"), req("standard"), req("interactive")
     for r in (b, s, i):
         sched.submit(r, 0.0)
@@ -189,7 +190,7 @@ def test_higher_tier_goes_first_regardless_of_arrival():
 
 
 def test_ageing_lifts_a_delayed_request_to_the_top_after_budget_plus_boost():
-    sched = Scheduler(policy(), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(policy()), drain_rate_hint=10**6)
     b = req("batch", at=0.0)
     sched.submit(b, 0.0)
     batch = sched.queue("batch")
@@ -207,7 +208,7 @@ def test_ageing_lifts_a_delayed_request_to_the_top_after_budget_plus_boost():
 
 
 def test_strict_never_ages():
-    sched = Scheduler(policy(scheduler={"policy": "strict"}), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(policy(scheduler={"policy": "strict"})), drain_rate_hint=10**6)
     b = req("batch", at=0.0)
     sched.submit(b, 0.0)
     assert sched.level(sched.queue("batch"), 10_000.0) == 2
@@ -217,7 +218,7 @@ def test_strict_never_ages():
 
 
 def test_fcfs_is_one_fifo_without_admission():
-    sched = Scheduler(policy(scheduler={"policy": "fcfs"}), drain_rate_hint=1.0)
+    sched = Scheduler(scheduling_policy(policy(scheduler={"policy": "fcfs"})), drain_rate_hint=1.0)
     order = [req("batch", at=0.0), req("standard", at=0.1), req("interactive", at=0.2)]
     for r in order:
         assert sched.submit(r, r.arrival).admitted
@@ -227,7 +228,7 @@ def test_fcfs_is_one_fifo_without_admission():
 
 
 def test_client_lowered_priority_goes_after_its_tier_peers():
-    sched = Scheduler(policy(scheduler={"fairness": "fifo"}), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(policy(scheduler={"fairness": "fifo"})), drain_rate_hint=10**6)
     low = req("standard", at=0.0, offset=3)
     normal = req("standard", at=0.1)
     sched.submit(low, 0.0)
@@ -240,7 +241,7 @@ def test_client_lowered_priority_goes_after_its_tier_peers():
 
 
 def test_never_releases_more_than_free_slots():
-    sched = Scheduler(policy(), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(policy()), drain_rate_hint=10**6)
     for _ in range(10):
         sched.submit(req("standard"), 0.0)
     plan = sched.schedule(0.0, BackendCapacity(3, 10**9, 10**9))
@@ -248,7 +249,7 @@ def test_never_releases_more_than_free_slots():
 
 
 def test_kv_budget_blocks_in_order():
-    sched = Scheduler(policy(scheduler={"fairness": "fifo"}), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(policy(scheduler={"fairness": "fifo"})), drain_rate_hint=10**6)
     big = req("standard", prompt=5000, max_tokens=100)
     small = req("standard", prompt=10, max_tokens=10)
     sched.submit(big, 0.0)
@@ -260,7 +261,7 @@ def test_kv_budget_blocks_in_order():
 
 
 def test_prompt_larger_than_the_whole_cache_fails_instead_of_blocking_forever():
-    sched = Scheduler(policy(), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(policy()), drain_rate_hint=10**6)
     huge, ok = req("standard", prompt=50_000), req("standard")
     sched.submit(huge, 0.0)
     sched.submit(ok, 0.0)
@@ -280,7 +281,7 @@ def windowed(max_wait_ms=50, size=4, tokens=10**6) -> PolicyConfig:
 
 
 def test_window_holds_until_oldest_has_waited_max_wait():
-    sched = Scheduler(windowed(), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(windowed()), drain_rate_hint=10**6)
     a, b = req("standard", at=1.0), req("standard", at=1.03)
     sched.submit(a, 1.0)
     sched.submit(b, 1.03)
@@ -293,7 +294,7 @@ def test_window_holds_until_oldest_has_waited_max_wait():
 
 
 def test_window_releases_at_once_when_full_by_count_or_tokens():
-    sched = Scheduler(windowed(size=3), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(windowed(size=3)), drain_rate_hint=10**6)
     rs = [req("standard", at=0.0) for _ in range(3)]
     for r in rs[:2]:
         sched.submit(r, 0.0)
@@ -301,7 +302,7 @@ def test_window_releases_at_once_when_full_by_count_or_tokens():
     sched.submit(rs[2], 0.0)
     assert sched.schedule(0.0, ROOMY).dispatch == rs
 
-    sched = Scheduler(windowed(size=100, tokens=250), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(windowed(size=100, tokens=250)), drain_rate_hint=10**6)
     for r in (req("standard", prompt=100), req("standard", prompt=100)):
         sched.submit(r, 0.0)
     assert sched.schedule(0.0, ROOMY).dispatch == []
@@ -310,7 +311,7 @@ def test_window_releases_at_once_when_full_by_count_or_tokens():
 
 
 def test_batch_is_capped_by_max_batch_size():
-    sched = Scheduler(windowed(size=2), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(windowed(size=2)), drain_rate_hint=10**6)
     for _ in range(5):
         sched.submit(req("standard", at=0.0), 0.0)
     plan = sched.schedule(0.0, ROOMY)
@@ -343,7 +344,7 @@ def dispatch_order(sched, n):
 
 
 def test_vtc_shares_equally_between_a_heavy_and_a_light_tenant():
-    sched = Scheduler(two_tenants(), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(two_tenants()), drain_rate_hint=10**6)
     for _ in range(20):
         sched.submit(Request(f"a{next(_ids)}", "a", "t", 100, 100, 0.0), 0.0)
     for _ in range(5):
@@ -354,7 +355,7 @@ def test_vtc_shares_equally_between_a_heavy_and_a_light_tenant():
 
 
 def test_vtc_weights_split_service():
-    sched = Scheduler(two_tenants(weights=(1.0, 3.0)), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(two_tenants(weights=(1.0, 3.0))), drain_rate_hint=10**6)
     for i in range(40):
         sched.submit(Request(f"w{next(_ids)}", "a" if i % 2 else "b", "t", 100, 100, 0.0), 0.0)
     first = dispatch_order(sched, 20)
@@ -362,7 +363,7 @@ def test_vtc_weights_split_service():
 
 
 def test_vtc_idle_tenant_cannot_bank_credit():
-    sched = Scheduler(two_tenants(), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(two_tenants()), drain_rate_hint=10**6)
     for _ in range(30):
         sched.submit(Request(f"a{next(_ids)}", "a", "t", 100, 100, 0.0), 0.0)
     dispatch_order(sched, 20)  # b was idle all along
@@ -374,7 +375,7 @@ def test_vtc_idle_tenant_cannot_bank_credit():
 
 
 def test_fifo_fairness_is_arrival_order():
-    sched = Scheduler(two_tenants(fairness="fifo"), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(two_tenants(fairness="fifo")), drain_rate_hint=10**6)
     rs = [Request(f"f{next(_ids)}", "a" if i < 5 else "b", "t", 100, 100, 0.0) for i in range(8)]
     for r in rs:
         sched.submit(r, 0.0)
@@ -385,7 +386,7 @@ def test_fifo_fairness_is_arrival_order():
 
 
 def test_cancel_queued_and_running():
-    sched = Scheduler(policy(), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(policy()), drain_rate_hint=10**6)
     q, r = req("standard"), req("standard")
     sched.submit(r, 0.0)
     sched.schedule(0.0, BackendCapacity(1, 10**9, 10**9))
@@ -399,7 +400,7 @@ def test_cancel_queued_and_running():
 
 
 def test_finish_records_and_feeds_the_drain_rate():
-    sched = Scheduler(policy(), drain_rate_hint=100.0)
+    sched = Scheduler(scheduling_policy(policy()), drain_rate_hint=100.0)
     rs = [req("batch", prompt=500, max_tokens=500) for _ in range(4)]
     for r in rs:
         sched.submit(r, 0.0)
@@ -413,7 +414,7 @@ def test_finish_records_and_feeds_the_drain_rate():
 
 
 def test_preemption_sends_back_the_newest_preemptible_request():
-    sched = Scheduler(policy(scheduler={"preemption": True}), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(policy(scheduler={"preemption": True})), drain_rate_hint=10**6)
     b_old, b_new = req("batch", at=0.0), req("batch", at=0.5)
     sched.submit(b_old, 0.0)
     sched.schedule(0.0, BackendCapacity(1, 10**9, 10**9))
@@ -434,7 +435,7 @@ def test_preemption_sends_back_the_newest_preemptible_request():
 
 
 def test_a_request_that_has_streamed_output_is_never_preempted():
-    sched = Scheduler(policy(scheduler={"preemption": True}), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(policy(scheduler={"preemption": True})), drain_rate_hint=10**6)
     b = req("batch")
     sched.submit(b, 0.0)
     sched.schedule(0.0, BackendCapacity(1, 10**9, 10**9))
@@ -448,7 +449,7 @@ def test_a_request_that_has_streamed_output_is_never_preempted():
 
 
 def test_no_preemption_for_equal_or_lower_tiers_or_when_disabled():
-    sched = Scheduler(policy(), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(policy()), drain_rate_hint=10**6)
     b = req("batch")
     sched.submit(b, 0.0)
     sched.schedule(0.0, BackendCapacity(1, 10**9, 10**9))
@@ -472,7 +473,7 @@ def test_drain_rate_tracks_saturated_throughput_and_ignores_idle_time():
 
 
 def test_light_load_does_not_drag_the_drain_rate_down_to_the_offered_load():
-    sched = Scheduler(policy(), drain_rate_hint=1000.0)
+    sched = Scheduler(scheduling_policy(policy()), drain_rate_hint=1000.0)
     t = 0.0
     while t < 60.0:  # 200 tokens every second, served at once: never saturated
         sched.submit(req("standard", at=t), t)
@@ -504,7 +505,7 @@ DOWN = BackendCapacity(free_slots=0, free_kv_tokens=0, kv_capacity_tokens=None)
 def test_time_with_the_backend_down_does_not_lock_admission_out():
     # Minutes of a down backend (no room, nothing running) must not teach the
     # drain rate that the backend completes nothing.
-    sched = Scheduler(policy(), drain_rate_hint=1000.0)
+    sched = Scheduler(scheduling_policy(policy()), drain_rate_hint=1000.0)
     for t in range(0, 600, 5):
         sched.schedule(float(t), DOWN, backend_ready=False)
     assert sched.drain.rate == pytest.approx(1000.0)
@@ -513,7 +514,7 @@ def test_time_with_the_backend_down_does_not_lock_admission_out():
 
 def test_running_work_that_has_not_finished_yet_keeps_the_prior():
     # A cold start: every slot holds a long generation, none ends within tau.
-    sched = Scheduler(policy(), drain_rate_hint=1000.0)
+    sched = Scheduler(scheduling_policy(policy()), drain_rate_hint=1000.0)
     sched.submit(req("standard"), 0.0)
     sched.schedule(0.0, BackendCapacity(1, 10**9, 10**9))
     sched.submit(req("standard"), 0.0)
@@ -523,7 +524,7 @@ def test_running_work_that_has_not_finished_yet_keeps_the_prior():
 
 
 def test_no_preemption_and_no_expired_outcome_while_the_backend_is_down():
-    sched = Scheduler(policy(scheduler={"preemption": True}), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(policy(scheduler={"preemption": True})), drain_rate_hint=10**6)
     b = req("batch")
     sched.submit(b, 0.0)
     sched.schedule(0.0, BackendCapacity(1, 10**9, 10**9))

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Iterable, Protocol
 
+from qosgate.core.ordering import TierView, aged_work
+from qosgate.core.policy import Ageing
 from qosgate.core.request import Outcome
 
 
@@ -41,6 +44,66 @@ DEFAULT_DRAIN_RATE = 10_000.0
 # A prediction can be unbounded (nothing left over for the tier); clients
 # still get a finite hint and try again.
 MAX_RETRY_AFTER_S = 300.0
+
+
+class TierLoad(TierView, Protocol):
+    """Port: what admission reads of one tier's queue."""
+
+    @property
+    def work(self) -> float:
+        """Tokens (prompt + expected output) of its queued requests."""
+
+    @property
+    def oldest_arrival(self) -> float | None: ...
+
+    def inflow_rate(self, now: float) -> float:
+        """Tokens/s of work arriving in it (ArrivalRate)."""
+
+
+def predicted_wait(
+    priority: int,
+    work: int,
+    tiers: Iterable[TierLoad],
+    now: float,
+    ageing: Ageing,
+    *,
+    own_slot: bool,
+    room_work: float,
+    drain: float,
+) -> float:
+    """How long a newcomer of `work` tokens at `priority` is expected to
+    wait: the work ahead of it over what the backend drains beyond the work
+    that keeps going ahead of it while it waits.
+
+    Ahead of it: everything queued at its level or above, and `delay`-tier
+    work old enough to have climbed to its level; with `own_slot` (the
+    backend is saturated) a slot of its own, its own work; less `room_work`,
+    what the backend's free room takes at once. Going ahead while it waits:
+    the inflow of more important tiers and the rate at which delay-tier work
+    climbs past it."""
+    ahead = float(work) if own_slot else 0.0
+    inflow = 0.0
+    for other in tiers:
+        if other.priority <= priority:
+            ahead += other.work
+            if other.priority < priority:
+                inflow += other.inflow_rate(now)
+        elif other.delays and ageing.max_boost:
+            climb = other.priority - priority
+            oldest = other.oldest_arrival
+            if oldest is None or climb > ageing.max_boost or other.budget_s is None:
+                continue
+            aged, rate = aged_work(
+                now, oldest, other.work, other.budget_s, climb, ageing.interval_s
+            )
+            ahead += aged
+            inflow += rate
+    if room_work > 0:
+        ahead = max(0.0, ahead - room_work)
+    if ahead <= 0.0:
+        return 0.0
+    drain -= inflow
+    return ahead / drain if drain > 0 else math.inf
 
 
 class DrainRateEstimator:

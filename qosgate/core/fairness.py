@@ -19,6 +19,19 @@ from qosgate.core.request import Request, RequestState
 _QUEUED = RequestState.QUEUED
 
 
+def service(w_in: float, w_out: float, prompt_tokens: int, output_tokens: int) -> float:
+    """Weighted tokens of service, before the tenant's weight divides them."""
+    return w_in * prompt_tokens + w_out * output_tokens
+
+
+def lifted(counter: float, backlogged_min: float | None, last_served: float) -> float:
+    """The counter of a tenant that becomes backlogged: lifted to the
+    smallest counter among the backlogged (or, if none, the counter last
+    served), so time spent idle cannot be banked as credit."""
+    floor = last_served if backlogged_min is None else backlogged_min
+    return floor if counter < floor else counter
+
+
 class FairnessOrder(Protocol):
     """Port: the order in which one tier's queued requests are released."""
 
@@ -207,9 +220,9 @@ class VtcOrder:
             state = self._tenants[req.tenant] = _Tenant(req.tenant, self.weight(req.tenant))
         if state.lane.live == 0:
             top = self._top()
-            floor = top.counter if top is not None else self._last_served
-            if state.counter < floor:
-                state.counter = floor
+            state.counter = lifted(
+                state.counter, top.counter if top is not None else None, self._last_served
+            )
             state.lane.push(req)
             self._enter(state)
         else:

@@ -14,15 +14,17 @@ import heapq
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from qosgate.config.models import PolicyConfig, TierConfig
 from qosgate.core.admission import (
     ADMITTED,
     DEFAULT_DRAIN_RATE,
     MAX_RETRY_AFTER_S,
     AdmissionDecision,
     DrainRateEstimator,
+    predicted_wait,
 )
-from qosgate.core.fairness import FairnessOrder, FifoOrder, VtcOrder
+from qosgate.core.fairness import FairnessOrder, FifoOrder, VtcOrder, service
+from qosgate.core.ordering import may_preempt, pick_tier, preemption_victim, tier_level
+from qosgate.core.policy import SchedulingPolicy, TierParams
 from qosgate.core.request import Outcome, Request, RequestState
 from qosgate.core.tier_queue import TierQueue
 
@@ -32,38 +34,7 @@ _FINISHED = RequestState.FINISHED
 
 # Output length assumed for a request before any has completed.
 _DEFAULT_OUTPUT_ESTIMATE = 256.0
-# A request preempted this often is no longer chosen as a victim, so a
-# preemptible tier cannot be livelocked by a steady stream of higher work.
-MAX_PREEMPTIONS = 2
 FCFS_QUEUE = "*"
-
-
-def ageing_boost(
-    now: float, oldest_arrival: float, budget_s: float, interval_s: float, max_boost: int
-) -> int:
-    """Levels a `delay` tier has climbed by `now`: one per `interval_s` its
-    oldest request has waited past its budget, at most `max_boost`. The
-    fleet's tier choice (qosgate/fleet) uses it too, and its Lua mirrors it."""
-    over = now - oldest_arrival - budget_s
-    if over < interval_s:
-        return 0
-    levels = int(over / interval_s)
-    return levels if levels < max_boost else max_boost
-
-
-def aged_work(
-    now: float, oldest_arrival: float, work: float, budget_s: float, climb: int, interval_s: float
-) -> tuple[float, float]:
-    """Of a `delay` tier's queued `work`, the part that has aged `climb`
-    levels by now, and the rate in tokens/s at which more does: only the
-    oldest arrival is known, so arrivals are taken as spread evenly between
-    it and now. The fleet's admission uses it too, and its Lua mirrors it."""
-    threshold = now - budget_s - climb * interval_s
-    span = now - oldest_arrival
-    if oldest_arrival > threshold or span <= 0:
-        return 0.0, 0.0
-    rate = work / span
-    return rate * min(span, threshold - oldest_arrival), rate
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,22 +76,20 @@ class SchedulePlan:
 class Scheduler:
     """One gateway's queues and the decisions over them."""
 
-    def __init__(self, policy: PolicyConfig, *, drain_rate_hint: float | None = None) -> None:
-        sched = policy.scheduler
+    def __init__(
+        self, policy: SchedulingPolicy, *, drain_rate_hint: float | None = None
+    ) -> None:
         self.policy = policy
-        self.kind = sched.policy
-        self._admission = sched.admission and self.kind != "fcfs"
-        self._preemption = sched.preemption and self.kind != "fcfs"
-        ageing = self.kind == "qos" and sched.aging.max_boost > 0
-        self._interval = sched.aging.interval_ms / 1000.0
-        self._max_boost = sched.aging.max_boost if ageing else 0
-        tiered = self.kind != "fcfs"
-        self._reserve_slots = sched.reserve.slots if tiered else 0
-        self._reserve_kv = sched.reserve.kv_tokens if tiered else 0
-        self._w_in = sched.vtc.w_in
-        self._w_out = sched.vtc.w_out
-        prior = sched.initial_drain_rate or drain_rate_hint or DEFAULT_DRAIN_RATE
-        self.drain = DrainRateEstimator(sched.drain_rate_tau_s, prior)
+        self.kind = policy.kind
+        self._admission = policy.admission
+        self._preemption = policy.preemption
+        self._ageing = policy.ageing
+        self._reserve_slots = policy.reserve_slots if policy.tiered else 0
+        self._reserve_kv = policy.reserve_kv_tokens if policy.tiered else 0
+        self._w_in = policy.w_in
+        self._w_out = policy.w_out
+        prior = policy.initial_drain_rate or drain_rate_hint or DEFAULT_DRAIN_RATE
+        self.drain = DrainRateEstimator(policy.drain_rate_tau_s, prior)
         self._output_estimate = _DEFAULT_OUTPUT_ESTIMATE
 
         self._queues: dict[str, TierQueue] = {}
@@ -139,12 +108,9 @@ class Scheduler:
 
     # -- configuration -------------------------------------------------------
 
-    def _build_queues(self, policy: PolicyConfig) -> None:
-        weights = {t.id: t.weight for t in policy.tenants}
-        use_vtc = self.kind == "qos" and policy.scheduler.fairness == "vtc"
-
+    def _build_queues(self, policy: SchedulingPolicy) -> None:
         def order() -> FairnessOrder:
-            return VtcOrder(weights) if use_vtc else FifoOrder()
+            return VtcOrder(dict(policy.weights)) if policy.fair else FifoOrder()
 
         if self.kind == "fcfs":
             # One FIFO for everything: no tiers, no budgets, no windows.
@@ -157,32 +123,27 @@ class Scheduler:
             self._queue_list = [single]
             self._top_level = 0
             return
-        tau = policy.scheduler.drain_rate_tau_s
-        self._queues = {
-            name: _tier_queue(name, tier, order(), tau) for name, tier in policy.tiers.items()
-        }
+        tau = policy.drain_rate_tau_s
+        self._queues = {name: _tier_queue(tier, order(), tau) for name, tier in policy.tiers.items()}
         self._queue_list = sorted(self._queues.values(), key=lambda q: (q.priority, q.name))
         self._top_level = self._queue_list[0].priority
 
-    def reconfigure(self, policy: PolicyConfig) -> None:
+    def reconfigure(self, policy: SchedulingPolicy) -> None:
         """Take a reloaded policy's tiers and tenants. The `scheduler` section
         must be unchanged (the caller checks). Queued and running requests keep
         their place and their deadlines; a tier's new settings apply to what
         is decided from now on; a tier that is gone keeps its queue until it
         drains (no tenant can send it more)."""
         self.policy = policy
-        weights = {t.id: t.weight for t in policy.tenants}
+        weights = dict(policy.weights)
         if self.kind == "fcfs":
             single = self._queue_list[0]
             for name in policy.tiers:
                 self._queues[name] = single
             return
-        tau = policy.scheduler.drain_rate_tau_s
-        use_vtc = self.kind == "qos" and policy.scheduler.fairness == "vtc"
+        tau = policy.drain_rate_tau_s
         for name, tier in policy.tiers.items():
-            fresh = _tier_queue(
-                name, tier, VtcOrder(weights) if use_vtc else FifoOrder(), tau
-            )
+            fresh = _tier_queue(tier, VtcOrder(weights) if policy.fair else FifoOrder(), tau)
             queue = self._queues.get(name)
             if queue is None:
                 self._queues[name] = fresh
@@ -254,30 +215,15 @@ class Scheduler:
         budget = queue.budget_s
         if self._admission and budget is not None and not queue.delays:
             # On a saturated backend the newcomer also waits for a slot of its
-            # own to free after everything ahead of it has started, unless
-            # capacity is held in reserve for its level.
+            # own, unless capacity is held in reserve for its level.
             reserved = queue.priority == self._top_level and self._reserve_slots > 0
-            ahead = float(req.work) if self._saturated and not reserved else 0.0
-            inflow = 0.0
-            for other in self._queue_list:
-                if other.priority <= queue.priority:
-                    ahead += other.work
-                    if other.priority < queue.priority:
-                        inflow += other.inflow.rate(now)
-                elif other.delays and self._max_boost:
-                    aged, rate = self._aged_work(other, queue.priority, now)
-                    ahead += aged
-                    inflow += rate
-            # Work admitted to more important tiers, and delay-tier work that
-            # climbs past the newcomer, keep going ahead of it while it waits:
-            # only what the backend drains beyond that inflow serves it.
-            if self._room_slots > 0:
-                ahead = max(0.0, ahead - min(self._room_kv, self._room_slots * req.work))
-            drain = self.drain.rate - inflow
-            if ahead <= 0.0:
-                predicted = 0.0
-            else:
-                predicted = ahead / drain if drain > 0 else float("inf")
+            room = self._room_slots
+            predicted = predicted_wait(
+                queue.priority, req.work, self._queue_list, now, self._ageing,
+                own_slot=self._saturated and not reserved,
+                room_work=min(self._room_kv, room * req.work) if room > 0 else 0,
+                drain=self.drain.rate,
+            )  # fmt: skip
             if predicted > budget:
                 return self._reject(req, now, AdmissionDecision(
                     admitted=False, outcome=Outcome.REJECTED_OVERLOAD,
@@ -302,33 +248,12 @@ class Scheduler:
 
     # -- the dispatch decision -----------------------------------------------
 
-    def _boost(self, queue: TierQueue, oldest: Request, now: float) -> int:
-        # Ageing starts once the queue budget is spent (on_timeout: delay), so
-        # a request climbs to the top by budget + max_boost * interval.
-        if not self._max_boost or not queue.delays or queue.budget_s is None:
-            return 0
-        return ageing_boost(now, oldest.arrival, queue.budget_s, self._interval, self._max_boost)
-
-    def _aged_work(self, queue: TierQueue, level: int, now: float) -> tuple[float, float]:
-        """Work of a delay tier that has aged to `level` or better by now (it
-        goes ahead of a newcomer at that level), and the rate, in tokens/s, at
-        which more of it gets there.
-
-        Only the queue's oldest arrival is known in O(1), so arrivals are
-        taken as spread evenly between it and now."""
-        climb = queue.priority - level
-        oldest = queue.oldest()
-        if oldest is None or climb > self._max_boost or queue.budget_s is None:
-            return 0.0, 0.0
-        return aged_work(now, oldest.arrival, queue.work, queue.budget_s, climb, self._interval)
-
     def level(self, queue: TierQueue, now: float) -> int | None:
         """The effective priority level a non-empty queue competes at now."""
         oldest = queue.oldest()
         if oldest is None:
             return None
-        level = queue.priority - self._boost(queue, oldest, now)
-        return level if level > 0 else 0
+        return tier_level(queue, oldest.arrival, now, self._ageing)
 
     def _window_opens(self, queue: TierQueue, oldest: Request, now: float) -> float:
         """When the queue's batch window releases (now or earlier: ready)."""
@@ -358,8 +283,6 @@ class Scheduler:
         free_kv = capacity.free_kv_tokens
         kv_total = capacity.kv_capacity_tokens
         top_level = self._top_level
-        ageing = self._max_boost > 0
-        interval = self._interval
         # An open batch keeps releasing after its window fires, up to its size,
         # even though the requests behind the oldest have waited less.
         open_batches: dict[str, list] = {}
@@ -367,8 +290,7 @@ class Scheduler:
         blocked: TierQueue | None = None
 
         while free_slots > 0:
-            best: TierQueue | None = None
-            best_key: tuple[int, float, int] | None = None
+            ready: list[tuple[TierQueue, float]] = []
             for queue in self._queue_list:
                 oldest = queue.oldest()
                 if oldest is None:
@@ -381,18 +303,12 @@ class Scheduler:
                             if wakeup is None or opens < wakeup:
                                 wakeup = opens
                             continue
-                level = queue.priority
-                if (ageing and queue.delays
-                        and now - oldest.arrival - queue.budget_s >= interval):
-                    level -= self._boost(queue, oldest, now)
-                # Equal levels go oldest first: that is what lets an aged request
-                # overtake fresher work of the tier it has climbed to.
-                key = (level if level > 0 else 0, oldest.arrival, queue.priority)
-                if best_key is None or key < best_key:
-                    best, best_key, best_oldest = queue, key, oldest
-            if best is None:
+                ready.append((queue, oldest.arrival))
+            chosen = pick_tier(ready, now, self._ageing)
+            if chosen is None:
                 break
-            below_top = best_key[0] > top_level
+            best, level = chosen
+            below_top = level > top_level
             if below_top and free_slots <= self._reserve_slots:
                 # What is left is held for top-level work.
                 blocked = best
@@ -417,7 +333,7 @@ class Scheduler:
             if batch is None or batch[0] <= 0 or batch[1] <= 0:
                 if batch is not None:
                     plan.batches.append((best.name, batch[2], batch[3]))
-                batch = [best.max_batch_size, best.max_batch_tokens, 0, now - best_oldest.arrival]
+                batch = [best.max_batch_size, best.max_batch_tokens, 0, now - best.oldest_arrival]
                 open_batches[best.name] = batch
             best.pop()
             self._dispatch(best, req, now)
@@ -451,7 +367,7 @@ class Scheduler:
         del self._queued[req.id]
         req.state = _RUNNING
         req.dispatched_at = now
-        charge = self._w_in * req.prompt_tokens + self._w_out * (req.work - req.prompt_tokens)
+        charge = service(self._w_in, self._w_out, req.prompt_tokens, req.work - req.prompt_tokens)
         req.charged_service = charge
         queue.order.on_dispatch(req, charge)
         self._running[req.id] = req
@@ -498,17 +414,14 @@ class Scheduler:
                     break
         if waiting is None:
             return
-        for queue in reversed(self._queue_list):
-            if queue.priority <= waiting.priority:
-                return
-            if not queue.preemptible:
-                continue
-            for victim in reversed(queue.running.values()):
-                # Output already streamed to a client cannot be taken back.
-                if victim.preemptions < MAX_PREEMPTIONS and victim.first_token_at is None:
-                    self._requeue(victim, now)
-                    plan.preempt = [victim]
-                    return
+        victim = preemption_victim(
+            waiting.priority,
+            [(q.priority, q.preemptible, q.running.values()) for q in self._queue_list],
+            lambda run: may_preempt(run.preemptions, run.first_token_at is not None),
+        )
+        if victim is not None:
+            self._requeue(victim, now)
+            plan.preempt = [victim]
 
     def _requeue(self, req: Request, now: float) -> None:
         queue = self._queues[req.tier]
@@ -542,7 +455,7 @@ class Scheduler:
         req.outcome = outcome
         req.finished_at = now
         req.output_tokens = output_tokens
-        actual = self._w_in * req.prompt_tokens + self._w_out * output_tokens
+        actual = service(self._w_in, self._w_out, req.prompt_tokens, output_tokens)
         queue.order.on_settle(req, actual - req.charged_service)
         req.charged_service = actual
         if outcome is Outcome.COMPLETED:
@@ -619,16 +532,16 @@ class Scheduler:
         }
 
 
-def _tier_queue(name: str, tier: TierConfig, order: FairnessOrder, tau_s: float) -> TierQueue:
+def _tier_queue(tier: TierParams, order: FairnessOrder, tau_s: float) -> TierQueue:
     return TierQueue(
-        name,
+        tier.name,
         priority=tier.priority,
-        budget_s=tier.max_queue_wait_ms / 1000.0,
-        delays=tier.on_timeout == "delay",
-        max_len=tier.max_queue_len,
-        max_wait_s=tier.batch.max_wait_ms / 1000.0,
-        max_batch_size=tier.batch.max_batch_size,
-        max_batch_tokens=tier.batch.max_batch_tokens,
+        budget_s=tier.budget_s,
+        delays=tier.delays,
+        max_len=tier.max_len,
+        max_wait_s=tier.max_wait_s,
+        max_batch_size=tier.max_batch_size,
+        max_batch_tokens=tier.max_batch_tokens,
         preemptible=tier.preemptible,
         order=order,
         inflow_tau_s=tau_s,

@@ -67,6 +67,14 @@ class TierQueue:
             return req
         return None
 
+    @property
+    def oldest_arrival(self) -> float | None:
+        oldest = self.oldest()
+        return oldest.arrival if oldest is not None else None
+
+    def inflow_rate(self, now: float) -> float:
+        return self.inflow.rate(now)
+
     def push(self, req: Request, *, front: bool = False) -> None:
         req.state = RequestState.QUEUED
         self._by_age[req.id] = req

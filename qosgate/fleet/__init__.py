@@ -8,8 +8,6 @@ from .model import (
     FleetTiers,
     Lease,
     WorkItem,
-    boost,
-    effective_level,
     pick_tier,
     predicted_wait,
 )
@@ -35,8 +33,6 @@ __all__ = [
     "WorkQueueError",
     "WorkQueueFull",
     "WorkQueueOverloaded",
-    "boost",
-    "effective_level",
     "pick_tier",
     "predicted_wait",
 ]

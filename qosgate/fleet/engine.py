@@ -47,8 +47,9 @@ from redis.exceptions import RedisError
 
 from qosgate.backends.base import Backend, BackendError, BackendUnavailable, Chunk, GenerationJob
 from qosgate.config.models import FleetConfig, PolicyConfig
+from qosgate.config.scheduling import scheduling_policy
 from qosgate.core.admission import DEFAULT_DRAIN_RATE, DrainRateEstimator
-from qosgate.core.scheduler import MAX_PREEMPTIONS
+from qosgate.core.ordering import may_preempt, preemption_victim
 from qosgate.quotas import QuotaStore, QuotaStoreError, build_store
 
 from . import wire
@@ -107,17 +108,17 @@ class EngineNode:
         self.backend = backend
         self.node = fleet.node_id or default_node_id()
         self.store = fleet_store(policy, fleet)
-        self._meter = ServiceMeter(policy) if self.store.tiers.fair else None
-        sched = policy.scheduler
+        rules = scheduling_policy(policy)
+        self._meter = ServiceMeter(rules) if rules.fair else None
         # What this node completes while full, as one node measures its
         # backend: its share of the fleet's drain rate, which the gateways'
         # admission sums over the live nodes.
         self.drain = DrainRateEstimator(
-            sched.drain_rate_tau_s, sched.initial_drain_rate or DEFAULT_DRAIN_RATE
+            rules.drain_rate_tau_s, rules.initial_drain_rate or DEFAULT_DRAIN_RATE
         )
         self.lease_s = fleet.lease_s
-        self._tiers = policy.tiers
-        self._preemption = sched.preemption and sched.policy != "fcfs"
+        self._tiers = rules.tiers
+        self._preemption = rules.preemption
         # Items whose output has begun to go out: never preempted, since what
         # a client has seen cannot be taken back.
         self._streaming: set[str] = set()
@@ -336,19 +337,18 @@ class EngineNode:
         waiting = self._tiers.get(tier)
         if waiting is None:
             return
-        victim: Lease | None = None
-        victim_priority = waiting.priority
-        for item_id, lease in self._leases.items():  # in the order taken
-            config = self._tiers.get(lease.item.tier)
-            # As one node caps preemptions (here: runs sent back, preempted or
-            # lost), so a steady stream of urgent work cannot livelock an item.
-            if (config is None or not config.preemptible or item_id in self._streaming
-                    or lease.item.attempt >= MAX_PREEMPTIONS):  # fmt: skip
-                continue
-            # The least important tier below the waiting one; in it, the
-            # newest run (taken last).
-            if config.priority > waiting.priority and config.priority >= victim_priority:
-                victim, victim_priority = lease, config.priority
+        runs: dict[str, list[Lease]] = {}
+        for lease in self._leases.values():  # in the order taken
+            if lease.item.tier in self._tiers:
+                runs.setdefault(lease.item.tier, []).append(lease)
+        tiers = sorted((t.priority, t.name) for t in self._tiers.values() if t.name in runs)
+        # As one node's, with the runs sent back (preempted or lost) as its
+        # count of preemptions.
+        victim = preemption_victim(
+            waiting.priority,
+            [(p, self._tiers[name].preemptible, runs[name]) for p, name in tiers],
+            lambda lease: may_preempt(lease.item.attempt, lease.item.id in self._streaming),
+        )
         if victim is None:
             return
         self._preempting = asyncio.get_running_loop().create_task(self._preempt(victim))

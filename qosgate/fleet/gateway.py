@@ -48,6 +48,7 @@ from qosgate.backends.base import (
 )
 from qosgate.backends.support import PASSTHROUGH, RequestSupport
 from qosgate.config.models import FleetConfig, PolicyConfig
+from qosgate.config.scheduling import scheduling_policy
 from qosgate.core.admission import MAX_RETRY_AFTER_S
 from qosgate.core.scheduler import BackendCapacity
 from qosgate.runtime.errors import Expired, Overloaded, QueueFull
@@ -146,7 +147,7 @@ class FleetBackend(Backend):
         self._fleet = fleet
         self.node = fleet.node_id or default_node_id()
         self.store = fleet_store(policy, fleet)
-        self._meter = ServiceMeter(policy) if self.store.tiers.fair else None
+        self._meter = ServiceMeter(scheduling_policy(policy)) if self.store.tiers.fair else None
         # One channel per start, not per name: engine nodes stop the runs of a
         # replica that no one subscribes for any more, and a replica restarted
         # under the same name must not look like the one that crashed.

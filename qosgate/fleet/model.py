@@ -3,8 +3,12 @@ an engine node takes from next.
 
 Gateway replicas put requests into one queue per tier in a shared store;
 engine nodes pull the globally most urgent work when they have room. The
-rule for "most urgent" lives here, once, so that the memory store, the Redis
-store's Lua and the tests all answer to the same definition.
+rules are the single node's, from qosgate/core (ordering.pick_tier,
+admission.predicted_wait, fairness.lifted and fairness.service): the shared
+queue is a storage strategy under them. The Redis store's scripts restate
+the tier choice, the wait prediction and the VTC lift where they must run
+inside Redis to be atomic; tests/test_fleet_rules_differential.py holds
+them to the core.
 
 Across tiers, the in-process scheduler's rule (qosgate/core): a tier
 competes at its priority less the ageing boost its oldest queued item has
@@ -60,14 +64,16 @@ tokens.
 from __future__ import annotations
 
 import dataclasses
-import math
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 from qosgate.config.models import PolicyConfig
-from qosgate.core.scheduler import aged_work, ageing_boost
+from qosgate.config.scheduling import scheduling_policy
+from qosgate.core import admission, ordering
+from qosgate.core.fairness import service
+from qosgate.core.policy import Ageing, SchedulingPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,26 +208,29 @@ class FleetTiers:
 
     @classmethod
     def from_config(cls, policy: PolicyConfig) -> FleetTiers:
-        sched = policy.scheduler
-        interval_s = sched.aging.interval_ms / 1000.0
-        tau = sched.drain_rate_tau_s
-        if sched.policy == "fcfs":
-            # One FIFO: equal priorities, no ageing and no admission leave
-            # only the head's age.
-            return cls.of(
-                dict.fromkeys(policy.tiers, 0), interval_s=interval_s, max_boost=0,
-                admission=False, inflow_tau_s=tau,
-            )  # fmt: skip
+        return cls.from_policy(scheduling_policy(policy))
+
+    @classmethod
+    def from_policy(cls, policy: SchedulingPolicy) -> FleetTiers:
+        """What the policy's mode turns on, as one node reads it (under
+        `fcfs` one FIFO: equal priorities, no ageing and no admission leave
+        only the head's age)."""
+        tiers = policy.tiers.values()
         return cls.of(
-            {name: tier.priority for name, tier in policy.tiers.items()},
-            interval_s=interval_s,
-            max_boost=sched.aging.max_boost if sched.policy == "qos" else 0,
-            fair=sched.policy == "qos" and sched.fairness == "vtc",
-            budgets={name: tier.max_queue_wait_ms / 1000.0 for name, tier in policy.tiers.items()},
-            delays=[name for name, tier in policy.tiers.items() if tier.on_timeout == "delay"],
-            admission=sched.admission,
-            inflow_tau_s=tau,
-        )
+            {t.name: t.priority if policy.tiered else 0 for t in tiers},
+            interval_s=policy.interval_s,
+            max_boost=policy.ageing.max_boost,
+            fair=policy.fair,
+            budgets={t.name: t.budget_s for t in tiers if t.budget_s is not None}
+            if policy.tiered else {},
+            delays=[t.name for t in tiers if t.delays and policy.tiered],
+            admission=policy.admission,
+            inflow_tau_s=policy.drain_rate_tau_s,
+        )  # fmt: skip
+
+    @property
+    def ageing(self) -> Ageing:
+        return Ageing(self.interval_s, self.max_boost)
 
     def tier(self, name: str) -> FleetTier:
         for tier in self.tiers:
@@ -236,35 +245,12 @@ class FleetTiers:
         return any(t.name == name for t in self.tiers)
 
 
-def boost(tier: FleetTier, oldest_arrival: float, now: float, interval_s: float,
-          max_boost: int) -> int:
-    """Levels a tier has climbed by `now` because of its oldest item's wait:
-    one per `interval_s` past a `delay` tier's budget, at most `max_boost`:
-    the in-process scheduler's rule."""
-    if max_boost <= 0 or not tier.delays or tier.budget_s is None:
-        return 0
-    # A replica's clock a little ahead of ours gives a negative wait: no levels.
-    return ageing_boost(now, oldest_arrival, tier.budget_s, interval_s, max_boost)
-
-
-def effective_level(tier: FleetTier, oldest_arrival: float, now: float, tiers: FleetTiers) -> int:
-    return max(0, tier.priority - boost(tier, oldest_arrival, now, tiers.interval_s, tiers.max_boost))
-
-
 def pick_tier(tiers: FleetTiers, oldest: Mapping[str, float], now: float) -> str | None:
     """The tier to take the next item from, given each non-empty tier's oldest
-    arrival; None when every tier is empty. Mirrored by the claim script in
-    redis_store.py: change both together."""
-    best: str | None = None
-    best_key: tuple[int, float, int] | None = None
-    for tier in tiers.tiers:
-        head = oldest.get(tier.name)
-        if head is None:
-            continue
-        key = (effective_level(tier, head, now, tiers), head, tier.priority)
-        if best_key is None or key < best_key:
-            best, best_key = tier.name, key
-    return best
+    arrival (the core's ordering.pick_tier); None when every tier is empty."""
+    heads = ((t, oldest[t.name]) for t in tiers.tiers if t.name in oldest)
+    chosen = ordering.pick_tier(heads, now, tiers.ageing)
+    return chosen[0].name if chosen is not None else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,51 +269,39 @@ class FleetLoad:
     """Tier -> arrival of its oldest queued item (non-empty tiers)."""
 
 
+@dataclass(frozen=True, slots=True)
+class _TierLoad:
+    """One tier as admission reads it from a FleetLoad (admission.TierLoad)."""
+
+    priority: int
+    delays: bool
+    budget_s: float | None
+    work: int
+    oldest_arrival: float | None
+    inflow: float
+
+    def inflow_rate(self, now: float) -> float:
+        return self.inflow
+
+
 def predicted_wait(
     tiers: FleetTiers, tier: str, work: int, load: FleetLoad, now: float
 ) -> float | None:
     """How long an item of `work` tokens entering `tier` at `now` is expected
-    to wait before a node takes it; None when no live node reports a drain
-    rate (no evidence, so no refusal). One node's rule (Scheduler.submit),
-    over the fleet; mirrored by the enqueue script in redis_store.py,
-    operation for operation, so that both stores decide alike to the last
-    bit."""
+    to wait before a node takes it: one node's rule (admission.predicted_wait)
+    over the fleet, where the nodes' free slots are its room. None when no
+    live node reports a drain rate (no evidence, so no refusal)."""
     if load.drain <= 0.0:
         return None
-    mine = tiers.tier(tier).priority
-    # With every node full the newcomer also waits for a slot of its own.
-    ahead = float(work) if load.room <= 0 else 0.0
-    inflow = 0.0
-    for other in tiers.tiers:
-        if other.priority <= mine:
-            ahead += load.queued_work.get(other.name, 0)
-            if other.priority < mine:
-                inflow += load.inflow.get(other.name, 0.0)
-        elif other.delays and tiers.max_boost and other.budget_s is not None:
-            aged, rate = _aged_work(tiers, other, mine, load, now)
-            ahead += aged
-            inflow += rate
-    if load.room > 0:
-        ahead = max(0.0, ahead - load.room * work)
-    if ahead <= 0.0:
-        return 0.0
-    drain = load.drain - inflow
-    return ahead / drain if drain > 0.0 else math.inf
-
-
-def _aged_work(
-    tiers: FleetTiers, other: FleetTier, level: int, load: FleetLoad, now: float
-) -> tuple[float, float]:
-    """Work of a `delay` tier that has aged to `level` by now (so goes ahead
-    of a newcomer there: equal levels go to the older head), and the rate in
-    tokens/s at which more gets there; as Scheduler._aged_work, with the
-    tier's arrivals taken as spread evenly from its oldest to now."""
-    climb = other.priority - level
-    oldest = load.oldest.get(other.name)
-    if oldest is None or climb > tiers.max_boost or other.budget_s is None:
-        return 0.0, 0.0
-    work = load.queued_work.get(other.name, 0)
-    return aged_work(now, oldest, work, other.budget_s, climb, tiers.interval_s)
+    views = [
+        _TierLoad(t.priority, t.delays, t.budget_s, load.queued_work.get(t.name, 0),
+                  load.oldest.get(t.name), load.inflow.get(t.name, 0.0))
+        for t in tiers.tiers
+    ]  # fmt: skip
+    return admission.predicted_wait(
+        tiers.tier(tier).priority, work, views, now, tiers.ageing,
+        own_slot=load.room <= 0, room_work=load.room * work, drain=load.drain,
+    )  # fmt: skip
 
 
 def lane_key(item: WorkItem) -> str:
@@ -341,11 +315,9 @@ class ServiceMeter:
     """Virtual service, as the in-process VTC counts it: weighted tokens over
     the tenant's weight (1 for a tenant the policy does not list)."""
 
-    def __init__(self, policy: PolicyConfig) -> None:
-        self._w_in = policy.scheduler.vtc.w_in
-        self._w_out = policy.scheduler.vtc.w_out
-        self._weights = {t.id: t.weight for t in policy.tenants}
+    def __init__(self, policy: SchedulingPolicy) -> None:
+        self._policy = policy
 
     def __call__(self, tenant: str, prompt_tokens: int, output_tokens: int) -> float:
-        weight = self._weights.get(tenant, 1.0)
-        return (self._w_in * prompt_tokens + self._w_out * output_tokens) / weight
+        p = self._policy
+        return service(p.w_in, p.w_out, prompt_tokens, output_tokens) / p.weight(tenant)

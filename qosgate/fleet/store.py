@@ -9,6 +9,7 @@ from abc import ABC, abstractmethod
 from typing import Literal
 
 from qosgate.core.admission import ArrivalRate
+from qosgate.core.fairness import lifted
 
 from .model import Claim, FleetLoad, FleetTiers, Lease, WorkItem, pick_tier, predicted_wait
 
@@ -299,12 +300,12 @@ class MemoryWorkQueue(WorkQueue):
         if self.tiers.fair:
             lanes = self._lanes[item.tier]
             if item.tenant not in lanes:
-                # Newly backlogged: lifted, so that idle time is no credit.
                 counters = self._counters[item.tier]
-                floor = min(
-                    (counters[t] for t in lanes), default=self._served.get(item.tier, 0.0)
+                counters[item.tenant] = lifted(
+                    counters.get(item.tenant, 0.0),
+                    min((counters[t] for t in lanes), default=None),
+                    self._served.get(item.tier, 0.0),
                 )
-                counters[item.tenant] = max(counters.get(item.tenant, 0.0), floor)
                 lanes[item.tenant] = []
             bisect.insort(lanes[item.tenant], entry)
 

@@ -29,6 +29,7 @@ from qosgate.backends.base import (
     GenerationJob,
 )
 from qosgate.config.models import PolicyConfig
+from qosgate.config.scheduling import scheduling_policy
 from qosgate.core.request import Outcome, Request, RequestState
 from qosgate.core.scheduler import BackendCapacity, SchedulePlan, Scheduler
 from qosgate.observability import Observer
@@ -86,7 +87,7 @@ class Gateway:
         # A backend that queues what it takes (the fleet's) reports when the
         # waiting there ends.
         backend.set_start_listener(self.observer.metrics.fleet_started)
-        self._scheduler = Scheduler(policy, drain_rate_hint=drain_rate_hint)
+        self._scheduler = Scheduler(scheduling_policy(policy), drain_rate_hint=drain_rate_hint)
         self._loop: asyncio.AbstractEventLoop | None = None
         # Requests admitted and not yet finished.
         self._streams: dict[str, RequestStream] = {}
@@ -171,7 +172,7 @@ class Gateway:
                     f"{section}: changed, and changing it needs a restart "
                     "(a reload swaps tiers, tenants and quotas)"
                 )
-        self._scheduler.reconfigure(policy)
+        self._scheduler.reconfigure(scheduling_policy(policy))
         self.quotas.set_limits(policy)
         self.observer.metrics.set_tiers(policy)
         self._policy = policy

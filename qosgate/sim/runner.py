@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 from qosgate.backends.sim import SimEngine
 from qosgate.config.models import PolicyConfig, SimBackendConfig
+from qosgate.config.scheduling import scheduling_policy
 from qosgate.core.request import Outcome, Request
 from qosgate.core.scheduler import BackendCapacity, SchedulePlan, Scheduler
 from qosgate.sim.workload import Arrival
@@ -69,7 +70,7 @@ def run_policy(
     The run ends when every request has an outcome, or at `drain_until`, when
     whatever is still queued or running is cancelled (and counted as such).
     """
-    scheduler = Scheduler(policy, drain_rate_hint=drain_rate_hint)
+    scheduler = Scheduler(scheduling_policy(policy), drain_rate_hint=drain_rate_hint)
     engine = build_engine(engine_cfg)
     by_id: dict[str, Request] = {}
     true_output: dict[str, int] = {}
