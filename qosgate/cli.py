@@ -134,28 +134,18 @@ def _serve_command(args: argparse.Namespace, *, demo: bool) -> int:
     from qosgate.config.loader import ConfigError, load_policy
     from qosgate.http.identity import KeyRingError
     from qosgate.http.server import serve
+    from qosgate.wiring import with_fleet_role
 
     try:
         policy = load_policy(args.config)
     except ConfigError as exc:
         print(f"qosgate: invalid policy\n{exc}", file=sys.stderr)
         return 2
-    role, node_id = getattr(args, "role", None), getattr(args, "node_id", None)
-    if role is not None or node_id is not None:
-        if policy.fleet is None:
-            print("qosgate: --role and --node-id need a `fleet:` section in the policy",
-                  file=sys.stderr)
-            return 2
-        try:
-            fleet = policy.fleet.model_validate({
-                **policy.fleet.model_dump(),
-                **({"role": role} if role else {}),
-                **({"node_id": node_id} if node_id else {}),
-            })  # fmt: skip
-        except ValueError as exc:
-            print(f"qosgate: --node-id: {exc}", file=sys.stderr)
-            return 2
-        policy = policy.model_copy(update={"fleet": fleet})
+    try:
+        policy = with_fleet_role(policy, getattr(args, "role", None), getattr(args, "node_id", None))
+    except ValueError as exc:
+        print(f"qosgate: {exc}", file=sys.stderr)
+        return 2
     from qosgate.observability import configure_logging
 
     configure_logging(policy.observability.log_format)

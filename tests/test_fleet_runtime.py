@@ -841,7 +841,7 @@ async def test_a_replica_judges_requests_by_its_engines_backend(redis_server, pr
     anything reaches Redis."""
     from qosgate.backends.support import SIM
     from qosgate.backends.sim_live import SIM_MAX_MODEL_LEN
-    from qosgate.http.server import gateway_backend
+    from qosgate.wiring import gateway_backend
 
     backend = gateway_backend(make_policy(redis_server.url, prefix))
     assert isinstance(backend, FleetBackend)

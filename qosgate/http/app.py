@@ -38,7 +38,6 @@ from qosgate.observability.metrics import stats_view
 from qosgate.quotas import QuotaStoreDown
 from qosgate.runtime.errors import (
     AuthThrottled,
-    BadRequest,
     GatewayError,
     PayloadTooLarge,
     QuotaExceeded,
@@ -47,6 +46,7 @@ from qosgate.runtime.errors import (
     Unauthorized,
 )
 from qosgate.runtime.gate import Gateway, RequestStream
+from qosgate.wiring import LivePolicy
 
 from .errors import (
     MalformedRequest,
@@ -100,20 +100,24 @@ _MAX_SESSION_LEN = 256
 @dataclass
 class AppState:
     gateway: Gateway
-    policy: PolicyConfig
-    keyring: KeyRing
+    live: LivePolicy
+    """The policy and keys served, swapped by a reload."""
     started: int
     """Unix time the app was built (the `created` of /v1/models)."""
     admin_token: str | None = None
     """Bearer token of the /admin endpoints (None: they are disabled)."""
-    environ: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    """Where `env:` keys are read from (again on reload)."""
-    policy_path: str | None = None
-    """The policy file, re-read on reload."""
     auth_failures: AuthFailureLimiter = dataclasses.field(
         default_factory=lambda: AuthFailureLimiter(0)
     )
     """Failed authentications per client address (API keys and admin token)."""
+
+    @property
+    def policy(self) -> PolicyConfig:
+        return self.live.policy
+
+    @property
+    def keyring(self) -> KeyRing:
+        return self.live.keyring
 
 
 STATE = web.AppKey("qosgate.state", AppState)
@@ -125,21 +129,23 @@ def build_app(
     *,
     environ: Mapping[str, str] = os.environ,
     policy_path: str | None = None,
+    live: LivePolicy | None = None,
 ) -> web.Application:
-    """`policy_path`: the file a reload re-reads (None: reload is refused)."""
-    policy = policy if policy is not None else gateway.policy
+    """`policy_path`: the file a reload re-reads (None: reload is refused).
+    `live`: the policy and keys served, where the caller holds them (it
+    reloads them); otherwise built from the rest."""
+    if live is None:
+        live = LivePolicy(gateway, policy, environ=environ, policy_path=policy_path)
+    policy = live.policy
     app = web.Application(
         client_max_size=policy.server.max_body_bytes,
         middlewares=[_error_middleware],
     )
     app[STATE] = AppState(
         gateway=gateway,
-        policy=policy,
-        keyring=KeyRing.from_policy(policy, environ),
+        live=live,
         started=int(time.time()),
-        admin_token=_admin_token(policy, environ),
-        environ=environ,
-        policy_path=policy_path,
+        admin_token=_admin_token(policy, live.environ),
         auth_failures=AuthFailureLimiter(policy.server.auth_failures_per_minute),
     )
     # Every response the tenant gets, streamed or not, error or not, carries
@@ -419,41 +425,6 @@ def _check_admin_token(request: web.Request) -> None:
         raise Unauthorized("The admin endpoints need the admin token as a Bearer token.")
 
 
-class PolicyRejected(BadRequest):
-    """A reload that was refused; the running policy stays."""
-
-    code = "policy_rejected"
-
-
-def reload_policy(app: web.Application) -> dict[str, Any]:
-    """Re-read the policy file, validate it, and swap tiers, tenants, keys and
-    quotas at once, or raise PolicyRejected with the reason (the file, line
-    and field of each problem) and change nothing."""
-    from qosgate.config.loader import ConfigError, load_policy
-    from qosgate.http.identity import KeyRingError
-    from qosgate.runtime import PolicyReloadRefused
-
-    state = app[STATE]
-    if state.policy_path is None:
-        raise PolicyRejected("this gateway was not started from a policy file; nothing to reload")
-    try:
-        policy = load_policy(state.policy_path)
-        keyring = KeyRing.from_policy(policy, state.environ)
-        state.gateway.reload(policy)
-    except (ConfigError, KeyRingError, PolicyReloadRefused) as exc:
-        raise PolicyRejected(f"reload refused, the running policy stays: {exc}") from None
-    # Nothing awaited since the gateway took it: no request sees half of each.
-    state.policy = policy
-    state.keyring = keyring
-    log.warning("policy reloaded from %s", state.policy_path)
-    return {
-        "status": "reloaded",
-        "path": state.policy_path,
-        "tiers": sorted(policy.tiers),
-        "tenants": len(policy.tenants),
-    }
-
-
 _DASHBOARD: bytes | None = None
 
 
@@ -477,7 +448,7 @@ async def _dashboard(request: web.Request) -> web.Response:
 
 async def _admin_reload(request: web.Request) -> web.Response:
     _check_admin(request)
-    return web.json_response(reload_policy(request.app))
+    return web.json_response(request.app[STATE].live.reload())
 
 
 async def _admin_stats(request: web.Request) -> web.Response:

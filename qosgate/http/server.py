@@ -1,4 +1,4 @@
-"""`qosgate serve`: the backend, the gateway and the HTTP app in one process."""
+"""`qosgate serve`: the gateway (built by qosgate/wiring.py) behind the HTTP app, in one process."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ from collections.abc import Callable, Mapping
 
 from aiohttp import web
 
-from qosgate.backends.base import Backend, BackendError
+from qosgate.backends.base import BackendError
 from qosgate.config.models import PolicyConfig
 from qosgate.quotas import QuotaGuard
 from qosgate.runtime.errors import GatewayError
 from qosgate.runtime.gate import Gateway
+from qosgate.wiring import LivePolicy, build_engine_node, build_gateway
 
-from .app import build_app, reload_policy
+from .app import build_app
 from .protocol import HEAD_LIMITS, GatewayRunner
 
 log = logging.getLogger(__name__)
@@ -32,25 +33,6 @@ def api_url(host: str, port: int) -> str:
     if ":" in host:  # IPv6 literal
         host = f"[{host}]"
     return f"http://{host}:{port}/v1"
-
-
-def gateway_backend(policy: PolicyConfig) -> Backend:
-    """The backend a gateway (or a fleet's replica) serves through."""
-    from qosgate.backends import build_backend
-
-    backend = build_backend(policy.backend)
-    if policy.fleet is None:
-        return backend
-    from qosgate.fleet.gateway import FleetBackend
-
-    # The configured backend is what the engine nodes run; here it names the
-    # models, counts prompt tokens and says what a request may ask of it.
-    return FleetBackend(
-        policy, policy.fleet, models=backend.models,
-        count_prompt_tokens=backend.count_prompt_tokens,
-        support=backend.support,
-        max_model_len=backend.max_model_len,
-    )  # fmt: skip
 
 
 async def serve(
@@ -83,7 +65,7 @@ async def serve(
         await serve_engine(policy, host, port, on_ready=on_ready, stop=stop)
         return
     if gateway is None:
-        gateway = Gateway(policy, gateway_backend(policy), quotas=quotas)
+        gateway = build_gateway(policy, quotas=quotas)
     backend = gateway.backend
     await gateway.start()
     # A backend that loads in the background (the vLLM engine) and fails to
@@ -103,7 +85,8 @@ async def serve(
     loop = asyncio.get_running_loop()
     handled: list[signal.Signals] = []
     try:
-        app = build_app(gateway, policy, environ=environ, policy_path=policy_path)
+        live = LivePolicy(gateway, policy, environ=environ, policy_path=policy_path)
+        app = build_app(gateway, live=live)
         # Without handler cancellation aiohttp lets a handler run on after its
         # client disconnects, so a queued request would keep its place.
         # Its connections answer requests aiohttp cannot parse (oversized or
@@ -130,7 +113,7 @@ async def serve(
             _freeze_startup_objects()
         def reload_on_signal() -> None:
             try:
-                reload_policy(app)
+                live.reload()
             except GatewayError as exc:
                 log.error("%s", exc.message)
 
@@ -196,11 +179,7 @@ async def serve_engine(
     """An engine node of the fleet (`fleet.role: engine`): the backend, fed
     from the shared queue, and only /healthz, /readyz and /fleet over HTTP
     (clients talk to the gateway replicas)."""
-    from qosgate.backends import build_backend
-    from qosgate.fleet.engine import EngineNode
-
-    assert policy.fleet is not None
-    node = EngineNode(policy, policy.fleet, build_backend(policy.backend))
+    node = build_engine_node(policy)
 
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

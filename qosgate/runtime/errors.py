@@ -167,3 +167,9 @@ class PayloadTooLarge(GatewayError):
     outcome = Outcome.BAD_REQUEST
     code = "request_too_large"
     type = "invalid_request_error"
+
+
+class PolicyRejected(BadRequest):
+    """A reload that was refused; the running policy stays."""
+
+    code = "policy_rejected"

@@ -1,0 +1,131 @@
+"""A qosgate process assembled from its policy.
+
+The backend (the fleet's replica backend in fleet mode), the gateway with
+its quota guard and metrics, a fleet's engine node, and the reload that
+swaps a new policy in, are built here and only here: `qosgate serve`
+(cli.py) and the HTTP server call these, and the HTTP layer only exposes
+what they built.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from qosgate.backends import build_backend
+from qosgate.backends.base import Backend
+from qosgate.config.models import PolicyConfig
+from qosgate.http.identity import KeyRing, KeyRingError
+from qosgate.observability import Observer
+from qosgate.quotas import QuotaGuard
+from qosgate.runtime.errors import PolicyRejected
+from qosgate.runtime.gate import Gateway, PolicyReloadRefused
+
+if TYPE_CHECKING:
+    from qosgate.fleet.engine import EngineNode
+
+log = logging.getLogger(__name__)
+
+
+def with_fleet_role(policy: PolicyConfig, role: str | None, node_id: str | None) -> PolicyConfig:
+    """The policy with its `fleet:` role and node id replaced (the command
+    line's --role and --node-id). Raises ValueError naming what is wrong."""
+    if role is None and node_id is None:
+        return policy
+    if policy.fleet is None:
+        raise ValueError("--role and --node-id need a `fleet:` section in the policy")
+    try:
+        fleet = policy.fleet.model_validate({
+            **policy.fleet.model_dump(),
+            **({"role": role} if role else {}),
+            **({"node_id": node_id} if node_id else {}),
+        })  # fmt: skip
+    except ValueError as exc:
+        raise ValueError(f"--node-id: {exc}") from None
+    return policy.model_copy(update={"fleet": fleet})
+
+
+def gateway_backend(policy: PolicyConfig) -> Backend:
+    """The backend a gateway (or a fleet's replica) serves through."""
+    backend = build_backend(policy.backend)
+    if policy.fleet is None:
+        return backend
+    from qosgate.fleet.gateway import FleetBackend
+
+    # The configured backend is what the engine nodes run; here it names the
+    # models, counts prompt tokens and says what a request may ask of it.
+    return FleetBackend(
+        policy, policy.fleet, models=backend.models,
+        count_prompt_tokens=backend.count_prompt_tokens,
+        support=backend.support,
+        max_model_len=backend.max_model_len,
+    )  # fmt: skip
+
+
+def build_gateway(policy: PolicyConfig, *, quotas: QuotaGuard | None = None) -> Gateway:
+    """The gateway a policy describes, not yet started: its backend, its
+    quota guard (`quotas` replaces the one the policy would build: a
+    benchmark's instrumented store) and its metrics."""
+    return Gateway(
+        policy,
+        gateway_backend(policy),
+        quotas=quotas if quotas is not None else QuotaGuard.from_policy(policy),
+        observer=Observer(policy),
+    )
+
+
+def build_engine_node(policy: PolicyConfig) -> EngineNode:
+    """An engine node of the fleet (`fleet.role: engine`): the configured
+    backend, fed from the shared queue."""
+    from qosgate.fleet.engine import EngineNode
+
+    assert policy.fleet is not None
+    return EngineNode(policy, policy.fleet, build_backend(policy.backend))
+
+
+class LivePolicy:
+    """The policy a gateway serves and the API keys it grants, swapped
+    together, and in the gateway at once, by `reload`."""
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        policy: PolicyConfig | None = None,
+        *,
+        environ: Mapping[str, str] = os.environ,
+        policy_path: str | None = None,
+    ) -> None:
+        self.gateway = gateway
+        self.policy = policy if policy is not None else gateway.policy
+        self.environ = environ
+        """Where `env:` keys are read from (again on reload)."""
+        self.policy_path = policy_path
+        """The policy file, re-read on reload (None: reload is refused)."""
+        self.keyring = KeyRing.from_policy(self.policy, environ)
+
+    def reload(self) -> dict[str, Any]:
+        """Re-read the policy file, validate it, and swap tiers, tenants, keys
+        and quotas at once, or raise PolicyRejected with the reason (the file,
+        line and field of each problem) and change nothing."""
+        from qosgate.config.loader import ConfigError, load_policy
+
+        if self.policy_path is None:
+            raise PolicyRejected("this gateway was not started from a policy file; nothing to reload")
+        try:
+            policy = load_policy(self.policy_path)
+            keyring = KeyRing.from_policy(policy, self.environ)
+            self.gateway.reload(policy)
+        except (ConfigError, KeyRingError, PolicyReloadRefused) as exc:
+            raise PolicyRejected(f"reload refused, the running policy stays: {exc}") from None
+        # Nothing awaited since the gateway took it: no request sees half of each.
+        self.policy = policy
+        self.keyring = keyring
+        log.warning("policy reloaded from %s", self.policy_path)
+        return {
+            "status": "reloaded",
+            "path": self.policy_path,
+            "tiers": sorted(policy.tiers),
+            "tenants": len(policy.tenants),
+        }
