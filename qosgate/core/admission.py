@@ -176,6 +176,13 @@ class ArrivalRate:
         self._sum = 0.0
         self._last: float | None = None
 
+    @classmethod
+    def restored(cls, tau_s: float, total: float, last: float) -> ArrivalRate:
+        """The average as stored elsewhere: its sum as of `last`."""
+        rate = cls(tau_s)
+        rate._sum, rate._last = total, last
+        return rate
+
     def add(self, tokens: float, now: float) -> None:
         last = self._last
         if last is None:

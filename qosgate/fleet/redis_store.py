@@ -1,7 +1,7 @@
 """The fleet work queue in Redis: many gateways enqueue, many engine nodes claim.
 
 Claim (reclaim expired leases, pick a tier, lease), renew, complete, release
-and enqueue are each one Lua script, so two nodes can never lease one item
+and enqueue are each one Lua script (in `lua/`), so two nodes can never lease one item
 and a stale holder can never complete an item someone else now holds. The
 scripts do only that; everything else (building items, depth, status) is
 plain commands.
@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.resources
 import logging
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -52,6 +52,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from qosgate.core.admission import ArrivalRate
 
 from .model import Claim, FleetLoad, FleetTiers, Lease, WorkItem, lane_key
 from .store import (
@@ -100,503 +102,13 @@ _FIELDS = (
 assert len(_FIELDS) == 23
 _PER_TIER = ("q", "lane", "backlog", "counter")
 
-# Every script gets the same KEYS (the fields above, then per tier in
-# FleetTiers order its queue, lane, backlog and counter keys, each kind in a
-# block of n) and, from some ARGV index, the tier args: n, the names, fair,
-# the inflow time constant, then per tier its priority, budget ('' for none),
-# delays (1/0) and admission (1/0).
-_PRELUDE = r"""
-local K_TIER, K_TENANT, K_ARRIVAL, K_ATTEMPT, K_PAYLOAD = 1, 2, 3, 4, 5
-local K_HOLDER, K_NODE, K_EXPIRY, K_DONE, K_TOKEN = 6, 7, 8, 9, 10
-local K_AFFKEY, K_BOUND, K_BOUND_AT, K_ROOM, K_SEEN = 11, 12, 13, 14, 15
-local K_CHARGE, K_LANE, K_SERVED, K_WORK, K_QWORK = 16, 17, 18, 19, 20
-local K_RATE, K_INFLOW, K_INFLOW_AT = 21, 22, 23
-local F = 23
-local T = {}
-local function tier_args(at)
-  local n = tonumber(ARGV[at])
-  T.n, T.names, T.q, T.lane, T.backlog, T.counter = n, {}, {}, {}, {}, {}
-  T.prio, T.budget, T.delays, T.admit = {}, {}, {}, {}
-  for i = 1, n do
-    local name = ARGV[at + i]
-    T.names[i] = name
-    T.q[name] = KEYS[F + i]
-    T.lane[name] = KEYS[F + n + i]
-    T.backlog[name] = KEYS[F + 2 * n + i]
-    T.counter[name] = KEYS[F + 3 * n + i]
-  end
-  T.fair = ARGV[at + n + 1] == '1'
-  T.tau = tonumber(ARGV[at + n + 2])
-  for i = 1, n do
-    local name, j = T.names[i], at + n + 3 + 4 * (i - 1)
-    T.prio[name] = tonumber(ARGV[j])
-    T.budget[name] = tonumber(ARGV[j + 1])
-    T.delays[name] = ARGV[j + 2] == '1'
-    T.admit[name] = ARGV[j + 3] == '1'
-  end
-  return at + n + 3 + 4 * n
-end
--- A tenant's items in a fair tier's lane set: members `tenant \0 hex \0 id`,
--- all scored 0, so they sort by tenant, then arrival, then id.
-local function lane_head(tier, tenant, skip)
-  return redis.call('ZRANGEBYLEX', T.lane[tier], '[' .. tenant .. '\0', '(' .. tenant .. '\1',
-                    'LIMIT', skip, 1)[1]
-end
--- Amounts are strings (Python's repr): ZINCRBY adds them as doubles, exactly
--- as the memory store does; a Lua number would lose digits.
-local function add_service(tier, tenant, amount)
-  local counter = redis.call('ZINCRBY', T.counter[tier], amount, tenant)
-  if redis.call('ZSCORE', T.backlog[tier], tenant) then
-    redis.call('ZADD', T.backlog[tier], counter, tenant)
-  end
-  return counter
-end
-local function negated(amount)
-  if string.sub(amount, 1, 1) == '-' then return string.sub(amount, 2) end
-  return '-' .. amount
-end
--- Mirrors MemoryWorkQueue._push: queue an item whose fields are set.
-local function push(id)
-  local tier = redis.call('HGET', KEYS[K_TIER], id)
-  redis.call('ZADD', T.q[tier], redis.call('HGET', KEYS[K_ARRIVAL], id), id)
-  redis.call('HINCRBY', KEYS[K_QWORK], tier, redis.call('HGET', KEYS[K_WORK], id))
-  if not T.fair then return end
-  local tenant = redis.call('HGET', KEYS[K_TENANT], id)
-  if not redis.call('ZSCORE', T.backlog[tier], tenant) then
-    local floor = redis.call('ZRANGE', T.backlog[tier], 0, 0, 'WITHSCORES')[2]
-      or redis.call('ZSCORE', KEYS[K_SERVED], tier) or '0'
-    local counter = redis.call('ZSCORE', T.counter[tier], tenant) or '0'
-    if tonumber(counter) < tonumber(floor) then counter = floor end
-    redis.call('ZADD', T.counter[tier], counter, tenant)
-    redis.call('ZADD', T.backlog[tier], counter, tenant)
-  end
-  redis.call('ZADD', T.lane[tier], 0, redis.call('HGET', KEYS[K_LANE], id))
-end
-local function unqueue(id, tier)
-  redis.call('ZREM', T.q[tier], id)
-  -- 0 - x, not -x: Lua writes -0 as '-0', which HINCRBY refuses.
-  redis.call('HINCRBY', KEYS[K_QWORK], tier, 0 - tonumber(redis.call('HGET', KEYS[K_WORK], id)))
-  if not T.fair then return end
-  redis.call('ZREM', T.lane[tier], redis.call('HGET', KEYS[K_LANE], id))
-  local tenant = redis.call('HGET', KEYS[K_TENANT], id)
-  if not lane_head(tier, tenant, 0) then redis.call('ZREM', T.backlog[tier], tenant) end
-end
-local function requeue(id)
-  redis.call('HDEL', KEYS[K_HOLDER], id)
-  redis.call('HDEL', KEYS[K_NODE], id)
-  redis.call('ZREM', KEYS[K_EXPIRY], id)
-  redis.call('HINCRBY', KEYS[K_ATTEMPT], id, 1)
-  if T.fair then
-    -- The lost run's charge is refunded, as the in-process scheduler does.
-    add_service(redis.call('HGET', KEYS[K_TIER], id), redis.call('HGET', KEYS[K_TENANT], id),
-                negated(redis.call('HGET', KEYS[K_CHARGE], id)))
-  end
-  push(id)
-end
-local function forget(id)
-  for _, k in ipairs({K_TIER, K_TENANT, K_ARRIVAL, K_ATTEMPT, K_PAYLOAD, K_HOLDER, K_NODE,
-                      K_AFFKEY, K_CHARGE, K_LANE, K_WORK}) do
-    redis.call('HDEL', KEYS[k], id)
-  end
-  redis.call('ZREM', KEYS[K_EXPIRY], id)
-end
-local function holds(id, token)
-  return redis.call('HGET', KEYS[K_HOLDER], id) == token
-end
--- Mirrors MemoryWorkQueue._set_room / _wake_if_full.
-local function anything_queued()
-  for i = 1, T.n do
-    if redis.call('ZCARD', T.q[T.names[i]]) > 0 then return true end
-  end
-  return false
-end
-local function wake_if_full(before, room, wake)
-  if before > 0 and room <= 0 and anything_queued() then
-    redis.call('PUBLISH', wake, '1')
-  end
-end
--- A run's slot is free again: its node's record says so at once.
-local function give_slot_back(holder)
-  if redis.call('HEXISTS', KEYS[K_ROOM], holder) == 1 then
-    redis.call('HINCRBY', KEYS[K_ROOM], holder, 1)
-  end
-end
-local function set_room(node, room, live_until, rate, wake)
-  local before = tonumber(redis.call('HGET', KEYS[K_ROOM], node) or '0')
-  redis.call('HSET', KEYS[K_ROOM], node, room)
-  redis.call('HSET', KEYS[K_RATE], node, rate)
-  redis.call('ZADD', KEYS[K_SEEN], live_until, node)
-  wake_if_full(before, room, wake)
-end
--- Mirrors core.admission.ArrivalRate, operation for operation; `now` is a
--- repr string. The sum is stored with %.17g, which reads back exactly.
-local function inflow_rate(tier, now)
-  local last = redis.call('HGET', KEYS[K_INFLOW_AT], tier)
-  if not last then return 0.0 end
-  local sum = tonumber(redis.call('HGET', KEYS[K_INFLOW], tier))
-  last, now = tonumber(last), tonumber(now)
-  if now > last then sum = sum * math.exp((last - now) / T.tau) end
-  return sum / T.tau
-end
-local function inflow_add(tier, tokens, now)
-  local last = redis.call('HGET', KEYS[K_INFLOW_AT], tier)
-  local sum = tonumber(redis.call('HGET', KEYS[K_INFLOW], tier) or '0')
-  if not last then
-    redis.call('HSET', KEYS[K_INFLOW_AT], tier, now)
-  elseif tonumber(now) > tonumber(last) then
-    sum = sum * math.exp((tonumber(last) - tonumber(now)) / T.tau)
-    redis.call('HSET', KEYS[K_INFLOW_AT], tier, now)
-  end
-  redis.call('HSET', KEYS[K_INFLOW], tier, string.format('%.17g', sum + tokens))
-end
--- The live nodes' drain rate (tokens/s) and free slots, summed.
-local function live_load(now)
-  local drain, room = 0, 0
-  for _, node in ipairs(redis.call('ZRANGEBYSCORE', KEYS[K_SEEN], '(' .. now, '+inf')) do
-    drain = drain + tonumber(redis.call('HGET', KEYS[K_RATE], node) or '0')
-    room = room + tonumber(redis.call('HGET', KEYS[K_ROOM], node) or '0')
-  end
-  return drain / 1000.0, room
-end
--- Mirrors model.predicted_wait (nil: no live node reports a drain rate).
-local function predicted_wait(tier, work, now, interval, max_boost)
-  local drain, room = live_load(now)
-  if drain <= 0 then return nil end
-  local mine = T.prio[tier]
-  local ahead = 0.0
-  if room <= 0 then ahead = work end
-  local inflow = 0.0
-  for i = 1, T.n do
-    local name = T.names[i]
-    if T.prio[name] <= mine then
-      ahead = ahead + tonumber(redis.call('HGET', KEYS[K_QWORK], name) or '0')
-      if T.prio[name] < mine then inflow = inflow + inflow_rate(name, now) end
-    elseif T.delays[name] and max_boost > 0 and T.budget[name] then
-      -- Mirrors model._aged_work and core.scheduler.aged_work.
-      local climb = T.prio[name] - mine
-      local head = redis.call('ZRANGE', T.q[name], 0, 0, 'WITHSCORES')[2]
-      if head and climb <= max_boost then
-        local oldest, at = tonumber(head), tonumber(now)
-        local threshold = at - T.budget[name] - climb * interval
-        local span = at - oldest
-        if not (oldest > threshold or span <= 0) then
-          local rate = tonumber(redis.call('HGET', KEYS[K_QWORK], name) or '0') / span
-          local aged = threshold - oldest
-          if span < aged then aged = span end
-          ahead = ahead + rate * aged
-          inflow = inflow + rate
-        end
-      end
-    end
-  end
-  if room > 0 then
-    ahead = ahead - room * work
-    if ahead < 0 then ahead = 0.0 end
-  end
-  if ahead <= 0 then return 0.0 end
-  drain = drain - inflow
-  if drain > 0 then return ahead / drain end
-  return math.huge
-end
-"""
+# The scripts live in `lua/`, one file each; every one starts with the
+# prelude, which documents the KEYS and tier args they all get.
+_LUA = importlib.resources.files(__package__) / "lua"
 
-# ARGV: id, tier, tenant, arrival, payload, attempt, max_queued (0: no cap),
-# wake channel, affinity key ('' for none), charge, lane member, work,
-# interval_s, max_boost, then the tier args. Returns 1, 0 (duplicate), -1 (full) or {-2, the predicted
-# wait} (refused by admission).
-_ENQUEUE = (
-    _PRELUDE
-    + """
-local id = ARGV[1]
-tier_args(15)
-if redis.call('HEXISTS', KEYS[K_TIER], id) == 1
-    or redis.call('ZSCORE', KEYS[K_DONE], id) then
-  return 0
-end
-local cap = tonumber(ARGV[7])
-if cap > 0 and redis.call('ZCARD', T.q[ARGV[2]]) >= cap then
-  return -1
-end
-local work = tonumber(ARGV[12])
-if T.admit[ARGV[2]] and T.budget[ARGV[2]] then
-  local predicted = predicted_wait(ARGV[2], work, ARGV[4], tonumber(ARGV[13]),
-                                   tonumber(ARGV[14]))
-  if predicted and predicted > T.budget[ARGV[2]] then
-    return {-2, string.format('%.17g', predicted)}
-  end
-end
-redis.call('HSET', KEYS[K_TIER], id, ARGV[2])
-redis.call('HSET', KEYS[K_TENANT], id, ARGV[3])
-redis.call('HSET', KEYS[K_ARRIVAL], id, ARGV[4])
-redis.call('HSET', KEYS[K_PAYLOAD], id, ARGV[5])
-redis.call('HSET', KEYS[K_ATTEMPT], id, ARGV[6])
-if ARGV[9] ~= '' then redis.call('HSET', KEYS[K_AFFKEY], id, ARGV[9]) end
-redis.call('HSET', KEYS[K_CHARGE], id, ARGV[10])
-redis.call('HSET', KEYS[K_LANE], id, ARGV[11])
-redis.call('HSET', KEYS[K_WORK], id, ARGV[12])
-push(id)
-inflow_add(ARGV[2], work, ARGV[4])
--- Names the tier, so that a full node can tell whether to preempt for it.
-redis.call('PUBLISH', ARGV[8], 'q:' .. ARGV[2])
-return 1
-"""
-)
 
-# ARGV: now, node, max_items, expires_at, interval_s, max_boost, done horizon,
-# affinity horizon, wake channel, drain rate (milli), then the tier args.
-# Returns {leases, held back until ('' for none)}, one [id, tier,
-# tenant, arrival, payload, attempt, token, affinity key, charge, where its
-# key was bound (0: nowhere, 1: this node, 2: another), work] per lease.
-# The tier choice is model.pick_tier and the rest MemoryWorkQueue.claim:
-# change them together.
-_CLAIM = (
-    _PRELUDE
-    + """
-local BACKLOG_PAGE = 8
-local now = tonumber(ARGV[1])
-local node = ARGV[2]
-local max_items = tonumber(ARGV[3])
-local expires_at = ARGV[4]
-local interval = tonumber(ARGV[5])
-local max_boost = tonumber(ARGV[6])
-redis.call('ZREMRANGEBYSCORE', KEYS[K_DONE], '-inf', '(' .. ARGV[7])
-for _, key in ipairs(redis.call('ZRANGEBYSCORE', KEYS[K_BOUND_AT], '-inf', '(' .. ARGV[8])) do
-  redis.call('HDEL', KEYS[K_BOUND], key)
-end
-redis.call('ZREMRANGEBYSCORE', KEYS[K_BOUND_AT], '-inf', '(' .. ARGV[8])
-for _, other in ipairs(redis.call('ZRANGEBYSCORE', KEYS[K_SEEN], '-inf', ARGV[1])) do
-  redis.call('HDEL', KEYS[K_ROOM], other)
-  redis.call('HDEL', KEYS[K_RATE], other)
-end
-redis.call('ZREMRANGEBYSCORE', KEYS[K_SEEN], '-inf', ARGV[1])
-local wake = ARGV[9]
-tier_args(11)
-
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[K_EXPIRY], '-inf', ARGV[1])) do
-  requeue(id)
-end
-
--- How many more items each other live node has room for.
-local reserve = {}
-local rooms = redis.call('HGETALL', KEYS[K_ROOM])
-for j = 1, #rooms, 2 do
-  local room = tonumber(rooms[j + 1])
-  if rooms[j] ~= node and room > 0 then reserve[rooms[j]] = room end
-end
-local held_until = nil
--- Items held back so far per lane (a tier, or a tier's tenant when fair):
--- always the first ones of their lane.
-local skipped = {}
-local passed = {}
-
-local out = {}
-while #out < max_items do
-  local best, best_level, best_prio, best_head
-  for i = 1, T.n do
-    local name = T.names[i]
-    local head = (not passed[name]) and redis.call('ZRANGE', T.q[name], 0, 0)[1]
-    if head then
-      local arrival = tonumber(redis.call('HGET', KEYS[K_ARRIVAL], head))
-      local prio, budget = T.prio[name], T.budget[name]
-      local boost = 0
-      if max_boost > 0 and T.delays[name] and budget then
-        local over = now - arrival - budget
-        if over >= interval then
-          boost = math.floor(over / interval)
-          if boost > max_boost then boost = max_boost end
-        end
-      end
-      local level = prio - boost
-      if level < 0 then level = 0 end
-      if best == nil or level < best_level
-          or (level == best_level and (arrival < best_head
-              or (arrival == best_head and prio < best_prio))) then
-        best, best_level, best_prio, best_head = i, level, prio, arrival
-      end
-    end
-  end
-  if best == nil then break end
-  local tier = T.names[best]
-  local id, lane
-  if T.fair then
-    -- A page of backlogged tenants at a time, least served first: the first
-    -- one almost always has an item to take, and reading the whole backlog
-    -- for every item would cost a claim O(tenants) per item.
-    local from = 0
-    repeat
-      local page = redis.call('ZRANGE', T.backlog[tier], from, from + BACKLOG_PAGE - 1)
-      for _, tenant in ipairs(page) do
-        lane = tier .. '\\0' .. tenant
-        local member = lane_head(tier, tenant, skipped[lane] or 0)
-        if member then
-          id = string.sub(member, #tenant + 19)
-          break
-        end
-      end
-      from = from + BACKLOG_PAGE
-    until id or #page < BACKLOG_PAGE
-  else
-    lane = tier
-    id = redis.call('ZRANGE', T.q[tier], skipped[lane] or 0, skipped[lane] or 0)[1]
-  end
-  if not id then
-    passed[tier] = true
-  else
-    local key = redis.call('HGET', KEYS[K_AFFKEY], id)
-    local owner = key and redis.call('HGET', KEYS[K_BOUND], key)
-    if owner and owner ~= node and (reserve[owner] or 0) > 0 then
-      reserve[owner] = reserve[owner] - 1
-      skipped[lane] = (skipped[lane] or 0) + 1
-      local live_until = redis.call('ZSCORE', KEYS[K_SEEN], owner)
-      if held_until == nil or tonumber(live_until) < tonumber(held_until) then
-        held_until = live_until
-      end
-    else
-      unqueue(id, tier)
-      local charge = redis.call('HGET', KEYS[K_CHARGE], id)
-      if T.fair then
-        local counter = add_service(tier, redis.call('HGET', KEYS[K_TENANT], id), charge)
-        redis.call('ZADD', KEYS[K_SERVED], counter, tier)
-      end
-      local bound = 0
-      if owner then
-        bound = 2
-        if owner == node then bound = 1 end
-      end
-      if key then
-        if not (owner and redis.call('ZSCORE', KEYS[K_SEEN], owner)) then owner = node end
-        redis.call('HSET', KEYS[K_BOUND], key, owner)
-        redis.call('ZADD', KEYS[K_BOUND_AT], ARGV[1], key)
-      end
-      local token = redis.call('INCR', KEYS[K_TOKEN])
-      redis.call('HSET', KEYS[K_HOLDER], id, token)
-      redis.call('HSET', KEYS[K_NODE], id, node)
-      redis.call('ZADD', KEYS[K_EXPIRY], expires_at, id)
-      out[#out + 1] = {id, tier, redis.call('HGET', KEYS[K_TENANT], id),
-                       redis.call('HGET', KEYS[K_ARRIVAL], id),
-                       redis.call('HGET', KEYS[K_PAYLOAD], id),
-                       redis.call('HGET', KEYS[K_ATTEMPT], id), token, key or '', charge, bound,
-                       redis.call('HGET', KEYS[K_WORK], id)}
-    end
-  end
-end
-set_room(node, max_items - #out, expires_at, ARGV[10], wake)
-return {out, held_until or ''}
-"""
-)
-
-# ARGV: node, room, live until, wake channel, drain rate (milli), then the
-# tier args.
-_HEARTBEAT = (
-    _PRELUDE
-    + """
-tier_args(6)
-set_room(ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[5], ARGV[4])
-"""
-)
-
-# ARGV: node, wake channel, then the tier args.
-_LEAVE = (
-    _PRELUDE
-    + """
-tier_args(3)
-local before = tonumber(redis.call('HGET', KEYS[K_ROOM], ARGV[1]) or '0')
-redis.call('HDEL', KEYS[K_ROOM], ARGV[1])
-redis.call('HDEL', KEYS[K_RATE], ARGV[1])
-redis.call('ZREM', KEYS[K_SEEN], ARGV[1])
-wake_if_full(before, 0, ARGV[2])
-"""
-)
-
-# ARGV: id, token, expires_at, then the tier args.
-_RENEW = (
-    _PRELUDE
-    + """
-if not holds(ARGV[1], ARGV[2]) then return 0 end
-redis.call('ZADD', KEYS[K_EXPIRY], 'XX', ARGV[3], ARGV[1])
-return 1
-"""
-)
-
-# ARGV: id, token, reply channel ('' for none), reply message, correction of
-# the tenant's counter ('' for none), then the tier args.
-_COMPLETE = (
-    _PRELUDE
-    + """
-local id = ARGV[1]
-tier_args(6)
-if not holds(id, ARGV[2]) then return 0 end
--- Before the gateway hears of the end (and perhaps sends the session's
--- next turn).
-give_slot_back(redis.call('HGET', KEYS[K_NODE], id))
-if T.fair and ARGV[5] ~= '' then
-  add_service(redis.call('HGET', KEYS[K_TIER], id), redis.call('HGET', KEYS[K_TENANT], id),
-              ARGV[5])
-end
-local ended = redis.call('ZSCORE', KEYS[K_EXPIRY], id)
-forget(id)
-redis.call('ZADD', KEYS[K_DONE], ended, id)
-if ARGV[3] ~= '' then redis.call('PUBLISH', ARGV[3], ARGV[4]) end
-return 1
-"""
-)
-
-# ARGV: id, now, only_queued (1/0), then the tier args. Returns 1 (was
-# queued), 2 (leased), 3 (completed) or 0 (unknown).
-_CANCEL = (
-    _PRELUDE
-    + """
-local id = ARGV[1]
-tier_args(4)
-local tier = redis.call('HGET', KEYS[K_TIER], id)
-if tier then
-  local was = 1
-  if redis.call('HEXISTS', KEYS[K_HOLDER], id) == 1 then
-    if ARGV[3] == '1' then return 2 end
-    was = 2
-  else
-    unqueue(id, tier)
-  end
-  forget(id)
-  redis.call('ZADD', KEYS[K_DONE], ARGV[2], id)
-  return was
-end
-if redis.call('ZSCORE', KEYS[K_DONE], id) then return 3 end
-return 0
-"""
-)
-
-# ARGV: id, token, now, then the tier args. Mirrors MemoryWorkQueue.preempt.
-_PREEMPT = (
-    _PRELUDE
-    + """
-local id = ARGV[1]
-tier_args(4)
-if not holds(id, ARGV[2]) then return 0 end
-local mine = T.prio[redis.call('HGET', KEYS[K_TIER], id)]
-local urgent = 0
-for i = 1, T.n do
-  if T.prio[T.names[i]] < mine then urgent = urgent + redis.call('ZCARD', T.q[T.names[i]]) end
-end
-local _, room = live_load(ARGV[3])
-if urgent <= room then return 0 end
-local holder = redis.call('HGET', KEYS[K_NODE], id)
-requeue(id)
-give_slot_back(holder)
-return 1
-"""
-)
-
-# ARGV: id, token, then the tier args.
-_RELEASE = (
-    _PRELUDE
-    + """
-tier_args(3)
-if not holds(ARGV[1], ARGV[2]) then return 0 end
-requeue(ARGV[1])
-return 1
-"""
-)
+def _script(name: str) -> str:
+    return "\n".join((_LUA / f"{n}.lua").read_text(encoding="utf-8") for n in ("prelude", name))
 
 
 class RedisWorkQueue(WorkQueue):
@@ -649,15 +161,15 @@ class RedisWorkQueue(WorkQueue):
         for tier in tiers.tiers:
             budget = "" if tier.budget_s is None else repr(tier.budget_s)
             self._tier_args += [tier.priority, budget, int(tier.delays), int(tier.admission)]
-        self._enqueue = self._redis.register_script(_ENQUEUE)
-        self._claim = self._redis.register_script(_CLAIM)
-        self._renew = self._redis.register_script(_RENEW)
-        self._complete = self._redis.register_script(_COMPLETE)
-        self._release = self._redis.register_script(_RELEASE)
-        self._preempt = self._redis.register_script(_PREEMPT)
-        self._cancel = self._redis.register_script(_CANCEL)
-        self._heartbeat = self._redis.register_script(_HEARTBEAT)
-        self._leave = self._redis.register_script(_LEAVE)
+        self._enqueue = self._redis.register_script(_script("enqueue"))
+        self._claim = self._redis.register_script(_script("claim"))
+        self._renew = self._redis.register_script(_script("renew"))
+        self._complete = self._redis.register_script(_script("complete"))
+        self._release = self._redis.register_script(_script("release"))
+        self._preempt = self._redis.register_script(_script("preempt"))
+        self._cancel = self._redis.register_script(_script("cancel"))
+        self._heartbeat = self._redis.register_script(_script("heartbeat"))
+        self._leave = self._redis.register_script(_script("leave"))
 
     @property
     def redis(self) -> aioredis.Redis:
@@ -821,9 +333,8 @@ class RedisWorkQueue(WorkQueue):
             if last is None:
                 inflow[tier] = 0.0
                 continue
-            # As ArrivalRate.rate, on the stored sum.
-            total, at = float(sums[tier.encode()]), float(last)
-            inflow[tier] = (total * math.exp((at - now) / tau) if now > at else total) / tau
+            stored = ArrivalRate.restored(tau, float(sums[tier.encode()]), float(last))
+            inflow[tier] = stored.rate(now)
         return FleetLoad(
             queued_work={tier: int(work.get(tier.encode(), 0)) for tier in tiers},
             inflow=inflow,

@@ -1,0 +1,138 @@
+-- ARGV: now, node, max_items, expires_at, interval_s, max_boost, done
+-- horizon, affinity horizon, wake channel, drain rate (milli), then the tier
+-- args. Returns {leases, held back until ('' for none)}, one [id, tier,
+-- tenant, arrival, payload, attempt, token, affinity key, charge, where its
+-- key was bound (0: nowhere, 1: this node, 2: another), work] per lease.
+-- The tier choice restates core.ordering.pick_tier and the rest
+-- MemoryWorkQueue.claim (tests/test_fleet_rules_differential.py).
+local BACKLOG_PAGE = 8
+local now = tonumber(ARGV[1])
+local node = ARGV[2]
+local max_items = tonumber(ARGV[3])
+local expires_at = ARGV[4]
+local interval = tonumber(ARGV[5])
+local max_boost = tonumber(ARGV[6])
+redis.call('ZREMRANGEBYSCORE', KEYS[K_DONE], '-inf', '(' .. ARGV[7])
+for _, key in ipairs(redis.call('ZRANGEBYSCORE', KEYS[K_BOUND_AT], '-inf', '(' .. ARGV[8])) do
+  redis.call('HDEL', KEYS[K_BOUND], key)
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[K_BOUND_AT], '-inf', '(' .. ARGV[8])
+for _, other in ipairs(redis.call('ZRANGEBYSCORE', KEYS[K_SEEN], '-inf', ARGV[1])) do
+  redis.call('HDEL', KEYS[K_ROOM], other)
+  redis.call('HDEL', KEYS[K_RATE], other)
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[K_SEEN], '-inf', ARGV[1])
+local wake = ARGV[9]
+tier_args(11)
+
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[K_EXPIRY], '-inf', ARGV[1])) do
+  requeue(id)
+end
+
+-- How many more items each other live node has room for.
+local reserve = {}
+local rooms = redis.call('HGETALL', KEYS[K_ROOM])
+for j = 1, #rooms, 2 do
+  local room = tonumber(rooms[j + 1])
+  if rooms[j] ~= node and room > 0 then reserve[rooms[j]] = room end
+end
+local held_until = nil
+-- Items held back so far per lane (a tier, or a tier's tenant when fair):
+-- always the first ones of their lane.
+local skipped = {}
+local passed = {}
+
+local out = {}
+while #out < max_items do
+  local best, best_level, best_prio, best_head
+  for i = 1, T.n do
+    local name = T.names[i]
+    local head = (not passed[name]) and redis.call('ZRANGE', T.q[name], 0, 0)[1]
+    if head then
+      local arrival = tonumber(redis.call('HGET', KEYS[K_ARRIVAL], head))
+      local prio, budget = T.prio[name], T.budget[name]
+      local boost = 0
+      if max_boost > 0 and T.delays[name] and budget then
+        local over = now - arrival - budget
+        if over >= interval then
+          boost = math.floor(over / interval)
+          if boost > max_boost then boost = max_boost end
+        end
+      end
+      -- core.ordering.tier_level and pick_tier's order
+      local level = prio - boost
+      if level < 0 then level = 0 end
+      if best == nil or level < best_level
+          or (level == best_level and (arrival < best_head
+              or (arrival == best_head and prio < best_prio))) then
+        best, best_level, best_prio, best_head = i, level, prio, arrival
+      end
+    end
+  end
+  if best == nil then break end
+  local tier = T.names[best]
+  local id, lane
+  if T.fair then
+    -- A page of backlogged tenants at a time, least served first: the first
+    -- one almost always has an item to take, and reading the whole backlog
+    -- for every item would cost a claim O(tenants) per item.
+    local from = 0
+    repeat
+      local page = redis.call('ZRANGE', T.backlog[tier], from, from + BACKLOG_PAGE - 1)
+      for _, tenant in ipairs(page) do
+        lane = tier .. '\0' .. tenant
+        local member = lane_head(tier, tenant, skipped[lane] or 0)
+        if member then
+          id = string.sub(member, #tenant + 19)
+          break
+        end
+      end
+      from = from + BACKLOG_PAGE
+    until id or #page < BACKLOG_PAGE
+  else
+    lane = tier
+    id = redis.call('ZRANGE', T.q[tier], skipped[lane] or 0, skipped[lane] or 0)[1]
+  end
+  if not id then
+    passed[tier] = true
+  else
+    local key = redis.call('HGET', KEYS[K_AFFKEY], id)
+    local owner = key and redis.call('HGET', KEYS[K_BOUND], key)
+    if owner and owner ~= node and (reserve[owner] or 0) > 0 then
+      reserve[owner] = reserve[owner] - 1
+      skipped[lane] = (skipped[lane] or 0) + 1
+      local live_until = redis.call('ZSCORE', KEYS[K_SEEN], owner)
+      if held_until == nil or tonumber(live_until) < tonumber(held_until) then
+        held_until = live_until
+      end
+    else
+      unqueue(id, tier)
+      local charge = redis.call('HGET', KEYS[K_CHARGE], id)
+      if T.fair then
+        local counter = add_service(tier, redis.call('HGET', KEYS[K_TENANT], id), charge)
+        redis.call('ZADD', KEYS[K_SERVED], counter, tier)
+      end
+      local bound = 0
+      if owner then
+        bound = 2
+        if owner == node then bound = 1 end
+      end
+      if key then
+        if not (owner and redis.call('ZSCORE', KEYS[K_SEEN], owner)) then owner = node end
+        redis.call('HSET', KEYS[K_BOUND], key, owner)
+        redis.call('ZADD', KEYS[K_BOUND_AT], ARGV[1], key)
+      end
+      local token = redis.call('INCR', KEYS[K_TOKEN])
+      redis.call('HSET', KEYS[K_HOLDER], id, token)
+      redis.call('HSET', KEYS[K_NODE], id, node)
+      redis.call('ZADD', KEYS[K_EXPIRY], expires_at, id)
+      out[#out + 1] = {id, tier, redis.call('HGET', KEYS[K_TENANT], id),
+                       redis.call('HGET', KEYS[K_ARRIVAL], id),
+                       redis.call('HGET', KEYS[K_PAYLOAD], id),
+                       redis.call('HGET', KEYS[K_ATTEMPT], id), token, key or '', charge, bound,
+                       redis.call('HGET', KEYS[K_WORK], id)}
+    end
+  end
+end
+set_room(node, max_items - #out, expires_at, ARGV[10], wake)
+return {out, held_until or ''}

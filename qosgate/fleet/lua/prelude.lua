@@ -1,0 +1,200 @@
+-- Shared by every fleet script (qosgate/fleet/redis_store.py prepends it).
+-- Every script gets the same KEYS (the fields in redis_store._FIELDS, then
+-- per tier in FleetTiers order its queue, lane, backlog and counter keys,
+-- each kind in a block of n) and, from some ARGV index, the tier args: n,
+-- the names, fair, the inflow time constant, then per tier its priority,
+-- budget ('' for none), delays (1/0) and admission (1/0).
+local K_TIER, K_TENANT, K_ARRIVAL, K_ATTEMPT, K_PAYLOAD = 1, 2, 3, 4, 5
+local K_HOLDER, K_NODE, K_EXPIRY, K_DONE, K_TOKEN = 6, 7, 8, 9, 10
+local K_AFFKEY, K_BOUND, K_BOUND_AT, K_ROOM, K_SEEN = 11, 12, 13, 14, 15
+local K_CHARGE, K_LANE, K_SERVED, K_WORK, K_QWORK = 16, 17, 18, 19, 20
+local K_RATE, K_INFLOW, K_INFLOW_AT = 21, 22, 23
+local F = 23
+local T = {}
+local function tier_args(at)
+  local n = tonumber(ARGV[at])
+  T.n, T.names, T.q, T.lane, T.backlog, T.counter = n, {}, {}, {}, {}, {}
+  T.prio, T.budget, T.delays, T.admit = {}, {}, {}, {}
+  for i = 1, n do
+    local name = ARGV[at + i]
+    T.names[i] = name
+    T.q[name] = KEYS[F + i]
+    T.lane[name] = KEYS[F + n + i]
+    T.backlog[name] = KEYS[F + 2 * n + i]
+    T.counter[name] = KEYS[F + 3 * n + i]
+  end
+  T.fair = ARGV[at + n + 1] == '1'
+  T.tau = tonumber(ARGV[at + n + 2])
+  for i = 1, n do
+    local name, j = T.names[i], at + n + 3 + 4 * (i - 1)
+    T.prio[name] = tonumber(ARGV[j])
+    T.budget[name] = tonumber(ARGV[j + 1])
+    T.delays[name] = ARGV[j + 2] == '1'
+    T.admit[name] = ARGV[j + 3] == '1'
+  end
+  return at + n + 3 + 4 * n
+end
+-- A tenant's items in a fair tier's lane set: members `tenant \0 hex \0 id`,
+-- all scored 0, so they sort by tenant, then arrival, then id.
+local function lane_head(tier, tenant, skip)
+  return redis.call('ZRANGEBYLEX', T.lane[tier], '[' .. tenant .. '\0', '(' .. tenant .. '\1',
+                    'LIMIT', skip, 1)[1]
+end
+-- Amounts are strings (Python's repr): ZINCRBY adds them as doubles, exactly
+-- as the memory store does; a Lua number would lose digits.
+local function add_service(tier, tenant, amount)
+  local counter = redis.call('ZINCRBY', T.counter[tier], amount, tenant)
+  if redis.call('ZSCORE', T.backlog[tier], tenant) then
+    redis.call('ZADD', T.backlog[tier], counter, tenant)
+  end
+  return counter
+end
+local function negated(amount)
+  if string.sub(amount, 1, 1) == '-' then return string.sub(amount, 2) end
+  return '-' .. amount
+end
+-- As MemoryWorkQueue._push: queue an item whose fields are set; a tenant
+-- newly backlogged is lifted as core.fairness.lifted says.
+local function push(id)
+  local tier = redis.call('HGET', KEYS[K_TIER], id)
+  redis.call('ZADD', T.q[tier], redis.call('HGET', KEYS[K_ARRIVAL], id), id)
+  redis.call('HINCRBY', KEYS[K_QWORK], tier, redis.call('HGET', KEYS[K_WORK], id))
+  if not T.fair then return end
+  local tenant = redis.call('HGET', KEYS[K_TENANT], id)
+  if not redis.call('ZSCORE', T.backlog[tier], tenant) then
+    local floor = redis.call('ZRANGE', T.backlog[tier], 0, 0, 'WITHSCORES')[2]
+      or redis.call('ZSCORE', KEYS[K_SERVED], tier) or '0'
+    local counter = redis.call('ZSCORE', T.counter[tier], tenant) or '0'
+    if tonumber(counter) < tonumber(floor) then counter = floor end
+    redis.call('ZADD', T.counter[tier], counter, tenant)
+    redis.call('ZADD', T.backlog[tier], counter, tenant)
+  end
+  redis.call('ZADD', T.lane[tier], 0, redis.call('HGET', KEYS[K_LANE], id))
+end
+local function unqueue(id, tier)
+  redis.call('ZREM', T.q[tier], id)
+  -- 0 - x, not -x: Lua writes -0 as '-0', which HINCRBY refuses.
+  redis.call('HINCRBY', KEYS[K_QWORK], tier, 0 - tonumber(redis.call('HGET', KEYS[K_WORK], id)))
+  if not T.fair then return end
+  redis.call('ZREM', T.lane[tier], redis.call('HGET', KEYS[K_LANE], id))
+  local tenant = redis.call('HGET', KEYS[K_TENANT], id)
+  if not lane_head(tier, tenant, 0) then redis.call('ZREM', T.backlog[tier], tenant) end
+end
+local function requeue(id)
+  redis.call('HDEL', KEYS[K_HOLDER], id)
+  redis.call('HDEL', KEYS[K_NODE], id)
+  redis.call('ZREM', KEYS[K_EXPIRY], id)
+  redis.call('HINCRBY', KEYS[K_ATTEMPT], id, 1)
+  if T.fair then
+    -- The lost run's charge is refunded, as the in-process scheduler does.
+    add_service(redis.call('HGET', KEYS[K_TIER], id), redis.call('HGET', KEYS[K_TENANT], id),
+                negated(redis.call('HGET', KEYS[K_CHARGE], id)))
+  end
+  push(id)
+end
+local function forget(id)
+  for _, k in ipairs({K_TIER, K_TENANT, K_ARRIVAL, K_ATTEMPT, K_PAYLOAD, K_HOLDER, K_NODE,
+                      K_AFFKEY, K_CHARGE, K_LANE, K_WORK}) do
+    redis.call('HDEL', KEYS[k], id)
+  end
+  redis.call('ZREM', KEYS[K_EXPIRY], id)
+end
+local function holds(id, token)
+  return redis.call('HGET', KEYS[K_HOLDER], id) == token
+end
+-- As MemoryWorkQueue._set_room / _wake_if_full.
+local function anything_queued()
+  for i = 1, T.n do
+    if redis.call('ZCARD', T.q[T.names[i]]) > 0 then return true end
+  end
+  return false
+end
+local function wake_if_full(before, room, wake)
+  if before > 0 and room <= 0 and anything_queued() then
+    redis.call('PUBLISH', wake, '1')
+  end
+end
+-- A run's slot is free again: its node's record says so at once.
+local function give_slot_back(holder)
+  if redis.call('HEXISTS', KEYS[K_ROOM], holder) == 1 then
+    redis.call('HINCRBY', KEYS[K_ROOM], holder, 1)
+  end
+end
+local function set_room(node, room, live_until, rate, wake)
+  local before = tonumber(redis.call('HGET', KEYS[K_ROOM], node) or '0')
+  redis.call('HSET', KEYS[K_ROOM], node, room)
+  redis.call('HSET', KEYS[K_RATE], node, rate)
+  redis.call('ZADD', KEYS[K_SEEN], live_until, node)
+  wake_if_full(before, room, wake)
+end
+-- core.admission.ArrivalRate, operation for operation; `now` is a
+-- repr string. The sum is stored with %.17g, which reads back exactly.
+local function inflow_rate(tier, now)
+  local last = redis.call('HGET', KEYS[K_INFLOW_AT], tier)
+  if not last then return 0.0 end
+  local sum = tonumber(redis.call('HGET', KEYS[K_INFLOW], tier))
+  last, now = tonumber(last), tonumber(now)
+  if now > last then sum = sum * math.exp((last - now) / T.tau) end
+  return sum / T.tau
+end
+local function inflow_add(tier, tokens, now)
+  local last = redis.call('HGET', KEYS[K_INFLOW_AT], tier)
+  local sum = tonumber(redis.call('HGET', KEYS[K_INFLOW], tier) or '0')
+  if not last then
+    redis.call('HSET', KEYS[K_INFLOW_AT], tier, now)
+  elseif tonumber(now) > tonumber(last) then
+    sum = sum * math.exp((tonumber(last) - tonumber(now)) / T.tau)
+    redis.call('HSET', KEYS[K_INFLOW_AT], tier, now)
+  end
+  redis.call('HSET', KEYS[K_INFLOW], tier, string.format('%.17g', sum + tokens))
+end
+-- The live nodes' drain rate (tokens/s) and free slots, summed.
+local function live_load(now)
+  local drain, room = 0, 0
+  for _, node in ipairs(redis.call('ZRANGEBYSCORE', KEYS[K_SEEN], '(' .. now, '+inf')) do
+    drain = drain + tonumber(redis.call('HGET', KEYS[K_RATE], node) or '0')
+    room = room + tonumber(redis.call('HGET', KEYS[K_ROOM], node) or '0')
+  end
+  return drain / 1000.0, room
+end
+-- core.admission.predicted_wait over the live nodes, as model.predicted_wait
+-- calls it (nil: no live node reports a drain rate).
+local function predicted_wait(tier, work, now, interval, max_boost)
+  local drain, room = live_load(now)
+  if drain <= 0 then return nil end
+  local mine = T.prio[tier]
+  local ahead = 0.0
+  if room <= 0 then ahead = work end
+  local inflow = 0.0
+  for i = 1, T.n do
+    local name = T.names[i]
+    if T.prio[name] <= mine then
+      ahead = ahead + tonumber(redis.call('HGET', KEYS[K_QWORK], name) or '0')
+      if T.prio[name] < mine then inflow = inflow + inflow_rate(name, now) end
+    elseif T.delays[name] and max_boost > 0 and T.budget[name] then
+      -- core.ordering.aged_work
+      local climb = T.prio[name] - mine
+      local head = redis.call('ZRANGE', T.q[name], 0, 0, 'WITHSCORES')[2]
+      if head and climb <= max_boost then
+        local oldest, at = tonumber(head), tonumber(now)
+        local threshold = at - T.budget[name] - climb * interval
+        local span = at - oldest
+        if not (oldest > threshold or span <= 0) then
+          local rate = tonumber(redis.call('HGET', KEYS[K_QWORK], name) or '0') / span
+          local aged = threshold - oldest
+          if span < aged then aged = span end
+          ahead = ahead + rate * aged
+          inflow = inflow + rate
+        end
+      end
+    end
+  end
+  if room > 0 then
+    ahead = ahead - room * work
+    if ahead < 0 then ahead = 0.0 end
+  end
+  if ahead <= 0 then return 0.0 end
+  drain = drain - inflow
+  if drain > 0 then return ahead / drain end
+  return math.huge
+end
