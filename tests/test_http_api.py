@@ -160,13 +160,14 @@ async def test_models_are_listed_as_vllm_lists_them(backend_yaml: str, root: str
             assert r.status == 200
             (entry,) = (await r.json())["data"]
         async with http.get(live.url + "/openapi.json") as r:
-            schema = (await r.json())["components"]["schemas"]["ModelList"]
+            schemas = (await r.json())["components"]["schemas"]
     assert entry == {
         "id": MODEL, "object": "model", "created": entry["created"], "owned_by": "qosgate",
         "root": root, "parent": None,
     }  # fmt: skip
     assert isinstance(entry["created"], int) and entry["created"] > 0
-    described = schema["properties"]["data"]["items"]
+    ref = schemas["ModelList"]["properties"]["data"]["items"]["$ref"]
+    described = schemas[ref.rsplit("/", 1)[-1]]
     assert set(described["required"]) == set(entry) == set(described["properties"])
 
 

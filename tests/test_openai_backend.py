@@ -973,7 +973,8 @@ async def test_a_whole_answer_keeps_its_tool_calls_and_logprobs(h):
     assert [t.token for t in choice.logprobs.content] == ["get", "_weather"]
     # The document says so too (the backends that refuse logprobs keep null).
     for name in ("ChatCompletion", "Completion"):
-        relayed = schemas[name]["properties"]["choices"]["items"]["properties"]["logprobs"]
+        item = schemas[name]["properties"]["choices"]["items"]["$ref"].rsplit("/", 1)[-1]
+        relayed = schemas[item]["properties"]["logprobs"]
         assert "object" in relayed["type"]
 
 

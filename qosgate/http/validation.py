@@ -590,11 +590,50 @@ class _Body(BaseModel):
         return wanted
 
 
+def _part_schema(kind: str) -> dict[str, Any]:
+    text = kind in ("text", "refusal")
+    return {
+        "type": "object",
+        "required": ["type", kind],
+        "properties": {"type": {"const": kind}, kind: {"type": "string" if text else "object"}},
+    }
+
+
+def _content_schema() -> dict[str, Any]:
+    parts = {"anyOf": [_part_schema(kind) for kind in _PART_TYPES]}
+    return {"anyOf": [{"type": "string"}, {"type": "array", "items": parts}]}
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: _Content = None
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: Any, handler: Any) -> dict[str, Any]:
+        # `_content_present` as JSON Schema: only an assistant turn may come
+        # without content.
+        return {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "required": ["role", "content"],
+                    "properties": {
+                        "role": {"enum": ["system", "user", "tool", "developer"]},
+                        "content": _content_schema(),
+                    },
+                },
+                {
+                    "type": "object",
+                    "required": ["role"],
+                    "properties": {
+                        "role": {"const": "assistant"},
+                        "content": nullable(_content_schema()),
+                    },
+                },
+            ]
+        }
 
     @model_validator(mode="after")
     def _content_present(self) -> Message:
@@ -767,19 +806,19 @@ def request_schema(
 ) -> dict[str, Any]:
     """The JSON Schema of a request body as a gateway with this backend takes
     it: the request model's own schema, less what the backend cannot honour
-    (then no unknown field either), with asks up to the model's context.
-    `model` and `messages` are the caller's."""
+    (then no unknown field either, and no media part it cannot read), with
+    asks up to the model's context. `model` is the caller's (the served
+    names)."""
     schema = _BODIES[endpoint].model_json_schema(ref_template="#/$defs/{model}")
     defs = schema.pop("$defs", {})
     properties = schema["properties"]
+    for name, prop in properties.items():
+        prop.pop("title", None)
+        _inline(prop, defs)
     if max_model_len is not None:
         for name in ("max_tokens", "max_completion_tokens"):
             if name in properties:
                 properties[name]["anyOf"][0]["maximum"] = max_model_len
-    stream_options = properties["stream_options"]["anyOf"][0]
-    properties["stream_options"]["anyOf"][0] = defs[stream_options["$ref"].split("/")[-1]]
-    for name in properties:
-        properties[name].pop("title", None)
     if not support.passthrough:
         schema["additionalProperties"] = False
         for feature, narrowed in _WITHOUT.items():
@@ -790,8 +829,47 @@ def request_schema(
             for name, rule in narrowed.items():
                 if name in properties:
                     properties[name] = {**nullable(rule), "default": None}
+        if "messages" in properties:
+            for turn in properties["messages"]["items"]["anyOf"]:
+                _drop_media(turn["properties"]["content"], support)
     schema.pop("title", None)
+    schema["description"] = (
+        "Fields not listed pass through to the backend unchecked."
+        if support.passthrough
+        else f"The {support.backend} backend takes no field beyond these."
+    )
     return schema
+
+
+def _inline(node: Any, defs: dict[str, Any]) -> None:
+    """Each `$ref` in `node` replaced by its definition (the schema is
+    published inside another document, where `$defs` would not resolve)."""
+    if isinstance(node, list):
+        for item in node:
+            _inline(item, defs)
+    elif isinstance(node, dict):
+        ref = node.pop("$ref", None)
+        if ref is not None:
+            node.update(defs[ref.rsplit("/", 1)[-1]])
+            node.pop("title", None)
+        for value in node.values():
+            _inline(value, defs)
+
+
+def _drop_media(content: dict[str, Any], support: RequestSupport) -> None:
+    """Content parts of a media kind the backend cannot read, out of a
+    message's content schema (they are refused by name)."""
+    for form in content["anyOf"]:
+        if "anyOf" in form:  # the nullable wrapper of an assistant's content
+            _drop_media(form, support)
+        elif form.get("type") == "array":
+            parts = form["items"]["anyOf"]
+            parts[:] = [
+                part
+                for part in parts
+                if part["properties"]["type"]["const"] not in MEDIA
+                or part["properties"]["type"]["const"] in support.features
+            ]
 
 
 def check_context(
