@@ -47,7 +47,7 @@ from qosgate.bench.commands import job_config, resolve_keys
 from qosgate.bench.plan import sweep_pool
 from qosgate.bench.pool import WorkerPool
 from qosgate.bench.scenario import load_bench_scenario
-from qosgate.sim.report import percentile
+from qosgate.observability.stats import percentile
 
 ORDER = ("A", "B", "F", "F", "B", "A")
 WARMUP = 300

@@ -61,7 +61,7 @@ from qosgate.bench.plan import sweep_pool
 from qosgate.bench.pool import WorkerPool
 from qosgate.bench.report import Record, records_from
 from qosgate.bench.scenario import load_bench_scenario
-from qosgate.sim.report import percentile
+from qosgate.observability.stats import percentile
 
 TARGET_ADDED_P50_MS = 1.0
 TARGET_CPU_MS = 0.5

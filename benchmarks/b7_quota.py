@@ -46,7 +46,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from qosgate.sim.report import percentile  # noqa: E402
+from qosgate.observability.stats import percentile  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
 QUOTA = 60_000

@@ -56,7 +56,7 @@ import redis.asyncio as aioredis  # noqa: E402
 from qosgate.config.models import PolicyConfig  # noqa: E402
 from qosgate.quotas.model import SLOTS, TenantLimits  # noqa: E402
 from qosgate.quotas.redis_store import RedisQuotaStore, _ttl_ms  # noqa: E402
-from qosgate.sim.report import percentile  # noqa: E402
+from qosgate.observability.stats import percentile  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
 TOKENS = 450

@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import aiohttp
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
@@ -252,3 +253,18 @@ async def test_one_node_declares_the_fleet_families_without_samples():
         samples = await scrape(http, live.url)
     assert not [k for k in samples if k[0].startswith("qosgate_fleet_")]
     assert {"qosgate_fleet_queue_depth", "qosgate_fleet_running"} <= samples[("families", ())]
+
+
+def test_admin_stats_percentiles_are_the_reports_percentiles():
+    """One percentile definition (qosgate.observability.stats) for the
+    dashboard, the reports and the benchmarks: linear between ranks."""
+    from prometheus_client import CollectorRegistry
+
+    from qosgate.observability.metrics import GatewayMetrics, stats_view
+    from qosgate.observability.stats import percentile
+
+    metrics = GatewayMetrics(make_policy(POLICY_YAML), CollectorRegistry())
+    metrics.recent_ttft["interactive"].extend([0.4, 0.1, 0.3, 0.2])
+    ttft = stats_view(metrics)["ttft"]["interactive"]
+    assert ttft["p50_s"] == pytest.approx(0.25) == percentile([0.1, 0.2, 0.3, 0.4], 50)
+    assert ttft["p99_s"] == pytest.approx(0.397) and ttft["n"] == 4

@@ -23,7 +23,6 @@ from http_support import ALICE_KEY, ENV, MODEL, POLICY_YAML, ScriptedBackend, li
 from pydantic import BaseModel
 
 import qosgate
-import qosgate.http.app  # noqa: F401 - defines the HTTP layer's own error classes
 from qosgate.backends.base import Chunk, GenerationJob
 from qosgate.backends.support import PASSTHROUGH, SIM, VLLM
 from qosgate.http import responses

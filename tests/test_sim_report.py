@@ -9,7 +9,8 @@ import pytest
 
 from qosgate.config.models import PolicyConfig
 from qosgate.core.request import Outcome, Request
-from qosgate.sim.report import build_policy_report, format_table, percentile, plot_run
+from qosgate.observability.stats import percentile
+from qosgate.sim.report import build_policy_report, format_table, plot_run
 from qosgate.sim.scenario import MetricsConfig, evaluate_targets
 
 POLICY = PolicyConfig.model_validate(

@@ -21,7 +21,8 @@ from qosgate.bench.client import COMPLETED, RECORD_FIELDS
 from qosgate.bench.scenario import BenchScenario
 from qosgate.config.models import PolicyConfig
 from qosgate.core.request import Outcome, Request, RequestState
-from qosgate.sim.report import build_policy_report, format_table, percentile
+from qosgate.observability.stats import percentile
+from qosgate.sim.report import build_policy_report, format_table
 
 _OUTCOMES = {
     COMPLETED: Outcome.COMPLETED,

@@ -25,6 +25,8 @@ from prometheus_client.registry import Collector
 from qosgate.config.models import PolicyConfig
 from qosgate.core.request import Outcome, Request
 
+from .stats import percentile
+
 PREFIX = "qosgate_"
 
 # Seconds; from a fast first token to a long batch job.
@@ -270,14 +272,6 @@ class GatewayMetrics:
         self._child(self.quota_remaining, self._tenant(tenant)).set(remaining)
 
 
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
-
-
 def stats_view(metrics: GatewayMetrics) -> dict[str, Any]:
     """What the dashboard draws, from the same counters /metrics exports:
     requests by tier and outcome, SLO attained and missed, recent first-token
@@ -292,7 +286,7 @@ def stats_view(metrics: GatewayMetrics) -> dict[str, Any]:
             if sample.name.endswith("_total"):
                 slo[sample.labels["tier"]][key] = sample.value
     ttft = {
-        tier: {"p50_s": _percentile(list(v), 50), "p99_s": _percentile(list(v), 99), "n": len(v)}
+        tier: {"p50_s": percentile(v, 50), "p99_s": percentile(v, 99), "n": len(v)}
         for tier, v in metrics.recent_ttft.items()
     }
     sizes = list(metrics.batches_recent)

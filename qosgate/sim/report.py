@@ -11,10 +11,10 @@ import math
 from bisect import bisect_right
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from qosgate.config.models import PolicyConfig, TierConfig
 from qosgate.core.request import Outcome, Request
+from qosgate.observability.stats import percentile
 from qosgate.sim.scenario import MetricsConfig
 
 REJECTED = frozenset(
@@ -23,22 +23,6 @@ REJECTED = frozenset(
 # Simulated times are sums of floats; a request landing exactly on its SLO
 # must not fail it by rounding.
 _EPS = 1e-9
-
-
-def percentile(values: Iterable[float], q: float) -> float | None:
-    """The q-th percentile (0-100) with linear interpolation between ranks, like
-    numpy's default; None for no values."""
-    ordered = sorted(values)
-    return _percentile_sorted(ordered, q)
-
-
-def _percentile_sorted(ordered: Sequence[float], q: float) -> float | None:
-    if not ordered:
-        return None
-    rank = (len(ordered) - 1) * q / 100.0
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def met_slo(request: Request, tier: TierConfig | None) -> bool:
@@ -109,12 +93,12 @@ def _tier_stats(
         "lost": counts[None],
         "ttft_slo_attainment": ttft_attainment,
         "slo_attainment": met / judged if judged > 0 else None,
-        "ttft_p50_s": _percentile_sorted(ttfts, 50),
-        "ttft_p99_s": _percentile_sorted(ttfts, 99),
-        "queue_wait_p99_s": _percentile_sorted(waits, 99),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "queue_wait_p99_s": percentile(waits, 99),
         "queue_wait_max_s": waits[-1] if waits else None,
-        "e2e_p50_s": _percentile_sorted(e2es, 50),
-        "e2e_p99_s": _percentile_sorted(e2es, 99),
+        "e2e_p50_s": percentile(e2es, 50),
+        "e2e_p99_s": percentile(e2es, 99),
         "goodput_rps": met / window_len,
     }
 
@@ -304,7 +288,7 @@ def build_policy_report(
             "prompt_tokens": sum(r.prompt_tokens for r in reqs if r.first_token_at is not None),
             "output_tokens": sum(r.output_tokens for r in reqs),
             "service": ledger.total.get(tenant, 0.0),
-            "ttft_p99_s": _percentile_sorted(ttfts, 99),
+            "ttft_p99_s": percentile(ttfts, 99),
         }
 
     done = [
