@@ -1,0 +1,330 @@
+"""The fleet's Lua scripts against the core's rules.
+
+The Redis store restates three of the core's rules inside its scripts,
+because they must run atomically with the state they read: the tier choice
+with ageing (claim), the predicted wait at admission with the arrival-rate
+correction (enqueue) and the VTC lift to the floor (every push). This test
+runs one random sequence of 10,000 operations through three implementations
+and requires the same decision at every step (which items a claim takes and
+in what order, admissions and refusals with their predicted wait, whether a
+preemption is still needed, and every tenant's counter):
+
+- `CoreModel`, below: plain lists, every decision taken by calling
+  qosgate/core (ordering.pick_tier, admission.predicted_wait and
+  ArrivalRate, fairness.lifted, ordering.preemption_victim);
+- MemoryWorkQueue;
+- RedisWorkQueue, on a real redis-server.
+
+A one-line change to one of those core rules makes the core model and the
+memory store (which call it) part from the Lua, and this test fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import uuid
+from types import SimpleNamespace
+
+
+from qosgate.core import admission, ordering
+from qosgate.core.admission import ArrivalRate
+from qosgate.core.fairness import lifted
+from qosgate.fleet import FleetTiers, Lease, MemoryWorkQueue, WorkItem, WorkQueueFull
+from qosgate.fleet import WorkQueueOverloaded
+from qosgate.fleet.redis_store import RedisWorkQueue
+from qosgate.fleet.store import milli
+
+OPERATIONS = 10_000
+T0 = 1_700_000_000.0
+TENANTS = ["a", "b", "c", "d"]
+NODES = ["n1", "n2", "n3"]
+RATES = [0.0, 35.0, 120.25, 1234.5678, 9000.0]
+# gold and silver refuse late work at the door; bronze and batch age.
+TIERS = FleetTiers.of(
+    {"gold": 0, "silver": 1, "bronze": 2, "batch": 4}, interval_s=0.75, max_boost=3, fair=True,
+    budgets={"gold": 2.0, "silver": 1.0, "bronze": 0.5, "batch": 0.25},
+    delays=["bronze", "batch"], inflow_tau_s=3.0,
+)  # fmt: skip
+PREEMPTIBLE = {"gold": False, "silver": True, "bronze": True, "batch": True}
+
+
+class CoreModel:
+    """The shared queue's decisions taken by the core's rules over plain
+    lists: what each store must agree with."""
+
+    def __init__(self, tiers: FleetTiers) -> None:
+        self.tiers = tiers
+        self.queued: dict[str, WorkItem] = {}
+        self.held: dict[str, tuple[WorkItem, str, int, float]] = {}  # node, token, expiry
+        self.ended: set[str] = set()
+        self.nodes: dict[str, tuple[int, float, int]] = {}  # room, live until, milli rate
+        self.counters: dict[str, dict[str, float]] = {t: {} for t in tiers.names()}
+        self.served: dict[str, float] = {}
+        self.inflow = {t: ArrivalRate(tiers.inflow_tau_s) for t in tiers.names()}
+        self.tokens = 0
+
+    def _in(self, tier: str, tenant: str | None = None) -> list[WorkItem]:
+        return sorted(
+            (i for i in self.queued.values()
+             if i.tier == tier and (tenant is None or i.tenant == tenant)),
+            key=lambda i: (i.arrival, i.id),
+        )  # fmt: skip
+
+    def _push(self, item: WorkItem) -> None:
+        counters = self.counters[item.tier]
+        backlogged = {i.tenant for i in self.queued.values() if i.tier == item.tier}
+        if item.tenant not in backlogged:
+            floor = min((counters[t] for t in backlogged), default=None)
+            counters[item.tenant] = lifted(
+                counters.get(item.tenant, 0.0), floor, self.served.get(item.tier, 0.0)
+            )
+        self.queued[item.id] = item
+
+    def _charge(self, item: WorkItem, amount: float) -> float:
+        counters = self.counters[item.tier]
+        counters[item.tenant] = counters.get(item.tenant, 0.0) + amount
+        return counters[item.tenant]
+
+    def _requeue(self, item_id: str) -> None:
+        item, _, _, _ = self.held.pop(item_id)
+        self._charge(item, -item.charge)
+        self._push(dataclasses.replace(item, attempt=item.attempt + 1))
+
+    def _live(self, now: float) -> tuple[float, int]:
+        live = [(rate, room) for room, until, rate in self.nodes.values() if until > now]
+        return sum(rate for rate, _ in live) / 1000.0, sum(room for _, room in live)
+
+    def enqueue(self, item: WorkItem, max_queued: int | None) -> object:
+        if item.id in self.queued or item.id in self.held or item.id in self.ended:
+            return "duplicate"
+        if max_queued is not None and len(self._in(item.tier)) >= max_queued:
+            return "full"
+        tier = self.tiers.tier(item.tier)
+        drain, room = self._live(item.arrival)
+        if tier.admission and tier.budget_s is not None and drain > 0:
+            views = [
+                SimpleNamespace(
+                    priority=t.priority, delays=t.delays, budget_s=t.budget_s,
+                    work=sum(i.work for i in self._in(t.name)),
+                    oldest_arrival=min((i.arrival for i in self._in(t.name)), default=None),
+                    inflow_rate=self.inflow[t.name].rate,
+                )
+                for t in self.tiers.tiers
+            ]  # fmt: skip
+            predicted = admission.predicted_wait(
+                tier.priority, item.work, views, item.arrival, self.tiers.ageing,
+                own_slot=room <= 0, room_work=room * item.work, drain=drain,
+            )  # fmt: skip
+            if predicted > tier.budget_s:
+                return ("overloaded", predicted)
+        self._push(item)
+        self.inflow[item.tier].add(item.work, item.arrival)
+        return None
+
+    def claim(self, node: str, max_items: int, now: float, lease_s: float, rate: float) -> list:
+        expired = sorted((exp, i) for i, (_, _, _, exp) in self.held.items() if exp <= now)
+        for _, item_id in expired:
+            self._requeue(item_id)
+        self.nodes = {n: v for n, v in self.nodes.items() if v[1] > now}
+        taken = []
+        while len(taken) < max_items:
+            heads = [
+                (t, self._in(t.name)[0].arrival) for t in self.tiers.tiers if self._in(t.name)
+            ]
+            chosen = ordering.pick_tier(heads, now, self.tiers.ageing)
+            if chosen is None:
+                break
+            tier = chosen[0].name
+            counters = self.counters[tier]
+            tenant = min((counters[i.tenant], i.tenant) for i in self._in(tier))[1]
+            item = self._in(tier, tenant)[0]
+            del self.queued[item.id]
+            self.served[tier] = self._charge(item, item.charge)
+            self.tokens += 1
+            self.held[item.id] = (item, node, self.tokens, now + lease_s)
+            taken.append((item.id, self.tokens))
+        self.nodes[node] = (max_items - len(taken), now + lease_s, milli(rate))
+        return taken
+
+    def _current(self, lease: Lease) -> bool:
+        held = self.held.get(lease.item.id)
+        return held is not None and held[2] == lease.token
+
+    def _slot_back(self, node: str) -> None:
+        if node in self.nodes:
+            room, until, rate = self.nodes[node]
+            self.nodes[node] = (room + 1, until, rate)
+
+    def complete(self, lease: Lease, used: float | None) -> bool:
+        if not self._current(lease):
+            return False
+        item, node, _, _ = self.held.pop(lease.item.id)
+        self._slot_back(node)
+        if used is not None:
+            self._charge(item, used - item.charge)
+        self.ended.add(item.id)
+        return True
+
+    def release(self, lease: Lease) -> bool:
+        if not self._current(lease):
+            return False
+        self._requeue(lease.item.id)
+        return True
+
+    def preempt(self, lease: Lease, now: float) -> bool:
+        if not self._current(lease):
+            return False
+        mine = self.tiers.tier(lease.item.tier).priority
+        urgent = sum(1 for i in self.queued.values() if self.tiers.tier(i.tier).priority < mine)
+        if urgent <= self._live(now)[1]:
+            return False
+        node = self.held[lease.item.id][1]
+        self._requeue(lease.item.id)
+        self._slot_back(node)
+        return True
+
+    def cancel(self, item_id: str, only_queued: bool) -> str | None:
+        if self.queued.pop(item_id, None) is not None:
+            self.ended.add(item_id)
+            return "queued"
+        if item_id in self.held:
+            if not only_queued:
+                del self.held[item_id]
+                self.ended.add(item_id)
+            return "leased"
+        return "completed" if item_id in self.ended else None
+
+    def victim(self, waiting: str, leases: dict[str, Lease]) -> Lease | None:
+        """An engine node's choice of the run to send back (the core's)."""
+        runs: dict[str, list[Lease]] = {}
+        for lease in leases.values():
+            runs.setdefault(lease.item.tier, []).append(lease)
+        tiers = [(t.priority, PREEMPTIBLE[t.name], runs.get(t.name, [])) for t in self.tiers.tiers]
+        return ordering.preemption_victim(
+            self.tiers.tier(waiting).priority, tiers,
+            lambda lease: ordering.may_preempt(lease.item.attempt, False),
+        )  # fmt: skip
+
+
+def waited(rng: random.Random) -> float:
+    """How long before now an item arrived: half the time on a grid of
+    quarter seconds, where budgets and ageing intervals end exactly (every
+    boundary of a rule is hit), else anywhere, a little ahead of now included
+    (another replica's clock)."""
+    if rng.random() < 0.5:
+        return rng.randrange(0, 12) * 0.25
+    return rng.uniform(-0.2, 3.0)
+
+
+async def _answer(call) -> object:
+    try:
+        await call
+    except ValueError:
+        return "duplicate"
+    except WorkQueueFull:
+        return "full"
+    except WorkQueueOverloaded as exc:
+        return ("overloaded", exc.predicted_wait_s)
+    return None
+
+
+async def test_core_memory_and_lua_decide_alike(redis_server):
+    rng = random.Random(21)
+    core = CoreModel(TIERS)
+    memory = MemoryWorkQueue(TIERS)
+    lua = RedisWorkQueue(redis_server.url, TIERS, key_prefix=f"diff-{uuid.uuid4().hex[:8]}:")
+    stores = (memory, lua)
+    seen = {"claimed": 0, "refused": 0, "full": 0, "preempted": 0, "released": 0}
+    now = T0
+    leases: dict[str, Lease] = {}  # item id -> the live lease, as the node holds it
+    ids: list[str] = []
+    try:
+        for step in range(OPERATIONS):
+            roll = rng.random()
+            if roll < 0.3:
+                fresh = rng.random() > 0.05 or not ids
+                item = WorkItem(
+                    id=f"r{len(ids)}" if fresh else rng.choice(ids),
+                    tier=rng.choices(TIERS.names(), [1, 3, 3, 3])[0], tenant=rng.choice(TENANTS),
+                    arrival=now - waited(rng), payload=b"",
+                    charge=rng.choice([0.0, 0.1, 1.25, 10.0, 33.3]),
+                    work=rng.choice([0, 40, 300, 1200]),
+                )  # fmt: skip
+                cap = rng.choice([None, None, None, 3, 8])
+                want = core.enqueue(item, cap)
+                for store in stores:
+                    got = await _answer(store.enqueue(item, max_queued=cap))
+                    assert got == want, (step, store.name, got, want)
+                if fresh:
+                    ids.append(item.id)
+                seen["refused"] += isinstance(want, tuple)
+                seen["full"] += want == "full"
+            elif roll < 0.5:
+                node, n = rng.choice(NODES), rng.randrange(0, 6)
+                lease_s, rate = rng.choice([0.5, 1.0, 2.5]), rng.choice(RATES)
+                want = core.claim(node, n, now, lease_s, rate)
+                for store in stores:
+                    claim = await store.claim(node, n, now, lease_s, drain_rate=rate)
+                    got = [(lease.item.id, lease.token) for lease in claim.leases]
+                    assert got == want, (step, store.name, got, want)
+                for lease in claim.leases:
+                    leases[lease.item.id] = lease
+                seen["claimed"] += len(want)
+            elif roll < 0.56:
+                node, room, ttl = rng.choice(NODES), rng.randrange(0, 4), rng.choice([0.5, 2.5])
+                rate = rng.choice(RATES)
+                core.nodes[node] = (room, now + ttl, milli(rate))
+                for store in stores:
+                    await store.heartbeat(node, room, now, ttl, drain_rate=rate)
+            elif roll < 0.6 and ids:
+                target, only_queued = rng.choice(ids), rng.random() < 0.3
+                want = core.cancel(target, only_queued)
+                for store in stores:
+                    assert await store.cancel(target, now, only_queued=only_queued) == want
+            elif roll < 0.85 and leases:
+                lease = rng.choice(list(leases.values()))
+                action = rng.choice(["complete", "complete", "release", "preempt"])
+                if action == "preempt":
+                    # The engine node's victim for work waiting in a random tier.
+                    lease = core.victim(rng.choice(TIERS.names()), leases) or lease
+                    want = core.preempt(lease, now)
+                    got = [await store.preempt(lease, now) for store in stores]
+                    seen["preempted"] += want
+                elif action == "release":
+                    want = core.release(lease)
+                    got = [await store.release(lease) for store in stores]
+                    seen["released"] += want
+                else:
+                    used = rng.choice([None, 0.0, 0.7, 12.5, 40.1])
+                    want = core.complete(lease, used)
+                    got = [await store.complete(lease, used=used) for store in stores]
+                assert got == [want, want], (step, action, got, want)
+                if action != "preempt" or want:
+                    leases.pop(lease.item.id)
+            else:
+                now += rng.choice([0.0, 0.25, 0.5, 0.75, 1.0, 2.0])
+            if step % 10 == 0 or step == OPERATIONS - 1:
+                for tier in TIERS.names():
+                    want_counters = core.counters[tier]
+                    for store in stores:
+                        assert await store.counters(tier) == want_counters, (step, tier)
+                depth = {t: len(core._in(t)) for t in TIERS.names()}
+                for store in stores:
+                    assert await store.depth() == depth, step
+        # Every rule was exercised, not only the easy paths.
+        assert all(count > 20 for count in seen.values()), seen
+    finally:
+        await lua.close()
+
+
+def test_the_core_model_follows_the_core():
+    """The model's decisions are the core's: a tier aged to a fresher
+    tier's level goes first when its head is older (ordering.pick_tier)."""
+    core = CoreModel(TIERS)
+    core.enqueue(WorkItem("old", "batch", "a", T0, b"", work=10), None)
+    core.enqueue(WorkItem("new", "silver", "a", T0 + 2.9, b"", work=10), None)
+    # By T0 + 3: batch (4) has climbed 3 levels to silver's 1 (0.25 s budget,
+    # 0.75 s a level); silver's head has not spent its 1 s budget.
+    taken = [item_id for item_id, _ in core.claim("n1", 2, T0 + 3.0, 1.0, 0.0)]
+    assert taken == ["old", "new"]
