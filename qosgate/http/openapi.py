@@ -72,8 +72,9 @@ def _ok(description: str, content: dict[str, Any], **headers: Any) -> dict[str, 
     return {"description": description, "headers": headers, "content": content}
 
 
-_RETRY_AFTER = frozenset({429, 503})
-"""The statuses whose answers say when to retry."""
+_RETRY_AFTER = frozenset({429, 502, 503})
+"""The statuses whose answers may say when to retry (a 502 does where the
+backend failed before any output)."""
 
 
 def _error(status: int, description: str) -> dict[str, Any]:
