@@ -49,14 +49,13 @@ from qosgate.backends.base import (
 from qosgate.backends.support import PASSTHROUGH, RequestSupport
 from qosgate.config.models import FleetConfig, PolicyConfig
 from qosgate.config.scheduling import scheduling_policy
-from qosgate.core.admission import MAX_RETRY_AFTER_S
 from qosgate.core.scheduler import BackendCapacity
-from qosgate.runtime.errors import Expired, Overloaded, QueueFull
+from qosgate.runtime.errors import Expired, GatewayError
 
 from . import wire
 from .model import FleetTiers, ServiceMeter, WorkItem
 from .redis_store import RedisWorkQueue, Subscription
-from .store import WorkQueueError, WorkQueueFull, WorkQueueOverloaded
+from .store import WorkQueueError
 
 log = logging.getLogger(__name__)
 
@@ -289,21 +288,11 @@ class FleetBackend(Backend):
             waiting.queued_at = item.arrival
             try:
                 await self.store.enqueue(item, max_queued=tier.max_queue_len)
-            except WorkQueueFull as exc:
+            except GatewayError:
+                # Full, overloaded or unreachable: typed in the one error
+                # table (runtime/errors.py), answered as they stand.
                 waiting.ended = True
-                raise QueueFull(
-                    f"tier {job.tier!r} has {tier.max_queue_len} requests queued in the fleet",
-                    retry_after_s=1.0,
-                ) from exc
-            except WorkQueueOverloaded as exc:
-                waiting.ended = True
-                raise Overloaded(
-                    str(exc),
-                    retry_after_s=min(exc.predicted_wait_s - exc.budget_s, MAX_RETRY_AFTER_S),
-                ) from exc
-            except WorkQueueError as exc:
-                waiting.ended = True
-                raise BackendUnavailable(f"the fleet's queue is not reachable: {exc}") from exc
+                raise
             if tier.on_timeout == "reject":
                 waiting.expiry = asyncio.get_running_loop().call_later(
                     tier.max_queue_wait_ms / 1000.0, self._expire, request_id, tier.max_queue_wait_ms

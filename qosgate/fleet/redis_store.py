@@ -226,7 +226,8 @@ class RedisWorkQueue(WorkQueue):
         if result == 0:
             raise ValueError(f"duplicate work item id {item.id!r}")
         if result < 0:
-            raise WorkQueueFull(f"tier {item.tier!r} holds {max_queued} queued items")
+            assert max_queued is not None
+            raise WorkQueueFull(item.tier, max_queued)
 
     async def cancel(
         self, item_id: str, now: float, *, only_queued: bool = False

@@ -10,30 +10,11 @@ from typing import Literal
 
 from qosgate.core.admission import ArrivalRate
 from qosgate.core.fairness import lifted
+from qosgate.runtime.errors import WorkQueueError, WorkQueueFull, WorkQueueOverloaded
 
 from .model import Claim, FleetLoad, FleetTiers, Lease, WorkItem, pick_tier, predicted_wait
 
 ItemStatus = Literal["queued", "leased", "completed"]
-
-
-class WorkQueueError(Exception):
-    """The store could not be reached or did not answer in time."""
-
-
-class WorkQueueFull(Exception):
-    """The item's tier already holds as many queued items as it may."""
-
-
-class WorkQueueOverloaded(Exception):
-    """Admission refused the item: its predicted wait exceeds its tier's budget."""
-
-    def __init__(self, tier: str, predicted_wait_s: float, budget_s: float) -> None:
-        super().__init__(
-            f"predicted queue wait {predicted_wait_s:.2f}s in the fleet exceeds tier "
-            f"{tier!r} budget {budget_s:.2f}s"
-        )
-        self.predicted_wait_s = predicted_wait_s
-        self.budget_s = budget_s
 
 
 def milli(rate: float) -> int:
@@ -249,7 +230,7 @@ class MemoryWorkQueue(WorkQueue):
         if item.id in self._queued or item.id in self._held or item.id in self._completed:
             raise ValueError(f"duplicate work item id {item.id!r}")
         if max_queued is not None and len(self._queues[item.tier]) >= max_queued:
-            raise WorkQueueFull(f"tier {item.tier!r} holds {max_queued} queued items")
+            raise WorkQueueFull(item.tier, max_queued)
         tier = self.tiers.tier(item.tier)
         if tier.admission and tier.budget_s is not None:
             now = item.arrival

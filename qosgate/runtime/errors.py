@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from qosgate.core.admission import retry_after_header
+from qosgate.core.admission import MAX_RETRY_AFTER_S, retry_after_header
 from qosgate.core.request import Outcome
 
 
@@ -125,6 +125,38 @@ class GatewayClosing(BackendUnavailableError):
 
     outcome = Outcome.CANCELLED
     code = "shutting_down"
+
+
+class WorkQueueFull(QueueFull):
+    """Fleet mode: the tier's queue in the shared store already holds
+    `max_queue_len` items."""
+
+    def __init__(self, tier: str, max_queued: int) -> None:
+        super().__init__(
+            f"tier {tier!r} has {max_queued} requests queued in the fleet", retry_after_s=1.0
+        )
+
+
+class WorkQueueOverloaded(Overloaded):
+    """Fleet mode: the wait predicted over the live engine nodes exceeds the
+    tier's budget."""
+
+    def __init__(self, tier: str, predicted_wait_s: float, budget_s: float) -> None:
+        super().__init__(
+            f"predicted queue wait {predicted_wait_s:.2f}s in the fleet exceeds tier "
+            f"{tier!r} budget {budget_s:.2f}s",
+            retry_after_s=min(predicted_wait_s - budget_s, MAX_RETRY_AFTER_S),
+        )
+        self.predicted_wait_s = predicted_wait_s
+        self.budget_s = budget_s
+
+
+class WorkQueueError(BackendUnavailableError):
+    """Fleet mode: the shared queue's store could not be reached or did not
+    answer in time."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"the fleet's queue is not reachable: {message}", retry_after_s=1.0)
 
 
 class BadRequest(GatewayError):
