@@ -21,7 +21,7 @@ import struct
 import sys
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -35,16 +35,15 @@ from qosgate.backends.base import Backend, Chunk
 from qosgate.config.models import BackendConfig, PolicyConfig, VllmBackendConfig
 from qosgate.core.request import Outcome
 from qosgate.observability.metrics import stats_view
-from qosgate.quotas import QuotaStoreDown
+from qosgate.quotas import LimitState
 from qosgate.runtime.errors import (
     AuthThrottled,
     GatewayError,
     PayloadTooLarge,
-    QuotaExceeded,
-    QuotaStoreUnavailable,
     RequestTimeout,
     Unauthorized,
 )
+from qosgate.runtime.ask import Ask
 from qosgate.runtime.gate import Gateway, RequestStream
 from qosgate.wiring import LivePolicy
 
@@ -63,14 +62,13 @@ from .ratelimit import ratelimit_headers
 from .validation import (
     MAX_PRIORITY_OFFSET,
     Endpoint,
-    check_context,
     parse_json,
+    asked_field,
     validate_body,
 )
 
 log = logging.getLogger("qosgate.http")
 _T = TypeVar("_T")
-_prompt_log = structlog.get_logger("qosgate.prompts")
 
 # Typed request keys are recent in aiohttp; a plain string works everywhere.
 REQUEST_ID: Any = (
@@ -274,12 +272,6 @@ def _from_http_exception(request: web.Request, exc: web.HTTPException) -> web.St
 
 # --------------------------------------------------------------------------
 # Probes and models
-
-
-def _record_quota(gateway: Gateway, tenant: str, states: Any) -> None:
-    tokens = [s.remaining for s in states if s.kind in ("tokens_per_minute", "tokens_per_day")]
-    if tokens:
-        gateway.observer.metrics.quota(tenant, min(tokens))
 
 
 _FLEET_LEVELS_TIMEOUT_S = 2.0
@@ -588,81 +580,37 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     backend = gateway.backend
     parsed = validate_body(endpoint, raw, backend.models, backend.support)
 
-    tier = state.policy.tiers[identity.tier]
-    asked = parsed.asked_max_tokens
-    default = tier.default_max_tokens or tier.max_tokens
-    # Larger asks are clamped rather than refused (the tier cap is the
-    # gateway's business); only one past the model's context is refused.
-    max_tokens = min(asked if asked is not None else default, tier.max_tokens)
-
-    body = dict(raw)
-    body["max_tokens"] = max_tokens
-    if "max_completion_tokens" in body:
-        body["max_completion_tokens"] = max_tokens
-    # The gateway turns the client's priority into the job's engine priority;
-    # the backend must not see the raw value and apply it twice.
-    body.pop("priority", None)
-
-    prompt_tokens = max(1, int(backend.count_prompt_tokens(endpoint, body)))
-    fitted = check_context(parsed, prompt_tokens, max_tokens, backend.max_model_len)
-    if fitted != max_tokens:
-        max_tokens = body["max_tokens"] = fitted
-        if "max_completion_tokens" in body:
-            body["max_completion_tokens"] = fitted
-    least = parsed.min_tokens
-    if least is not None and least > max_tokens and (asked is None or least <= asked):
-        # The clamp put max_tokens under a min_tokens the client asked within
-        # its own: a backend that checks the two (vLLM) would refuse the
-        # request for the gateway's doing. One past the client's own
-        # max_tokens is left for the backend to judge.
-        body["min_tokens"] = max_tokens
     request_id = request[REQUEST_ID]
+    session = request.headers.get(SESSION_HEADER)
+    ask = Ask(
+        request_id=request_id,
+        tenant=identity.tenant,
+        tier=identity.tier,
+        endpoint=endpoint,
+        body=raw,
+        asked_max_tokens=parsed.asked_max_tokens,
+        asked_field=asked_field(parsed),
+        min_tokens=parsed.min_tokens,
+        priority_offset=min(parsed.priority or 0, MAX_PRIORITY_OFFSET),
+        session=session[:_MAX_SESSION_LEN] if session else None,
+    )
+    request[ADMITTED] = True  # admitted or refused, the gateway counts it from here
+
+    def quota_checked(states: Sequence[LimitState]) -> None:
+        request[RATELIMIT] = ratelimit_headers(states)
+
+    # From here on the request is admitted: every path must end it (the
+    # response functions close the stream on any way out but completion).
+    stream = await gateway.admit(ask, on_quota=quota_checked)
     call = _Call(
         endpoint=endpoint,
         response_id=("chatcmpl-" if endpoint == "chat" else "cmpl-") + request_id,
         created=int(time.time()),
         model=parsed.model,
-        prompt_tokens=prompt_tokens,
+        prompt_tokens=stream.request.prompt_tokens,
         include_usage=parsed.include_usage,
     )
-    session = request.headers.get(SESSION_HEADER)
-    if state.policy.observability.log_prompts:
-        _prompt_log.info(
-            "prompt",
-            endpoint=endpoint,
-            prompt=body.get("messages") if endpoint == "chat" else body.get("prompt"),
-        )
-    reservation = None
-    decision = None
-    # A tenant without limits has nothing to reserve: no coroutine to run.
-    if gateway.quotas.limits(identity.tenant) is not None:
-        try:
-            decision = await gateway.quotas.reserve(
-                identity.tenant, prompt_tokens + max_tokens, request_id
-            )
-        except QuotaStoreDown as exc:
-            raise QuotaStoreUnavailable(str(exc), retry_after_s=exc.retry_after_s) from None
-    if decision is not None:
-        request[RATELIMIT] = ratelimit_headers(decision.states)
-        _record_quota(gateway, identity.tenant, decision.states)
-        if not decision.admitted:
-            raise QuotaExceeded(decision.reason, retry_after_s=decision.retry_after_s)
-        reservation = decision.reservation
-    # From here on the request is admitted: every path must end it (the
-    # response functions close the stream on any way out but completion).
-    request[ADMITTED] = True  # admitted or refused, the gateway counts it now
-    stream = gateway.submit(
-        reservation=reservation,
-        request_id=request_id,
-        tenant=identity.tenant,
-        tier=identity.tier,
-        endpoint=endpoint,
-        body=body,
-        prompt_tokens=prompt_tokens,
-        max_tokens=max_tokens,
-        priority_offset=min(parsed.priority or 0, MAX_PRIORITY_OFFSET),
-        session=session[:_MAX_SESSION_LEN] if session else None,
-    )
+    tier = state.policy.tiers[identity.tier]
     if parsed.stream:
         pace = _Pace(tier.min_delivery_bytes_per_s, tier.delivery_window_s)
         return await _stream_response(request, stream, call, state, pace)

@@ -23,13 +23,6 @@ class ModelNotFound(BadRequest):
         )
 
 
-class ContextLengthExceeded(BadRequest):
-    """400: the prompt, or the prompt and the asked output, exceed the model's
-    context (OpenAI's code for it)."""
-
-    code = "context_length_exceeded"
-
-
 class UnsupportedMediaType(BadRequest):
     """415: the body was declared as something other than JSON."""
 

@@ -42,9 +42,10 @@ from qosgate.backends.support import (
     TOOLS,
     RequestSupport,
 )
+from qosgate.runtime.ask import short_number
 from qosgate.runtime.errors import BadRequest
 
-from .errors import ContextLengthExceeded, ModelNotFound
+from .errors import ModelNotFound
 
 MAX_PRIORITY_OFFSET = 1000
 """Deepest level a client may push its request below its tier (TierConfig.priority's range)."""
@@ -77,12 +78,6 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
-def _short(value: int) -> str:
-    # An integer of thousands of digits is quoted by its size, not in full.
-    text = str(value)
-    return text if len(text) <= 24 else f"an integer of {len(text)} digits"
-
-
 def _integer(minimum: int) -> Callable[[Any], int]:
     def check(value: Any) -> int:
         # JSON has one number type: `2.0` is the integer 2 to every JSON Schema
@@ -93,7 +88,7 @@ def _integer(minimum: int) -> Callable[[Any], int]:
         if isinstance(value, bool) or not isinstance(value, int):
             raise _fail("int_type", f"expected an integer, but got {_type_name(value)}")
         if value < minimum:
-            raise _fail("too_small", f"must be at least {minimum}, got {_short(value)}")
+            raise _fail("too_small", f"must be at least {minimum}, got {short_number(value)}")
         return value
 
     return check
@@ -145,7 +140,7 @@ def _bounded_integer(low: int, high: int) -> Callable[[Any], int]:
     def check(value: Any) -> int:
         n = at_least(value)
         if n > high:
-            raise _fail("too_large", f"must be at most {high}, got {_short(n)}")
+            raise _fail("too_large", f"must be at most {high}, got {short_number(n)}")
         return n
 
     return check
@@ -374,7 +369,7 @@ def _ranged_integer(low: int, high: int | None = None, **schema: Any) -> Any:
     )
 
 
-# No upper bound here: past the model's context is refused by `check_context`,
+# No upper bound here: past the model's context is refused by `runtime.ask.fit_context`,
 # where the backend's context length is known.
 Int1 = _ranged_integer(1)
 StrictBool = _field(_boolean, {"type": "boolean"})
@@ -872,32 +867,8 @@ def _drop_media(content: dict[str, Any], support: RequestSupport) -> None:
             ]
 
 
-def check_context(
-    parsed: _Body, prompt_tokens: int, max_tokens: int, max_model_len: int | None
-) -> int:
-    """The max_tokens to run with: `max_tokens` (the tier's clamp of the ask),
-    lowered to the room the prompt leaves in the context. A prompt that leaves
-    no room, or an ask past the context itself, is a 400 as from
-    OpenAI-compatible servers; an ask within the context is clamped like any
-    other (it depends on the prompt's length, which a client cannot know)."""
-    if max_model_len is None:
-        return max_tokens
-    asked = parsed.asked_max_tokens
-    room = max_model_len - prompt_tokens
-    if room < 1 or (asked is not None and asked > max_model_len):
-        wanted = prompt_tokens + (asked if asked is not None else 1)
-        where = "messages" if isinstance(parsed, ChatBody) else "prompt"
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {_short(wanted)} tokens ({prompt_tokens} in the {where}, "
-            f"{_short(wanted - prompt_tokens)} in the completion). Please reduce the length "
-            f"of the {where} or completion.",
-            param=where if room < 1 else _asked_name(parsed),
-        )
-    return min(max_tokens, room)
-
-
-def _asked_name(parsed: _Body) -> str:
+def asked_field(parsed: _Body) -> str:
+    """The field the client asked its output length in."""
     if isinstance(parsed, ChatBody) and parsed.max_completion_tokens is not None:
         return "max_completion_tokens"
     return "max_tokens"

@@ -168,6 +168,13 @@ class BadRequest(GatewayError):
     type = "invalid_request_error"
 
 
+class ContextLengthExceeded(BadRequest):
+    """400: the prompt, or the prompt and the asked output, exceed the model's
+    context (OpenAI's code for it)."""
+
+    code = "context_length_exceeded"
+
+
 class Unauthorized(GatewayError):
     status = 401
     outcome = Outcome.UNAUTHORIZED

@@ -1,8 +1,12 @@
 """The gateway: the async shell around the synchronous scheduling core.
 
-`Gateway.submit` runs admission at once and returns a `RequestStream`; the
-consumer (an HTTP handler) iterates the stream, which waits to be dispatched
-and then pulls the backend's output in the consumer's own task. The
+`Gateway.admit` takes a request from identity to a `RequestStream`: it
+shapes the ask (max_tokens clamped, prompt counted), reserves the tenant's
+quota and runs admission (`submit`), counting every refusal by its outcome.
+The consumer (an HTTP handler) iterates the stream, which waits to be
+dispatched and then pulls the backend's output in the consumer's own task;
+the stream and the gateway talk through `StreamHost` and the stream's
+"the gateway's side" methods, nothing else. The
 dispatcher is not a task of its own: it is a callback run when something may
 have changed (a submit, a request ending, the backend reporting capacity, or
 the one timer the last plan asked for), so an idle gateway does nothing.
@@ -16,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from enum import Enum
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
+
+import structlog
 
 from qosgate.backends.base import (
     Backend,
@@ -33,7 +39,8 @@ from qosgate.config.scheduling import scheduling_policy
 from qosgate.core.request import Outcome, Request, RequestState
 from qosgate.core.scheduler import BackendCapacity, SchedulePlan, Scheduler
 from qosgate.observability import Observer
-from qosgate.quotas import QuotaGuard, Reservation
+from qosgate.quotas import LimitState, QuotaGuard, QuotaStoreDown, Reservation
+from qosgate.runtime.ask import Ask, shape
 from qosgate.runtime.errors import (
     BackendFailed,
     BackendUnavailableError,
@@ -43,10 +50,13 @@ from qosgate.runtime.errors import (
     GatewayError,
     Overloaded,
     QueueFull,
+    QuotaExceeded,
     QuotaLeaseLost,
+    QuotaStoreUnavailable,
 )
 
 log = logging.getLogger(__name__)
+_prompt_log = structlog.get_logger("qosgate.prompts")
 
 
 class PolicyReloadRefused(ValueError):
@@ -79,7 +89,7 @@ class Gateway:
         self._policy = policy
         self._backend = backend
         self.quotas = quotas if quotas is not None else QuotaGuard.from_policy(policy)
-        """Reserves at the door (the HTTP layer asks it) and settles here."""
+        """Reserves a request's quota in `admit` and settles it when it ends."""
         self.quotas.on_lease_lost = self._lease_lost
         self.observer = observer if observer is not None else Observer(policy)
         """Metrics and the request log, fed at each event of a request."""
@@ -124,7 +134,7 @@ class Gateway:
         for stream in list(self._streams.values()):
             if stream.request.state is not RequestState.RUNNING:
                 # One error each: each consumer raises its own, with its own traceback.
-                stream._end(GatewayClosing("the gateway is shutting down", retry_after_s=1.0))
+                stream.end(GatewayClosing("the gateway is shutting down", retry_after_s=1.0))
         if not self._streams:
             return 0
         self._idle = self._get_loop().create_future()
@@ -152,7 +162,7 @@ class Gateway:
             self._timer.cancel()
             self._timer = None
         for stream in list(self._streams.values()):
-            stream._end(GatewayClosing("the gateway is shutting down", retry_after_s=1.0))
+            stream.end(GatewayClosing("the gateway is shutting down", retry_after_s=1.0))
         await self._backend.close()
         await self.quotas.close()
 
@@ -215,6 +225,71 @@ class Gateway:
 
     # -- requests ------------------------------------------------------------
 
+    async def admit(
+        self,
+        ask: Ask,
+        *,
+        on_quota: Callable[[Sequence[LimitState]], None] | None = None,
+    ) -> RequestStream:
+        """Take a validated request from its client's identity to a stream:
+        its max_tokens clamped to the tier and the model's context, its
+        prompt counted, its quota reserved (`on_quota` gets the tenant's
+        limits as they stand once checked, admitted or not), then `submit`.
+        Every refusal on the way is counted here, by its outcome, and raised
+        as its typed error (ContextLengthExceeded, QuotaExceeded,
+        QuotaStoreUnavailable, and `submit`'s); the quota reserved is
+        refunded when admission refuses the request."""
+        try:
+            shaped = shape(
+                ask, self._policy.tiers[ask.tier],
+                self._backend.count_prompt_tokens, self._backend.max_model_len,
+            )  # fmt: skip
+            if self._policy.observability.log_prompts:
+                body = shaped.body
+                prompt = body.get("messages") if ask.endpoint == "chat" else body.get("prompt")
+                _prompt_log.info("prompt", endpoint=ask.endpoint, prompt=prompt)
+            tokens = shaped.prompt_tokens + shaped.max_tokens
+            reservation = await self._reserve(ask, tokens, on_quota)
+        except GatewayError as exc:
+            self.observer.refused(ask.tier, exc.outcome)
+            raise
+        return self.submit(
+            reservation=reservation,
+            request_id=ask.request_id,
+            tenant=ask.tenant,
+            tier=ask.tier,
+            endpoint=ask.endpoint,
+            body=shaped.body,
+            prompt_tokens=shaped.prompt_tokens,
+            max_tokens=shaped.max_tokens,
+            priority_offset=ask.priority_offset,
+            session=ask.session,
+        )
+
+    async def _reserve(
+        self,
+        ask: Ask,
+        tokens: int,
+        on_quota: Callable[[Sequence[LimitState]], None] | None,
+    ) -> Reservation | None:
+        # A tenant without limits has nothing to reserve: no coroutine to run.
+        if self.quotas.limits(ask.tenant) is None:
+            return None
+        try:
+            decision = await self.quotas.reserve(ask.tenant, tokens, ask.request_id)
+        except QuotaStoreDown as exc:
+            raise QuotaStoreUnavailable(str(exc), retry_after_s=exc.retry_after_s) from None
+        if decision is None:
+            return None
+        if on_quota is not None:
+            on_quota(decision.states)
+        left = [s.remaining for s in decision.states if s.kind in _TOKEN_KINDS]
+        if left:
+            self.observer.metrics.quota(ask.tenant, min(left))
+        if not decision.admitted:
+            raise QuotaExceeded(decision.reason, retry_after_s=decision.retry_after_s)
+        return decision.reservation
+
     def submit(
         self,
         *,
@@ -235,16 +310,14 @@ class Gateway:
         `reservation` (the request's quota): it is refunded if the request is
         refused, and settled when it ends."""
         if self.draining:
-            self._settle(reservation, 0, served=False)
-            self.observer.refused(tier, Outcome.CANCELLED)
-            raise GatewayClosing("the gateway is shutting down", retry_after_s=1.0)
+            raise self._refuse(
+                tier, reservation, GatewayClosing("the gateway is shutting down", retry_after_s=1.0)
+            )
         down = self._backend_down()
         if down is not None:
             # Gone for good (not starting): queueing would only make the
             # client wait out its budget for the same answer.
-            self._settle(reservation, 0, served=False)
-            self.observer.refused(tier, down.outcome)
-            raise down
+            raise self._refuse(tier, reservation, down)
         loop = self._get_loop()
         now = loop.time()
         req = Request(
@@ -257,10 +330,10 @@ class Gateway:
             self._settle(reservation, 0, served=False)
             raise
         if not decision.admitted:
-            self._settle(reservation, 0, served=False)
-            self.observer.refused(tier, decision.outcome)
             error = QueueFull if decision.outcome is Outcome.REJECTED_QUEUE_FULL else Overloaded
-            raise error(decision.reason, retry_after_s=decision.retry_after_s)
+            raise self._refuse(
+                tier, reservation, error(decision.reason, retry_after_s=decision.retry_after_s)
+            )
         job = GenerationJob(
             request_id=request_id,
             endpoint=endpoint,
@@ -280,6 +353,39 @@ class Gateway:
         # as backlog and be refused while the backend has room for all of them.
         self._dispatch(now)
         return stream
+
+    def _refuse(self, tier: str, reservation: Reservation | None, error: GatewayError) -> GatewayError:
+        """Admission refused the request: its quota back, its outcome counted."""
+        self._settle(reservation, 0, served=False)
+        self.observer.refused(tier, error.outcome)
+        return error
+
+    # -- the stream's host (StreamHost) --------------------------------------
+
+    def hand_over(self, job: GenerationJob) -> AsyncIterator[Chunk]:
+        # The backend counts the job from here (at the latest before the first
+        # await of its stream), so the room held for it at dispatch is given
+        # back in this same step.
+        self._unreserve(job.request_id)
+        return self._backend.generate(job)
+
+    def first_token(self, request: Request, now: float) -> None:
+        self._scheduler.on_first_token(request.id, now)
+        self.observer.first_token(request, now)
+
+    def finish(self, stream: RequestStream, outcome: Outcome, now: float) -> None:
+        self._scheduler.finish(stream.request.id, now, outcome, stream.output_tokens)
+        self._forget(stream)
+
+    def cancel(self, stream: RequestStream, outcome: Outcome, now: float) -> None:
+        req = stream.request
+        _, running = self._scheduler.cancel(req.id, now, stream.output_tokens, outcome)
+        self._forget(stream)
+        if running:
+            self._backend.abort(req.id)
+
+    def ended(self, stream: RequestStream) -> None:
+        self._forget(stream)
 
     # -- the dispatcher ------------------------------------------------------
 
@@ -343,7 +449,7 @@ class Gateway:
             # backend streams.
             for stream in list(self._streams.values()):
                 if stream.request.state is not RequestState.RUNNING:
-                    stream._end(down)
+                    stream.end(down)
             return
         while True:
             ready = self._backend.ready()
@@ -369,31 +475,31 @@ class Gateway:
             need = req.work if kv_total is None else min(req.work, kv_total)
             self._reserved[req.id] = need
             self._reserved_kv += need
-            streams[req.id]._dispatched()
+            streams[req.id].dispatched()
         for req in plan.expired:
             stream = streams[req.id]
             if req.outcome is Outcome.EXPIRED:
                 budget_ms = self._policy.tiers[req.tier].max_queue_wait_ms
-                stream._ended_in_queue(Expired(
+                stream.ended_in_queue(Expired(
                     f"queued longer than tier {req.tier!r}'s budget ({budget_ms:.0f} ms)"
                 ))  # fmt: skip
             else:
                 # The core ended it backend_error: the wait was the backend's
                 # doing (down or starting), not load, so say so (503, retry).
-                stream._ended_in_queue(BackendUnavailableError(
+                stream.ended_in_queue(BackendUnavailableError(
                     "the backend is not ready", retry_after_s=1.0
                 ))  # fmt: skip
         for req in plan.failed:
             stream = streams[req.id]
-            param = "messages" if stream._job.endpoint == "chat" else "prompt"
-            stream._ended_in_queue(BadRequest(
+            param = "messages" if stream.job.endpoint == "chat" else "prompt"
+            stream.ended_in_queue(BadRequest(
                 f"the prompt ({req.prompt_tokens} tokens) can never fit the backend's "
                 f"KV cache ({kv_total} tokens)",
                 param=param,
             ))  # fmt: skip
         for req in plan.preempt:
             self._unreserve(req.id)
-            streams[req.id]._preempted()
+            streams[req.id].preempted()
             self._backend.abort(req.id)
 
     def _unreserve(self, request_id: str) -> None:
@@ -401,16 +507,16 @@ class Gateway:
         if need is not None:
             self._reserved_kv -= need
 
-    def _forget(self, request_id: str) -> None:
+    def _forget(self, stream: RequestStream) -> None:
         """The request finished: its room (if it held any) is free again, and
         its quota is settled (here, where every way of ending meets, once)."""
+        request_id = stream.request.id
         self._unreserve(request_id)
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            usage = stream._usage()
-            if stream._reservation is not None:
+        if self._streams.pop(request_id, None) is not None:
+            usage = stream.usage()
+            if stream.reservation is not None:
                 charged = sum(usage) if usage is not None else 0
-                self._settle(stream._reservation, charged, served=usage is not None)
+                self._settle(stream.reservation, charged, served=usage is not None)
             self.observer.finished(stream.request, usage)
         if self._idle is not None and not self._streams and not self._idle.done():
             self._idle.set_result(None)
@@ -419,8 +525,8 @@ class Gateway:
     def _lease_lost(self, reservation: Reservation) -> None:
         """The quota store lost a running request's concurrency lease (fail_closed)."""
         stream = self._streams.get(reservation.request_id)
-        if stream is not None and stream._reservation is reservation:
-            stream._end(
+        if stream is not None and stream.reservation is reservation:
+            stream.end(
                 QuotaLeaseLost(
                     "the quota store could not renew this request's concurrency lease",
                     retry_after_s=1.0,
@@ -430,6 +536,29 @@ class Gateway:
     def _settle(self, reservation: Reservation | None, charged: int, *, served: bool) -> None:
         if reservation is not None:
             self.quotas.settle_soon(reservation, charged, served)
+
+
+_TOKEN_KINDS = ("tokens_per_minute", "tokens_per_day")
+"""The quota kinds whose remaining tokens the quota gauge shows."""
+
+
+class StreamHost(Protocol):
+    """What a `RequestStream` asks of its gateway, and all it asks."""
+
+    def hand_over(self, job: GenerationJob) -> AsyncIterator[Chunk]:
+        """Start the dispatched job in the backend."""
+
+    def first_token(self, request: Request, now: float) -> None:
+        """The request's first output reached its consumer."""
+
+    def finish(self, stream: RequestStream, outcome: Outcome, now: float) -> None:
+        """The request ended running, with `outcome` (completed, failed)."""
+
+    def cancel(self, stream: RequestStream, outcome: Outcome, now: float) -> None:
+        """End the request wherever it is (queue or backend), with `outcome`."""
+
+    def ended(self, stream: RequestStream) -> None:
+        """The scheduler finished the request in its queue."""
 
 
 class RequestStream:
@@ -443,17 +572,18 @@ class RequestStream:
 
     def __init__(
         self,
-        gateway: Gateway,
+        host: StreamHost,
         request: Request,
         job: GenerationJob,
         loop: asyncio.AbstractEventLoop,
         reservation: Reservation | None = None,
     ) -> None:
         self.request = request
-        self._gw = gateway
-        self._job = job
+        self.job = job
+        self.reservation = reservation
+        """The request's quota, settled by the gateway when it ends."""
+        self._host = host
         self._loop = loop
-        self._reservation = reservation
         # Whether the backend ever ran it, and the prompt size it reported:
         # what the tenant is charged for if it ends cancelled.
         self._ran = False
@@ -462,7 +592,8 @@ class RequestStream:
         # Bumped on every preemption, so a consumer can tell that the backend
         # run it is reading is no longer the request's current one.
         self._epoch = 0
-        self._output_tokens = 0
+        self.output_tokens = 0
+        """Output tokens delivered so far (the backend's count once it ends)."""
         self._error: GatewayError | None = None
         self._agen: AsyncIterator[Chunk] | None = None
         # The `ready` of the backend's stream while one is being read (None
@@ -489,63 +620,53 @@ class RequestStream:
     async def aclose(self) -> None:
         """The client went away: a queued request leaves its queue now, a running
         one is aborted in the backend; outcome cancelled. Idempotent."""
-        self._end(None)
+        self.end(None)
         agen = self._agen
         # A consumer inside __anext__ (another task) wakes from _end and closes
         # its backend stream itself; one parked at a yield needs closing here.
         if agen is not None and not agen.ag_running:  # type: ignore[attr-defined]
             await agen.aclose()  # type: ignore[attr-defined]
 
-    # -- called by the gateway's dispatcher ----------------------------------
+    # -- the gateway's side --------------------------------------------------
 
-    def _dispatched(self) -> None:
+    def dispatched(self) -> None:
         # Done already only if the consumer's task was just cancelled while it
         # waited (that cancels the future too); its handler ends the request.
         if not self._go.done():
             self._go.set_result(_Go.DISPATCHED)
 
-    def _preempted(self) -> None:
+    def preempted(self) -> None:
         self._epoch += 1
         # It was dispatched, so its future is spent; a fresh one waits for the next dispatch.
         self._go = self._loop.create_future()
 
-    def _ended_in_queue(self, error: GatewayError) -> None:
+    def ended_in_queue(self, error: GatewayError) -> None:
         """The scheduler finished it while queued (expired, failed)."""
         self._error = error
-        self._gw._forget(self.request.id)
+        self._host.ended(self)
         if not self._go.done():
             self._go.set_result(_Go.ENDED)
 
-    # -- ending --------------------------------------------------------------
-
-    def _end(self, error: GatewayError | None) -> None:
+    def end(self, error: GatewayError | None) -> None:
         """Cancel the request wherever it is (no-op once it has an outcome). With
         `error` (gateway shutdown) the consumer raises it; without (client gone)
         the consumer's iteration just stops."""
-        req = self.request
-        if req.finished:
+        if self.request.finished:
             return
-        gw = self._gw
-        now = self._loop.time()
         outcome = error.outcome if error is not None else Outcome.CANCELLED
-        _, running = gw._scheduler.cancel(req.id, now, self._output_tokens, outcome)
         self._error = error
-        gw._forget(req.id)
-        if running:
-            gw._backend.abort(req.id)
+        self._host.cancel(self, outcome, self._loop.time())
         if not self._go.done():
             self._go.set_result(_Go.ENDED)
 
     def _fail(self, error: GatewayError) -> GatewayError:
         """A running request failed in the backend: finish it with the error's outcome."""
-        req = self.request
-        if not req.finished:
-            self._gw._scheduler.finish(req.id, self._loop.time(), error.outcome, self._output_tokens)
+        if not self.request.finished:
             self._error = error
-            self._gw._forget(req.id)
+            self._host.finish(self, error.outcome, self._loop.time())
         return error
 
-    def _usage(self) -> tuple[int, int] | None:
+    def usage(self) -> tuple[int, int] | None:
         """(prompt, completion) tokens the request used, now that it has
         ended; None if it never ran. What ran is paid for (quotas) and counted
         (metrics), including a request cancelled mid-way; a request refused,
@@ -561,14 +682,14 @@ class RequestStream:
             prompt = self._reported_prompt
             if prompt is None:
                 prompt = req.prompt_tokens
-            return prompt, self._output_tokens
+            return prompt, self.output_tokens
         return None
 
     # -- the consumer's side -------------------------------------------------
 
     async def _iterate(self) -> AsyncIterator[Chunk]:
         req = self.request
-        gw = self._gw
+        host = self._host
         try:
             while True:
                 go = self._go
@@ -580,12 +701,8 @@ class RequestStream:
                     continue
                 epoch = self._epoch
                 self._ran = True
-                gw._unreserve(req.id)
                 try:
-                    # The backend counts the job from here (at the latest before
-                    # the first await of its stream), so the room held for it at
-                    # dispatch is given back in this same step.
-                    gen = gw._backend.generate(self._job)
+                    gen = host.hand_over(self.job)
                 except Exception as exc:
                     raise self._fail(_map_backend_error(req, exc)) from exc
                 self._backend_ready = getattr(gen, "ready", None)
@@ -611,16 +728,14 @@ class RequestStream:
                         if req.first_token_at is None:
                             # From here the core will not preempt it: the
                             # client has output that cannot be taken back.
-                            gw._scheduler.on_first_token(req.id, now)
-                            gw.observer.first_token(req, now)
-                        self._output_tokens += chunk.tokens
+                            host.first_token(req, now)
+                        self.output_tokens += chunk.tokens
                         if chunk.finish_reason is not None:
                             usage = chunk.usage or {}
                             self._reported_prompt = usage.get("prompt_tokens")
-                            output = usage.get("completion_tokens", self._output_tokens)
-                            self._output_tokens = output
-                            gw._scheduler.finish(req.id, now, Outcome.COMPLETED, output)
-                            gw._forget(req.id)
+                            output = usage.get("completion_tokens", self.output_tokens)
+                            self.output_tokens = output
+                            host.finish(self, Outcome.COMPLETED, now)
                             # Closed before the last chunk goes out: a consumer
                             # that stops reading at it leaves nothing open.
                             await _close_quietly(gen)
@@ -635,7 +750,7 @@ class RequestStream:
                 if req.finished:
                     break
                 # Preempted: back to waiting for dispatch.
-                self._output_tokens = 0
+                self.output_tokens = 0
             if self._error is not None:
                 raise self._error
         except GatewayError:
@@ -643,7 +758,7 @@ class RequestStream:
         except BaseException:
             # Task cancelled or the iterator closed mid-way (GeneratorExit): the
             # client is gone, and the request must still end, exactly once.
-            self._end(None)
+            self.end(None)
             raise
 
 
@@ -654,7 +769,7 @@ upstream that failed it may be out of rotation, or back."""
 
 def _map_backend_error(req: Request, exc: Exception) -> GatewayError:
     """The one place a backend's exception becomes the client's error. None of
-    these requests is charged: they did not complete (RequestStream._usage)."""
+    these requests is charged: they did not complete (RequestStream.usage)."""
     if isinstance(exc, GatewayError):
         # A backend that queues (the fleet's) ends requests the ways a queue
         # does: expired, queue full.
