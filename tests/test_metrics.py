@@ -227,9 +227,9 @@ class _FleetReplicaBackend(ScriptedBackend):
 
 
 async def test_fleet_levels_are_read_at_each_scrape_and_left_out_when_unreadable(monkeypatch):
-    import qosgate.http.app as app_module
+    import qosgate.http.admin as admin_module
 
-    monkeypatch.setattr(app_module, "_FLEET_LEVELS_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(admin_module, "_FLEET_LEVELS_TIMEOUT_S", 0.05)
     levels = {"queued": {"interactive": 3, "batch": 0}, "running": 2}
     backend = _FleetReplicaBackend(levels)
     async with live_app(make_policy(), backend) as live, aiohttp.ClientSession() as http:
