@@ -128,19 +128,19 @@ def test_fleet_tiers_from_config_follow_the_scheduling_policy():
     assert [(t.name, t.priority) for t in qos.tiers] == [("gold", 0), ("bronze", 2)]
     assert (qos.interval_s, qos.max_boost, qos.fair) == (0.5, 3, True)
     # Budgets, ageing and admission as the tiers say (30 s and reject by default).
-    assert [(t.budget_s, t.delays, t.admission) for t in qos.tiers] == [
+    assert [(t.budget_s, t.delays, t.name in qos.admitting) for t in qos.tiers] == [
         (30.0, False, True), (30.0, False, True),
     ]  # fmt: skip
     late = {"gold": {"priority": 0, "max_queue_wait_ms": 500},
             "bronze": {"priority": 2, "on_timeout": "delay"}}  # fmt: skip
     mixed = FleetTiers.from_config(PolicyConfig.model_validate({"tiers": late}))
-    assert [(t.budget_s, t.delays, t.admission) for t in mixed.tiers] == [
+    assert [(t.budget_s, t.delays, t.name in mixed.admitting) for t in mixed.tiers] == [
         (0.5, False, True), (30.0, True, False),
     ]  # fmt: skip
     off = FleetTiers.from_config(
         PolicyConfig.model_validate({"tiers": late, "scheduler": {"admission": False}})
     )
-    assert not any(t.admission for t in off.tiers)
+    assert not off.admitting
     fifo = FleetTiers.from_config(
         PolicyConfig.model_validate({"tiers": tiers, "scheduler": {"fairness": "fifo"}})
     )
@@ -155,7 +155,7 @@ def test_fleet_tiers_from_config_follow_the_scheduling_policy():
         PolicyConfig.model_validate({"tiers": tiers, "scheduler": {"policy": "fcfs"}})
     )
     assert {t.priority for t in fcfs.tiers} == {0} and fcfs.max_boost == 0 and not fcfs.fair
-    assert not any(t.admission for t in fcfs.tiers)
+    assert not fcfs.admitting
 
 
 # -- ordering -----------------------------------------------------------------

@@ -2,8 +2,10 @@
 
 The Redis store restates three of the core's rules inside its scripts,
 because they must run atomically with the state they read: the tier choice
-with ageing (claim), the predicted wait at admission with the arrival-rate
-correction (enqueue) and the VTC lift to the floor (every push). This test
+with ageing (claim), the update of a tier's arrival-rate average (enqueue;
+admission's inflow correction reads it back) and the VTC lift to the floor
+(every push). Its admissions are the core's predicted_wait over what it
+reads from Redis, so they check its stored load too. This test
 runs one random sequence of 10,000 operations through three implementations
 and requires the same decision at every step (which items a claim takes and
 in what order, admissions and refusals with their predicted wait, whether a
@@ -102,7 +104,7 @@ class CoreModel:
             return "full"
         tier = self.tiers.tier(item.tier)
         drain, room = self._live(item.arrival)
-        if tier.admission and tier.budget_s is not None and drain > 0:
+        if item.tier in self.tiers.admitting and tier.budget_s is not None and drain > 0:
             views = [
                 SimpleNamespace(
                     priority=t.priority, delays=t.delays, budget_s=t.budget_s,

@@ -6,7 +6,7 @@ from qosgate.config.models import PolicyConfig, TierConfig
 from qosgate.core.policy import SchedulingPolicy, TierParams
 
 
-def tier_params(name: str, tier: TierConfig) -> TierParams:
+def _tier(name: str, tier: TierConfig) -> TierParams:
     return TierParams(
         name,
         priority=tier.priority,
@@ -24,7 +24,7 @@ def scheduling_policy(policy: PolicyConfig) -> SchedulingPolicy:
     sched = policy.scheduler
     return SchedulingPolicy(
         kind=sched.policy,
-        tiers={name: tier_params(name, tier) for name, tier in policy.tiers.items()},
+        tiers={name: _tier(name, tier) for name, tier in policy.tiers.items()},
         weights={t.id: t.weight for t in policy.tenants},
         fairness=sched.fairness,
         interval_s=sched.aging.interval_ms / 1000.0,

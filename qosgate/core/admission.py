@@ -72,15 +72,11 @@ def predicted_wait(
     drain: float,
 ) -> float:
     """How long a newcomer of `work` tokens at `priority` is expected to
-    wait: the work ahead of it over what the backend drains beyond the work
-    that keeps going ahead of it while it waits.
-
-    Ahead of it: everything queued at its level or above, and `delay`-tier
-    work old enough to have climbed to its level; with `own_slot` (the
-    backend is saturated) a slot of its own, its own work; less `room_work`,
-    what the backend's free room takes at once. Going ahead while it waits:
-    the inflow of more important tiers and the rate at which delay-tier work
-    climbs past it."""
+    wait: the work ahead of it (everything queued at its level or above,
+    `delay`-tier work aged to its level, its own work for a slot of its own
+    when `own_slot`, less what the free room takes at once: `room_work`) over
+    the drain left beyond the work that keeps going ahead of it (the inflow
+    of more important tiers and the rate delay-tier work climbs past it)."""
     ahead = float(work) if own_slot else 0.0
     inflow = 0.0
     for other in tiers:

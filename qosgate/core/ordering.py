@@ -1,9 +1,6 @@
-"""Which tier goes next, how waiting work ages, and which run makes room.
-
-One definition for the single node's scheduler and the fleet's stores (the
-Redis store's claim script restates the tier choice for atomicity, and
-tests/test_fleet_rules_differential.py holds it to this one).
-"""
+"""Which tier goes next, how waiting work ages, and which run makes room:
+for the single node's scheduler and the fleet (whose claim script restates
+the tier choice, held to this by tests/test_fleet_rules_differential.py)."""
 
 from __future__ import annotations
 
@@ -76,11 +73,10 @@ def tier_level(tier: TierView, oldest_arrival: float, now: float, ageing: Ageing
 def pick_tier(
     heads: Iterable[tuple[T, float]], now: float, ageing: Ageing
 ) -> tuple[T, int] | None:
-    """Of the tiers that may release now, each with its oldest arrival and
-    given in (priority, name) order, the one to release from and its level.
-    The lowest level goes first; equal levels go to the older head (that is
-    what lets an aged request overtake fresher work of the tier it climbed
-    to), then to the lower base priority, then to the earlier given."""
+    """Of the tiers that may release now, with their oldest arrivals, in
+    (priority, name) order: the one to release from, and its level. Lowest
+    level first; then the older head (so an aged request overtakes fresher
+    work of the tier it climbed to), the lower priority, the earlier given."""
     best: tuple[T, int] | None = None
     best_key: tuple[int, float, int] | None = None
     for tier, oldest in heads:
@@ -101,10 +97,9 @@ def preemption_victim(
     tiers: Sequence[tuple[int, bool, Reversible[R]]],
     eligible: Callable[[R], bool],
 ) -> R | None:
-    """The run to send back for work waiting at `waiting_priority`: the
-    newest eligible run of the least important preemptible tier below it.
-    `tiers` is (priority, preemptible, runs in dispatch order) per tier, in
-    (priority, name) order."""
+    """The newest eligible run of the least important preemptible tier below
+    `waiting_priority`; `tiers`: (priority, preemptible, runs in dispatch
+    order) per tier, in (priority, name) order."""
     for priority, preemptible, runs in reversed(tiers):
         if priority <= waiting_priority:
             return None

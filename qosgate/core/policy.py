@@ -1,10 +1,6 @@
-"""What the scheduling rules read of a policy, and what each policy mode turns on.
-
-The core's own frozen records, so that it depends on no configuration
-format: qosgate.config.scheduling builds them from a policy file. The single
-node's scheduler and the fleet's stores read the same record, so `fcfs`,
-`strict` and `qos` mean one thing wherever they run.
-"""
+"""What the scheduling rules read of a policy, and what each mode turns on:
+the core's own records (qosgate.config.scheduling builds them from a policy
+file), read alike by the single node's scheduler and the fleet."""
 
 from __future__ import annotations
 
@@ -20,14 +16,12 @@ class TierParams:
 
     name: str
     priority: int
-    """0 is the most important."""
     budget_s: float | None
     """Queue budget in seconds (None: none, so it never expires or ages)."""
     delays: bool
     """`on_timeout: delay`: past its budget it ages instead of expiring."""
     max_len: int = 1 << 62
     max_wait_s: float = 0.0
-    """Batch window: how long the tier may hold its oldest request back."""
     max_batch_size: int = 1 << 30
     max_batch_tokens: int = 1 << 62
     preemptible: bool = False
@@ -62,9 +56,8 @@ class SchedulingPolicy:
     drain_rate_tau_s: float = 10.0
     initial_drain_rate: float | None = None
 
-    # What each mode turns on: `fcfs` is one FIFO with nothing else; `strict`
-    # adds tiers, admission, preemption and the reserve; `qos` adds ageing
-    # and tenant fairness.
+    # `fcfs` is one FIFO and nothing else; `strict` adds tiers, admission,
+    # preemption and the reserve; `qos` adds ageing and tenant fairness.
 
     @property
     def tiered(self) -> bool:

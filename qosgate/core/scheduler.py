@@ -93,7 +93,8 @@ class Scheduler:
         self._output_estimate = _DEFAULT_OUTPUT_ESTIMATE
 
         self._queues: dict[str, TierQueue] = {}
-        self._build_queues(policy)
+        self._queue_list: list[TierQueue] = []
+        self.reconfigure(policy)
 
         self._queued: dict[str, Request] = {}
         self._running: dict[str, Request] = {}
@@ -108,26 +109,6 @@ class Scheduler:
 
     # -- configuration -------------------------------------------------------
 
-    def _build_queues(self, policy: SchedulingPolicy) -> None:
-        def order() -> FairnessOrder:
-            return VtcOrder(dict(policy.weights)) if policy.fair else FifoOrder()
-
-        if self.kind == "fcfs":
-            # One FIFO for everything: no tiers, no budgets, no windows.
-            single = TierQueue(
-                FCFS_QUEUE, priority=0, budget_s=None, delays=True, max_len=1 << 62,
-                max_wait_s=0.0, max_batch_size=1 << 30, max_batch_tokens=1 << 62,
-                preemptible=False, order=FifoOrder(),
-            )
-            self._queues = {name: single for name in policy.tiers}
-            self._queue_list = [single]
-            self._top_level = 0
-            return
-        tau = policy.drain_rate_tau_s
-        self._queues = {name: _tier_queue(tier, order(), tau) for name, tier in policy.tiers.items()}
-        self._queue_list = sorted(self._queues.values(), key=lambda q: (q.priority, q.name))
-        self._top_level = self._queue_list[0].priority
-
     def reconfigure(self, policy: SchedulingPolicy) -> None:
         """Take a reloaded policy's tiers and tenants. The `scheduler` section
         must be unchanged (the caller checks). Queued and running requests keep
@@ -136,12 +117,15 @@ class Scheduler:
         drains (no tenant can send it more)."""
         self.policy = policy
         weights = dict(policy.weights)
-        if self.kind == "fcfs":
-            single = self._queue_list[0]
-            for name in policy.tiers:
-                self._queues[name] = single
-            return
         tau = policy.drain_rate_tau_s
+        if self.kind == "fcfs":
+            # One FIFO for everything: no tiers, no budgets, no windows.
+            single = self._queue_list[0] if self._queue_list else _tier_queue(
+                TierParams(FCFS_QUEUE, 0, None, True), FifoOrder(), tau
+            )
+            self._queues.update(dict.fromkeys(policy.tiers, single))
+            self._queue_list, self._top_level = [single], 0
+            return
         for name, tier in policy.tiers.items():
             fresh = _tier_queue(tier, VtcOrder(weights) if policy.fair else FifoOrder(), tau)
             queue = self._queues.get(name)

@@ -4,7 +4,6 @@ and engine nodes drain under leases (memory and Redis stores)."""
 from .model import (
     Claim,
     FleetLoad,
-    FleetTier,
     FleetTiers,
     Lease,
     WorkItem,
@@ -23,7 +22,6 @@ from .store import (
 __all__ = [
     "Claim",
     "FleetLoad",
-    "FleetTier",
     "FleetTiers",
     "ItemStatus",
     "Lease",

@@ -6,43 +6,16 @@ engine nodes pull the globally most urgent work when they have room. The
 rules are the single node's, from qosgate/core (ordering.pick_tier,
 admission.predicted_wait, fairness.lifted and fairness.service): the shared
 queue is a storage strategy under them. The Redis store's scripts restate
-the tier choice, the wait prediction and the VTC lift where they must run
+the tier choice, the arrival-rate update and the VTC lift, which must run
 inside Redis to be atomic; tests/test_fleet_rules_differential.py holds
 them to the core.
 
-Across tiers, the in-process scheduler's rule (qosgate/core): a tier
-competes at its priority less the ageing boost its oldest queued item has
-earned, floored at 0. Only `on_timeout: delay` tiers age, and only once
-their oldest item has spent its queue budget: one level per
-`aging.interval_ms` past it, at most `aging.max_boost`. (A `reject` tier's
-item is expired at its budget, so it never needs to climb.) The lowest level
-goes first; equal levels go to the older head, which is what lets an aged
-item overtake fresher work of the tier it has climbed to; then to the lower
-base priority; then to the tier name, so that the choice never depends on
-iteration order.
-
 A tier's level counts from its oldest queued item, whoever it is held back
 for (below); a tier with nothing the claiming node may take is passed over.
-
-Admission, at enqueue (`predicted_wait`): as one node predicts a request's
-wait, from the tokens queued ahead of it (its tier and every tier that
-outranks it, and `delay`-tier work old enough to have climbed to its level)
-over the rate the live engine nodes drain tokens (each node measures its own
-while it is full, and reports it with its room), less the rate at which work
-keeps arriving in the tiers that outrank it or climbing to it. A `reject`
-tier refuses at the door an item whose predicted wait exceeds its budget,
-instead of letting it expire in the queue.
-
-Within a tier: under `fairness: vtc` (FleetTiers.fair), the tenant with the
-smallest virtual token counter goes next (ties by tenant name), and each
-tenant's items go by arrival (ties by item id); otherwise the tier is one
-FIFO by arrival. As in the in-process scheduler, a tenant's counter grows by
-the service it gets over its weight: by the item's `charge` (the gateway's
-estimate) when a node takes the item, corrected by what it used when it
-completes, and refunded when a lease is lost or released. A tenant that
-becomes backlogged in a tier is lifted to the smallest counter among that
-tier's backlogged tenants (or, if none, to the last counter served), so time
-spent idle cannot be banked as credit.
+Within a fair tier (`fairness: vtc`) the tenant with the smallest counter
+goes next, ties by tenant name, and its items by arrival (ties by id); a
+tenant is charged the item's `charge` when a node takes it, corrected at
+completion and refunded when the lease is lost or released.
 
 Session affinity: an item may carry an affinity key (its session, or its
 tenant). The first node to claim an item with a key is bound to it, so that
@@ -56,9 +29,7 @@ takes one of its items. So affinity changes only which node runs an item,
 never whether the most urgent work runs now: every item held back is one
 the bound node, having room, takes at once.
 
-Where the fleet differs from one node (docs/FLEET.md lists it): no batch
-windows or reserved slots, and room counted in sequence slots rather than KV
-tokens.
+Where the fleet differs from one node: docs/FLEET.md.
 """
 
 from __future__ import annotations
@@ -73,7 +44,7 @@ from qosgate.config.models import PolicyConfig
 from qosgate.config.scheduling import scheduling_policy
 from qosgate.core import admission, ordering
 from qosgate.core.fairness import service
-from qosgate.core.policy import Ageing, SchedulingPolicy
+from qosgate.core.policy import Ageing, SchedulingPolicy, TierParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,29 +106,20 @@ class Claim:
 
 
 @dataclass(frozen=True, slots=True)
-class FleetTier:
-    name: str
-    priority: int
-    budget_s: float | None = None
-    """The tier's queue budget (`max_queue_wait_ms`); None: none."""
-    delays: bool = False
-    """`on_timeout: delay`: past its budget an item ages instead of expiring."""
-    admission: bool = False
-    """Refuse at enqueue an item whose predicted wait exceeds `budget_s`."""
-
-
-@dataclass(frozen=True, slots=True)
 class FleetTiers:
     """The inputs of the tier choice. `tiers` is in (priority, name) order,
     the order ties are settled in, so both stores iterate it as given."""
 
-    tiers: tuple[FleetTier, ...]
+    tiers: tuple[TierParams, ...]
     interval_s: float
     max_boost: int
     fair: bool = False
     """Order each tier's tenants by virtual token counter (VTC), not arrival."""
     inflow_tau_s: float = 10.0
     """Time constant of each tier's arrival-rate average (admission)."""
+    admitting: frozenset[str] = frozenset()
+    """Tiers that refuse at enqueue an item whose predicted wait exceeds
+    their budget."""
 
     def __post_init__(self) -> None:
         if not self.tiers:
@@ -190,20 +152,12 @@ class FleetTiers:
         budgets = budgets or {}
         delays = frozenset(delays)
         return cls(
-            tuple(
-                FleetTier(
-                    name,
-                    p,
-                    budgets.get(name),
-                    name in delays,
-                    admission and name in budgets and name not in delays,
-                )
-                for name, p in priorities.items()
-            ),
+            tuple(TierParams(n, p, budgets.get(n), n in delays) for n, p in priorities.items()),
             interval_s,
             max_boost,
             fair,
             inflow_tau_s,
+            frozenset(n for n in budgets if admission and n not in delays),
         )
 
     @classmethod
@@ -212,9 +166,7 @@ class FleetTiers:
 
     @classmethod
     def from_policy(cls, policy: SchedulingPolicy) -> FleetTiers:
-        """What the policy's mode turns on, as one node reads it (under
-        `fcfs` one FIFO: equal priorities, no ageing and no admission leave
-        only the head's age)."""
+        """As one node reads the policy; `fcfs` is one FIFO by the head's age."""
         tiers = policy.tiers.values()
         return cls.of(
             {t.name: t.priority if policy.tiered else 0 for t in tiers},
@@ -232,7 +184,7 @@ class FleetTiers:
     def ageing(self) -> Ageing:
         return Ageing(self.interval_s, self.max_boost)
 
-    def tier(self, name: str) -> FleetTier:
+    def tier(self, name: str) -> TierParams:
         for tier in self.tiers:
             if tier.name == name:
                 return tier

@@ -57,6 +57,15 @@ class WorkQueue(ABC):
         if item.tier not in self.tiers:
             raise ValueError(f"unknown tier {item.tier!r}")
 
+    def _refusal(self, item: WorkItem, load: FleetLoad) -> WorkQueueOverloaded | None:
+        """Admission, at the item's arrival, by the core's rule
+        (model.predicted_wait), for a tier that admits by prediction."""
+        tier = self.tiers.tier(item.tier)
+        predicted = predicted_wait(self.tiers, item.tier, item.work, load, item.arrival)
+        if predicted is None or tier.budget_s is None or predicted <= tier.budget_s:
+            return None
+        return WorkQueueOverloaded(item.tier, predicted, tier.budget_s)
+
     @abstractmethod
     async def enqueue(self, item: WorkItem, *, max_queued: int | None = None) -> None:
         """Queue `item`; ValueError if its id was enqueued here before (queued,
@@ -231,12 +240,10 @@ class MemoryWorkQueue(WorkQueue):
             raise ValueError(f"duplicate work item id {item.id!r}")
         if max_queued is not None and len(self._queues[item.tier]) >= max_queued:
             raise WorkQueueFull(item.tier, max_queued)
-        tier = self.tiers.tier(item.tier)
-        if tier.admission and tier.budget_s is not None:
-            now = item.arrival
-            predicted = predicted_wait(self.tiers, item.tier, item.work, self._load(now), now)
-            if predicted is not None and predicted > tier.budget_s:
-                raise WorkQueueOverloaded(item.tier, predicted, tier.budget_s)
+        if item.tier in self.tiers.admitting:
+            refusal = self._refusal(item, self._load(item.arrival))
+            if refusal is not None:
+                raise refusal
         self._push(item)
         self._inflow[item.tier].add(item.work, item.arrival)
         self.wakes += 1

@@ -1,9 +1,9 @@
 -- ARGV: id, tier, tenant, arrival, payload, attempt, max_queued (0: no
 -- cap), wake channel, affinity key ('' for none), charge, lane member, work,
--- interval_s, max_boost, then the tier args. Returns 1, 0 (duplicate), -1
--- (full) or {-2, the predicted wait} (refused by admission).
+-- refused by admission (1/0: the caller's prediction), then the tier args.
+-- Returns 1, 0 (duplicate), -1 (full) or -2 (refused by admission).
 local id = ARGV[1]
-tier_args(15)
+tier_args(14)
 if redis.call('HEXISTS', KEYS[K_TIER], id) == 1
     or redis.call('ZSCORE', KEYS[K_DONE], id) then
   return 0
@@ -12,14 +12,7 @@ local cap = tonumber(ARGV[7])
 if cap > 0 and redis.call('ZCARD', T.q[ARGV[2]]) >= cap then
   return -1
 end
-local work = tonumber(ARGV[12])
-if T.admit[ARGV[2]] and T.budget[ARGV[2]] then
-  local predicted = predicted_wait(ARGV[2], work, ARGV[4], tonumber(ARGV[13]),
-                                   tonumber(ARGV[14]))
-  if predicted and predicted > T.budget[ARGV[2]] then
-    return {-2, string.format('%.17g', predicted)}
-  end
-end
+if ARGV[13] == '1' then return -2 end
 redis.call('HSET', KEYS[K_TIER], id, ARGV[2])
 redis.call('HSET', KEYS[K_TENANT], id, ARGV[3])
 redis.call('HSET', KEYS[K_ARRIVAL], id, ARGV[4])
@@ -30,7 +23,7 @@ redis.call('HSET', KEYS[K_CHARGE], id, ARGV[10])
 redis.call('HSET', KEYS[K_LANE], id, ARGV[11])
 redis.call('HSET', KEYS[K_WORK], id, ARGV[12])
 push(id)
-inflow_add(ARGV[2], work, ARGV[4])
+inflow_add(ARGV[2], tonumber(ARGV[12]), ARGV[4])
 -- Names the tier, so that a full node can tell whether to preempt for it.
 redis.call('PUBLISH', ARGV[8], 'q:' .. ARGV[2])
 return 1

@@ -7,7 +7,10 @@ local urgent = 0
 for i = 1, T.n do
   if T.prio[T.names[i]] < mine then urgent = urgent + redis.call('ZCARD', T.q[T.names[i]]) end
 end
-local _, room = live_load(ARGV[3])
+local room = 0
+for _, node in ipairs(redis.call('ZRANGEBYSCORE', KEYS[K_SEEN], '(' .. ARGV[3], '+inf')) do
+  room = room + tonumber(redis.call('HGET', KEYS[K_ROOM], node) or '0')
+end
 if urgent <= room then return 0 end
 local holder = redis.call('HGET', KEYS[K_NODE], id)
 requeue(id)

@@ -3,7 +3,7 @@
 -- per tier in FleetTiers order its queue, lane, backlog and counter keys,
 -- each kind in a block of n) and, from some ARGV index, the tier args: n,
 -- the names, fair, the inflow time constant, then per tier its priority,
--- budget ('' for none), delays (1/0) and admission (1/0).
+-- budget ('' for none) and delays (1/0).
 local K_TIER, K_TENANT, K_ARRIVAL, K_ATTEMPT, K_PAYLOAD = 1, 2, 3, 4, 5
 local K_HOLDER, K_NODE, K_EXPIRY, K_DONE, K_TOKEN = 6, 7, 8, 9, 10
 local K_AFFKEY, K_BOUND, K_BOUND_AT, K_ROOM, K_SEEN = 11, 12, 13, 14, 15
@@ -14,7 +14,7 @@ local T = {}
 local function tier_args(at)
   local n = tonumber(ARGV[at])
   T.n, T.names, T.q, T.lane, T.backlog, T.counter = n, {}, {}, {}, {}, {}
-  T.prio, T.budget, T.delays, T.admit = {}, {}, {}, {}
+  T.prio, T.budget, T.delays = {}, {}, {}
   for i = 1, n do
     local name = ARGV[at + i]
     T.names[i] = name
@@ -26,13 +26,12 @@ local function tier_args(at)
   T.fair = ARGV[at + n + 1] == '1'
   T.tau = tonumber(ARGV[at + n + 2])
   for i = 1, n do
-    local name, j = T.names[i], at + n + 3 + 4 * (i - 1)
+    local name, j = T.names[i], at + n + 3 + 3 * (i - 1)
     T.prio[name] = tonumber(ARGV[j])
     T.budget[name] = tonumber(ARGV[j + 1])
     T.delays[name] = ARGV[j + 2] == '1'
-    T.admit[name] = ARGV[j + 3] == '1'
   end
-  return at + n + 3 + 4 * n
+  return at + n + 3 + 3 * n
 end
 -- A tenant's items in a fair tier's lane set: members `tenant \0 hex \0 id`,
 -- all scored 0, so they sort by tenant, then arrival, then id.
@@ -127,16 +126,9 @@ local function set_room(node, room, live_until, rate, wake)
   redis.call('ZADD', KEYS[K_SEEN], live_until, node)
   wake_if_full(before, room, wake)
 end
--- core.admission.ArrivalRate, operation for operation; `now` is a
--- repr string. The sum is stored with %.17g, which reads back exactly.
-local function inflow_rate(tier, now)
-  local last = redis.call('HGET', KEYS[K_INFLOW_AT], tier)
-  if not last then return 0.0 end
-  local sum = tonumber(redis.call('HGET', KEYS[K_INFLOW], tier))
-  last, now = tonumber(last), tonumber(now)
-  if now > last then sum = sum * math.exp((last - now) / T.tau) end
-  return sum / T.tau
-end
+-- core.admission.ArrivalRate.add, operation for operation (atomic with the
+-- enqueue, so that no arrival is lost); `now` is a repr string. The sum is
+-- stored with %.17g, which reads back exactly.
 local function inflow_add(tier, tokens, now)
   local last = redis.call('HGET', KEYS[K_INFLOW_AT], tier)
   local sum = tonumber(redis.call('HGET', KEYS[K_INFLOW], tier) or '0')
@@ -147,54 +139,4 @@ local function inflow_add(tier, tokens, now)
     redis.call('HSET', KEYS[K_INFLOW_AT], tier, now)
   end
   redis.call('HSET', KEYS[K_INFLOW], tier, string.format('%.17g', sum + tokens))
-end
--- The live nodes' drain rate (tokens/s) and free slots, summed.
-local function live_load(now)
-  local drain, room = 0, 0
-  for _, node in ipairs(redis.call('ZRANGEBYSCORE', KEYS[K_SEEN], '(' .. now, '+inf')) do
-    drain = drain + tonumber(redis.call('HGET', KEYS[K_RATE], node) or '0')
-    room = room + tonumber(redis.call('HGET', KEYS[K_ROOM], node) or '0')
-  end
-  return drain / 1000.0, room
-end
--- core.admission.predicted_wait over the live nodes, as model.predicted_wait
--- calls it (nil: no live node reports a drain rate).
-local function predicted_wait(tier, work, now, interval, max_boost)
-  local drain, room = live_load(now)
-  if drain <= 0 then return nil end
-  local mine = T.prio[tier]
-  local ahead = 0.0
-  if room <= 0 then ahead = work end
-  local inflow = 0.0
-  for i = 1, T.n do
-    local name = T.names[i]
-    if T.prio[name] <= mine then
-      ahead = ahead + tonumber(redis.call('HGET', KEYS[K_QWORK], name) or '0')
-      if T.prio[name] < mine then inflow = inflow + inflow_rate(name, now) end
-    elseif T.delays[name] and max_boost > 0 and T.budget[name] then
-      -- core.ordering.aged_work
-      local climb = T.prio[name] - mine
-      local head = redis.call('ZRANGE', T.q[name], 0, 0, 'WITHSCORES')[2]
-      if head and climb <= max_boost then
-        local oldest, at = tonumber(head), tonumber(now)
-        local threshold = at - T.budget[name] - climb * interval
-        local span = at - oldest
-        if not (oldest > threshold or span <= 0) then
-          local rate = tonumber(redis.call('HGET', KEYS[K_QWORK], name) or '0') / span
-          local aged = threshold - oldest
-          if span < aged then aged = span end
-          ahead = ahead + rate * aged
-          inflow = inflow + rate
-        end
-      end
-    end
-  end
-  if room > 0 then
-    ahead = ahead - room * work
-    if ahead < 0 then ahead = 0.0 end
-  end
-  if ahead <= 0 then return 0.0 end
-  drain = drain - inflow
-  if drain > 0 then return ahead / drain end
-  return math.huge
 end
