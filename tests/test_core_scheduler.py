@@ -116,7 +116,8 @@ def test_work_flowing_into_higher_tiers_lengthens_a_lower_tiers_predicted_wait()
 def test_work_the_backend_has_room_for_is_not_backlog():
     # A batch window holds standard requests back while the backend is idle:
     # they all start when it opens, so none waits for the others.
-    sched = Scheduler(scheduling_policy(windowed(max_wait_ms=50, size=1000)), drain_rate_hint=1000.0)
+    sched = Scheduler(scheduling_policy(windowed(max_wait_ms=50, size=1000)),
+        drain_rate_hint=1000.0)
     sched.schedule(0.0, BackendCapacity(100, 10**6, 10**6))
     decisions = [sched.submit(req("standard", at=0.0), 0.0) for _ in range(30)]
     assert all(d.admitted for d in decisions)  # 30 x 200 tokens = 6 s at 1000 tokens/s
@@ -138,8 +139,10 @@ def test_delay_tier_is_not_refused_by_prediction_but_by_queue_cap():
 
 
 def test_refused_request_is_finished_with_its_outcome():
-    sched = Scheduler(scheduling_policy(policy(tiers={"interactive": {"priority": 0, "max_queue_len": 1}},
-                             tenants=[{"id": "i1", "tier": "interactive"}])))
+    sched = Scheduler(scheduling_policy(policy(
+        tiers={"interactive": {"priority": 0, "max_queue_len": 1}},
+        tenants=[{"id": "i1", "tier": "interactive"}],
+    )))
     sched.submit(req("interactive"), 0.0)
     r = req("interactive")
     sched.submit(r, 0.0)
@@ -208,7 +211,8 @@ def test_ageing_lifts_a_delayed_request_to_the_top_after_budget_plus_boost():
 
 
 def test_strict_never_ages():
-    sched = Scheduler(scheduling_policy(policy(scheduler={"policy": "strict"})), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(policy(scheduler={"policy": "strict"})),
+        drain_rate_hint=10**6)
     b = req("batch", at=0.0)
     sched.submit(b, 0.0)
     assert sched.level(sched.queue("batch"), 10_000.0) == 2
@@ -228,7 +232,8 @@ def test_fcfs_is_one_fifo_without_admission():
 
 
 def test_client_lowered_priority_goes_after_its_tier_peers():
-    sched = Scheduler(scheduling_policy(policy(scheduler={"fairness": "fifo"})), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(policy(scheduler={"fairness": "fifo"})),
+        drain_rate_hint=10**6)
     low = req("standard", at=0.0, offset=3)
     normal = req("standard", at=0.1)
     sched.submit(low, 0.0)
@@ -249,7 +254,8 @@ def test_never_releases_more_than_free_slots():
 
 
 def test_kv_budget_blocks_in_order():
-    sched = Scheduler(scheduling_policy(policy(scheduler={"fairness": "fifo"})), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(policy(scheduler={"fairness": "fifo"})),
+        drain_rate_hint=10**6)
     big = req("standard", prompt=5000, max_tokens=100)
     small = req("standard", prompt=10, max_tokens=10)
     sched.submit(big, 0.0)
@@ -414,7 +420,8 @@ def test_finish_records_and_feeds_the_drain_rate():
 
 
 def test_preemption_sends_back_the_newest_preemptible_request():
-    sched = Scheduler(scheduling_policy(policy(scheduler={"preemption": True})), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(policy(scheduler={"preemption": True})),
+        drain_rate_hint=10**6)
     b_old, b_new = req("batch", at=0.0), req("batch", at=0.5)
     sched.submit(b_old, 0.0)
     sched.schedule(0.0, BackendCapacity(1, 10**9, 10**9))
@@ -435,7 +442,8 @@ def test_preemption_sends_back_the_newest_preemptible_request():
 
 
 def test_a_request_that_has_streamed_output_is_never_preempted():
-    sched = Scheduler(scheduling_policy(policy(scheduler={"preemption": True})), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(policy(scheduler={"preemption": True})),
+        drain_rate_hint=10**6)
     b = req("batch")
     sched.submit(b, 0.0)
     sched.schedule(0.0, BackendCapacity(1, 10**9, 10**9))
@@ -524,7 +532,8 @@ def test_running_work_that_has_not_finished_yet_keeps_the_prior():
 
 
 def test_no_preemption_and_no_expired_outcome_while_the_backend_is_down():
-    sched = Scheduler(scheduling_policy(policy(scheduler={"preemption": True})), drain_rate_hint=10**6)
+    sched = Scheduler(scheduling_policy(policy(scheduler={"preemption": True})),
+        drain_rate_hint=10**6)
     b = req("batch")
     sched.submit(b, 0.0)
     sched.schedule(0.0, BackendCapacity(1, 10**9, 10**9))
