@@ -4,15 +4,20 @@ The backend (the fleet's replica backend in fleet mode), the gateway with
 its quota guard and metrics, a fleet's engine node, and the reload that
 swaps a new policy in, are built here and only here: `qosgate serve`
 (cli.py) and the HTTP server call these, and the HTTP layer only exposes
-what they built.
+what they built. A fleet's engine node runs here too (`serve_engine`): it
+serves no API, only its status.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-from collections.abc import Mapping
+import signal
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
 
 from qosgate.backends import build_backend
 from qosgate.backends.base import Backend
@@ -56,12 +61,14 @@ def gateway_backend(policy: PolicyConfig) -> Backend:
 
     # The configured backend is what the engine nodes run; here it names the
     # models, counts prompt tokens and says what a request may ask of it.
-    return FleetBackend(
+    replica = FleetBackend(
         policy, policy.fleet, models=backend.models,
         count_prompt_tokens=backend.count_prompt_tokens,
         support=backend.support,
         max_model_len=backend.max_model_len,
     )  # fmt: skip
+    replica.model_roots = backend.model_roots
+    return replica
 
 
 def build_gateway(policy: PolicyConfig, *, quotas: QuotaGuard | None = None) -> Gateway:
@@ -129,3 +136,78 @@ class LivePolicy:
             "tiers": sorted(policy.tiers),
             "tenants": len(policy.tenants),
         }
+
+
+def bound_port(runner: web.AppRunner, port: int) -> int:
+    """The port the site listens on (port 0 resolved)."""
+    for address in runner.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            return address[1]
+    return port
+
+
+def on_signals(
+    loop: asyncio.AbstractEventLoop, actions: Mapping[signal.Signals, Callable[[], None]]
+) -> list[signal.Signals]:
+    """Install what it can of `actions`; returns the signals to remove later."""
+    handled = []
+    for sig, action in actions.items():
+        try:
+            loop.add_signal_handler(sig, action)
+            handled.append(sig)
+        except (NotImplementedError, RuntimeError):
+            # Not the main thread (tests) or no signals on this platform.
+            pass
+    return handled
+
+
+async def serve_engine(
+    policy: PolicyConfig,
+    host: str,
+    port: int,
+    *,
+    on_ready: Callable[[str], None] | None = None,
+    stop: asyncio.Event,
+) -> None:
+    """An engine node of the fleet (`fleet.role: engine`): the backend, fed
+    from the shared queue, and only /healthz, /readyz and /fleet over HTTP
+    (clients talk to the gateway replicas)."""
+    node = build_engine_node(policy)
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(_: web.Request) -> web.Response:
+        ready = node.ready()
+        return web.json_response(
+            {"status": "ready" if ready else "not_ready"}, status=200 if ready else 503
+        )
+
+    async def status(_: web.Request) -> web.Response:
+        return web.json_response(node.status())
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/fleet", status)
+    runner = web.AppRunner(app, access_log=None)
+    loop = asyncio.get_running_loop()
+    handled: list[signal.Signals] = []
+    await node.start()
+    try:
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        handled = on_signals(loop, {signal.SIGINT: stop.set, signal.SIGTERM: stop.set})
+        url = f"http://{host}:{bound_port(runner, port)}"
+        if on_ready is not None:
+            on_ready(url)
+        else:
+            print(f"qosgate: engine node {node.node} pulling fleet work; status at {url}/fleet",
+                  flush=True)
+        await stop.wait()
+    finally:
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+        await node.stop(policy.server.shutdown_grace_s)
+        await runner.cleanup()

@@ -30,6 +30,7 @@ from http_support import (
     words,
 )
 
+from qosgate.backends import build_backend
 from qosgate.backends.base import BackendUnavailable, Chunk, GenerationJob
 from qosgate.core.request import Outcome
 
@@ -151,8 +152,12 @@ async def test_models_are_listed_as_vllm_lists_them(backend_yaml: str, root: str
     """vLLM's benchmark client reads each entry's `root` (KeyError without it)."""
     assert _SIM_BACKEND in POLICY_YAML
     policy = make_policy(POLICY_YAML.replace(_SIM_BACKEND, backend_yaml))
+    backend = ScriptedBackend(words)
+    # The roots are the backend's to know: those of the one the policy builds
+    # (a vllm backend loads nothing until started).
+    backend.model_roots = build_backend(policy.backend).model_roots
     async with (
-        live_app(policy, backend=ScriptedBackend(words)) as live,
+        live_app(policy, backend=backend) as live,
         aiohttp.ClientSession() as http,
     ):
         headers = {"Authorization": f"Bearer {ALICE_KEY}"}

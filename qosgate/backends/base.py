@@ -141,8 +141,9 @@ class Backend:
     """Its model's context in tokens, where known: asks past it are 400s at the door."""
 
     model_roots: Mapping[str, str] = MappingProxyType({})
-    """A served model's `root` in /v1/models (the path its engine loaded),
-    by name, where it differs from the name."""
+    """A served model's `root` in /v1/models (the path or hub name its engine
+    loaded, which clients such as vLLM's benchmark read to find the
+    tokenizer), by name, where it differs from the name."""
 
     restarts: int = 0
     """Times it restarted its engine (one that can, vllm, counts them)."""

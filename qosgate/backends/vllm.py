@@ -104,6 +104,9 @@ class VllmBackend(Backend):
     def __init__(self, cfg: VllmBackendConfig) -> None:
         self.cfg = cfg
         self.models: tuple[str, ...] = (cfg.served_model_name or cfg.model,)
+        # Clients such as vLLM's benchmark read a model's root to find its
+        # tokenizer: the path or hub name loaded, which served_model_name hides.
+        self.model_roots = {self.models[0]: cfg.model}
         self.support = support.VLLM
         self.max_model_len: int | None = None
         """The engine's context, once it is up."""

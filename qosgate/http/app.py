@@ -19,8 +19,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from qosgate.backends.base import Backend
-from qosgate.config.models import BackendConfig, PolicyConfig, VllmBackendConfig
+from qosgate.config.models import PolicyConfig
 from qosgate.core.request import Outcome
 from qosgate.runtime.errors import GatewayError, PayloadTooLarge, RequestTimeout
 from qosgate.runtime.gate import Gateway
@@ -29,18 +28,11 @@ from qosgate.wiring import LivePolicy
 from .admin import admin_quotas, admin_reload, admin_stats, get_metrics
 from .completions import post_chat_completions, post_completions
 from .dashboard import dashboard_page
-from .errors import MethodNotAllowed, RouteNotFound, error_payload, error_response
+from .errors import INTERNAL_ERROR, MethodNotAllowed, RouteNotFound, error_payload, error_response
 from .identity import AuthFailureLimiter
 from .openapi import build_openapi
 from .state import (
-    ADMITTED,
-    RATELIMIT,
-    REQUEST_ID,
-    REQUEST_ID_HEADER,
-    STATE,
-    TIER,
-    AppState,
-    identify,
+    ADMITTED, RATELIMIT, REQUEST_ID, REQUEST_ID_HEADER, STATE, TIER, AppState, identify,
 )
 
 log = logging.getLogger("qosgate.http")
@@ -145,15 +137,7 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
             request_id,
             "".join(traceback.format_tb(exc.__traceback__)),
         )
-        response = web.json_response(
-            error_payload(
-                "The server had an error processing your request.",
-                "server_error",
-                "internal_error",
-                None,
-            ),
-            status=500,
-        )
+        response = web.json_response(INTERNAL_ERROR, status=500)
     if not response.prepared:
         response.headers[REQUEST_ID_HEADER] = request_id
     return response
@@ -230,23 +214,13 @@ async def _models(request: web.Request) -> web.Response:
                     "object": "model",
                     "created": state.started,
                     "owned_by": "qosgate",
-                    "root": _model_root(state.policy.backend, state.gateway.backend, name),
+                    "root": state.gateway.backend.model_roots.get(name, name),
                     "parent": None,
                 }
                 for name in state.gateway.backend.models
             ],
         }
     )
-
-
-def _model_root(config: BackendConfig, backend: Backend, name: str) -> str:
-    """What vLLM lists as a model's `root` (clients such as its benchmark
-    read it to find the tokenizer): the path or hub name the engine loaded,
-    which `served_model_name` hides; the openai backend's upstream's own
-    `root` (`model_roots`). Otherwise the name is all there is."""
-    if isinstance(config, VllmBackendConfig) and name == (config.served_model_name or config.model):
-        return config.model
-    return backend.model_roots.get(name, name)
 
 
 async def _openapi(request: web.Request) -> web.Response:

@@ -71,6 +71,13 @@ def error_payload(message: str, type_: str, code: str | None, param: str | None)
     return {"error": {"message": message, "type": type_, "code": code, "param": param}}
 
 
+INTERNAL_ERROR = error_payload(
+    "The server had an error processing your request.", "server_error", "internal_error", None
+)
+"""A bug's answer, as a status or a stream's last event: it names nothing of
+the bug (its message could quote a prompt)."""
+
+
 def error_response(exc: GatewayError, headers: dict[str, str] | None = None) -> web.Response:
     headers = dict(headers or {})
     retry_after = exc.retry_after_header

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from qosgate.quotas import LimitState
+from qosgate.runtime.gate import tightest_tokens
 
-_TOKEN_KINDS = ("tokens_per_minute", "tokens_per_day")
 
 
 def duration(seconds: float) -> str:
@@ -29,9 +29,8 @@ def ratelimit_headers(states: Iterable[LimitState]) -> dict[str, str]:
     without such limits."""
     states = list(states)
     headers: dict[str, str] = {}
-    tokens = [s for s in states if s.kind in _TOKEN_KINDS]
-    if tokens:
-        t = min(tokens, key=lambda s: s.remaining)
+    t = tightest_tokens(states)
+    if t is not None:
         headers["x-ratelimit-limit-tokens"] = str(t.limit)
         headers["x-ratelimit-remaining-tokens"] = str(t.remaining)
         headers["x-ratelimit-reset-tokens"] = duration(t.reset_s)

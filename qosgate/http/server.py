@@ -16,7 +16,7 @@ from qosgate.config.models import PolicyConfig
 from qosgate.quotas import QuotaGuard
 from qosgate.runtime.errors import GatewayError
 from qosgate.runtime.gate import Gateway
-from qosgate.wiring import LivePolicy, build_engine_node, build_gateway
+from qosgate.wiring import LivePolicy, bound_port, build_gateway, on_signals, serve_engine
 
 from .app import build_app
 from .protocol import HEAD_LIMITS, GatewayRunner
@@ -108,7 +108,7 @@ async def serve(
         await runner.setup()
         site = web.TCPSite(runner, host, port)
         await site.start()
-        url = api_url(host, _bound_port(runner, port))
+        url = api_url(host, bound_port(runner, port))
         if freeze_startup:
             _freeze_startup_objects()
         def reload_on_signal() -> None:
@@ -117,7 +117,7 @@ async def serve(
             except GatewayError as exc:
                 log.error("%s", exc.message)
 
-        handled = _on_signals(loop, {
+        handled = on_signals(loop, {
             signal.SIGINT: stop.set, signal.SIGTERM: stop.set, signal.SIGHUP: reload_on_signal,
         })  # fmt: skip
         if on_ready is not None:
@@ -143,81 +143,6 @@ def _freeze_startup_objects() -> None:
     # walks only what requests made. Collected first, so no garbage is frozen.
     gc.collect()
     gc.freeze()
-
-
-def _bound_port(runner: web.AppRunner, port: int) -> int:
-    """The port the site listens on (port 0 resolved)."""
-    for address in runner.addresses:
-        if isinstance(address, tuple) and len(address) >= 2:
-            return address[1]
-    return port
-
-
-def _on_signals(
-    loop: asyncio.AbstractEventLoop, actions: Mapping[signal.Signals, Callable[[], None]]
-) -> list[signal.Signals]:
-    """Install what it can of `actions`; returns the signals to remove later."""
-    handled = []
-    for sig, action in actions.items():
-        try:
-            loop.add_signal_handler(sig, action)
-            handled.append(sig)
-        except (NotImplementedError, RuntimeError):
-            # Not the main thread (tests) or no signals on this platform.
-            pass
-    return handled
-
-
-async def serve_engine(
-    policy: PolicyConfig,
-    host: str,
-    port: int,
-    *,
-    on_ready: Callable[[str], None] | None = None,
-    stop: asyncio.Event,
-) -> None:
-    """An engine node of the fleet (`fleet.role: engine`): the backend, fed
-    from the shared queue, and only /healthz, /readyz and /fleet over HTTP
-    (clients talk to the gateway replicas)."""
-    node = build_engine_node(policy)
-
-    async def healthz(_: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    async def readyz(_: web.Request) -> web.Response:
-        ready = node.ready()
-        return web.json_response(
-            {"status": "ready" if ready else "not_ready"}, status=200 if ready else 503
-        )
-
-    async def status(_: web.Request) -> web.Response:
-        return web.json_response(node.status())
-
-    app = web.Application()
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/fleet", status)
-    runner = web.AppRunner(app, access_log=None)
-    loop = asyncio.get_running_loop()
-    handled: list[signal.Signals] = []
-    await node.start()
-    try:
-        await runner.setup()
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        handled = _on_signals(loop, {signal.SIGINT: stop.set, signal.SIGTERM: stop.set})
-        url = f"http://{host}:{_bound_port(runner, port)}"
-        if on_ready is not None:
-            on_ready(url)
-        else:
-            print(f"qosgate: engine node {node.node} pulling fleet work; status at {url}/fleet",
-                  flush=True)
-        await stop.wait()
-    finally:
-        for sig in handled:
-            loop.remove_signal_handler(sig)
-        await node.stop(policy.server.shutdown_grace_s)
-        await runner.cleanup()
 
 
 async def _stop(runner: web.AppRunner | None, gateway: Gateway, grace_s: float) -> None:

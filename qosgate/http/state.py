@@ -22,26 +22,18 @@ from .identity import AuthFailureLimiter, Identity, KeyRing
 _T = TypeVar("_T")
 
 
-# Typed request keys are recent in aiohttp; a plain string works everywhere.
-REQUEST_ID: Any = (
-    web.RequestKey("qosgate.request_id", str)
-    if hasattr(web, "RequestKey")
-    else "qosgate.request_id"
-)
-RATELIMIT: Any = (
-    web.RequestKey("qosgate.ratelimit", dict)
-    if hasattr(web, "RequestKey")
-    else "qosgate.ratelimit"
-)
+def _key(name: str, kind: type) -> Any:
+    # Typed request keys are recent in aiohttp; a plain string works everywhere.
+    return web.RequestKey(name, kind) if hasattr(web, "RequestKey") else name
+
+
+REQUEST_ID = _key("qosgate.request_id", str)
+RATELIMIT = _key("qosgate.ratelimit", dict)
 """The x-ratelimit headers of the request's tenant, once its quota was checked."""
-ADMITTED: Any = (
-    web.RequestKey("qosgate.admitted", bool)
-    if hasattr(web, "RequestKey")
-    else "qosgate.admitted"
-)
-"""Set once the request is handed to the gateway, which from then on counts
-its outcome itself."""
-TIER: Any = web.RequestKey("qosgate.tier", str) if hasattr(web, "RequestKey") else "qosgate.tier"
+ADMITTED = _key("qosgate.admitted", bool)
+"""Set once the request is handed to the runtime (`Gateway.admit`), which from
+then on counts its outcome, refused or not."""
+TIER = _key("qosgate.tier", str)
 REQUEST_ID_HEADER = "x-request-id"
 
 

@@ -21,16 +21,9 @@ from qosgate.backends.base import Chunk
 from qosgate.runtime.errors import GatewayError
 from qosgate.runtime.gate import RequestStream
 
-from .errors import error_payload
+from .errors import INTERNAL_ERROR, error_payload
 from .render import (
-    DONE_EVENT,
-    Call,
-    Tally,
-    chunk_event,
-    sse_event,
-    text_event_parts,
-    usage_body,
-    usage_event,
+    DONE_EVENT, Call, Tally, chunk_event, sse_event, text_event_parts, usage_body, usage_event,
 )
 from .state import REQUEST_ID, REQUEST_ID_HEADER, AppState
 
@@ -163,12 +156,7 @@ async def stream_response(
         await _send_error_event(
             request,
             response,
-            error_payload(
-                "The server had an error processing your request.",
-                "server_error",
-                "internal_error",
-                None,
-            ),
+            INTERNAL_ERROR,
             pending,
             stall_s,
         )

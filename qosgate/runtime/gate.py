@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from enum import Enum
 from typing import Any, Literal, Protocol
 
@@ -57,6 +57,7 @@ from qosgate.runtime.errors import (
 
 log = logging.getLogger(__name__)
 _prompt_log = structlog.get_logger("qosgate.prompts")
+_OnQuota = Callable[[Sequence[LimitState]], None]
 
 
 class PolicyReloadRefused(ValueError):
@@ -225,12 +226,7 @@ class Gateway:
 
     # -- requests ------------------------------------------------------------
 
-    async def admit(
-        self,
-        ask: Ask,
-        *,
-        on_quota: Callable[[Sequence[LimitState]], None] | None = None,
-    ) -> RequestStream:
+    async def admit(self, ask: Ask, *, on_quota: _OnQuota | None = None) -> RequestStream:
         """Take a validated request from its client's identity to a stream:
         its max_tokens clamped to the tier and the model's context, its
         prompt counted, its quota reserved (`on_quota` gets the tenant's
@@ -254,24 +250,12 @@ class Gateway:
             self.observer.refused(ask.tier, exc.outcome)
             raise
         return self.submit(
-            reservation=reservation,
-            request_id=ask.request_id,
-            tenant=ask.tenant,
-            tier=ask.tier,
-            endpoint=ask.endpoint,
-            body=shaped.body,
-            prompt_tokens=shaped.prompt_tokens,
-            max_tokens=shaped.max_tokens,
-            priority_offset=ask.priority_offset,
-            session=ask.session,
-        )
+            request_id=ask.request_id, tenant=ask.tenant, tier=ask.tier, endpoint=ask.endpoint,
+            body=shaped.body, prompt_tokens=shaped.prompt_tokens, max_tokens=shaped.max_tokens,
+            priority_offset=ask.priority_offset, session=ask.session, reservation=reservation,
+        )  # fmt: skip
 
-    async def _reserve(
-        self,
-        ask: Ask,
-        tokens: int,
-        on_quota: Callable[[Sequence[LimitState]], None] | None,
-    ) -> Reservation | None:
+    async def _reserve(self, ask: Ask, tokens: int, on_quota: _OnQuota | None) -> Reservation | None:
         # A tenant without limits has nothing to reserve: no coroutine to run.
         if self.quotas.limits(ask.tenant) is None:
             return None
@@ -283,9 +267,9 @@ class Gateway:
             return None
         if on_quota is not None:
             on_quota(decision.states)
-        left = [s.remaining for s in decision.states if s.kind in _TOKEN_KINDS]
-        if left:
-            self.observer.metrics.quota(ask.tenant, min(left))
+        tokens_left = tightest_tokens(decision.states)
+        if tokens_left is not None:
+            self.observer.metrics.quota(ask.tenant, tokens_left.remaining)
         if not decision.admitted:
             raise QuotaExceeded(decision.reason, retry_after_s=decision.retry_after_s)
         return decision.reservation
@@ -538,8 +522,11 @@ class Gateway:
             self.quotas.settle_soon(reservation, charged, served)
 
 
-_TOKEN_KINDS = ("tokens_per_minute", "tokens_per_day")
-"""The quota kinds whose remaining tokens the quota gauge shows."""
+def tightest_tokens(states: Iterable[LimitState]) -> LimitState | None:
+    """The token limit with the least left (what the quota gauge and the
+    x-ratelimit-*-tokens headers show); None for a tenant without one."""
+    tokens = [s for s in states if s.kind in ("tokens_per_minute", "tokens_per_day")]
+    return min(tokens, key=lambda s: s.remaining) if tokens else None
 
 
 class StreamHost(Protocol):
