@@ -24,6 +24,7 @@ from qosgate.core.request import Outcome, Request, RequestState
 from qosgate.core.scheduler import BackendCapacity, SchedulePlan, Scheduler
 
 from core_driver import Harness
+from test_core_properties import TIERS, make_policy
 
 FULL = BackendCapacity(free_slots=0, free_kv_tokens=0, kv_capacity_tokens=10**9)
 ONE = BackendCapacity(free_slots=1, free_kv_tokens=10**9, kv_capacity_tokens=10**9)
@@ -106,30 +107,13 @@ def test_a_preempted_requests_charge_is_refunded_and_its_tenant_moves_forward():
 
 # -- the properties -----------------------------------------------------------------
 
-TIERS = ("interactive", "standard", "batch")
-TENANTS = {
-    "t0": ("interactive", 1.0), "t1": ("interactive", 2.0),
-    "t2": ("standard", 0.5), "t3": ("standard", 1.0),
-    "t4": ("batch", 2.0), "t5": ("batch", 0.5),
-}  # fmt: skip
-"""tenant -> (tier, weight): two tenants per tier, of different weights."""
-W_IN, W_OUT = 1.0, 3.0
-
-
-def make_policy(kind: str, fairness: str, window_ms: float) -> PolicyConfig:
-    return PolicyConfig.model_validate({
-        "tiers": {
-            "interactive": {"priority": 0, "max_queue_wait_ms": 400, "max_queue_len": 6,
-                            "batch": {"max_wait_ms": window_ms, "max_batch_size": 3}},
-            "standard": {"priority": 1, "max_queue_wait_ms": 1500},
-            "batch": {"priority": 2, "max_queue_wait_ms": 1000, "on_timeout": "delay",
-                      "preemptible": True},
-        },
-        "tenants": [{"id": t, "tier": tier, "weight": w} for t, (tier, w) in TENANTS.items()],
-        "scheduler": {"policy": kind, "fairness": fairness, "preemption": True,
-                      "vtc": {"w_in": W_IN, "w_out": W_OUT},
-                      "aging": {"interval_ms": 300, "max_boost": 2}},
-    })  # fmt: skip
+# The random-traffic policy of test_core_properties: three tiers (a batch
+# window on interactive, a preemptible delay tier), two tenants of different
+# weights in each.
+_POLICY = make_policy("qos", "vtc", True, 0.0)
+W_IN, W_OUT = _POLICY.scheduler.vtc.w_in, _POLICY.scheduler.vtc.w_out
+TENANTS = {t.id: (t.tier, t.weight) for t in _POLICY.tenants}
+"""tenant -> (tier, weight)."""
 
 
 class VtcModel:
@@ -352,7 +336,7 @@ def run(driver: Driver, ops: list[tuple]) -> None:
 )
 def test_reported_queue_totals_are_those_of_the_queued_requests(kind, fairness, window_ms,
                                                                  slots, ops):  # fmt: skip
-    run(Driver(make_policy(kind, fairness, window_ms), slots), ops)
+    run(Driver(make_policy(kind, fairness, True, window_ms), slots), ops)
 
 
 @SETTINGS
@@ -362,6 +346,6 @@ def test_reported_queue_totals_are_those_of_the_queued_requests(kind, fairness, 
     ops=st.lists(op, min_size=60, max_size=250),
 )
 def test_vtc_counters_follow_the_reference_model(window_ms, slots, ops):
-    driver = Driver(make_policy("qos", "vtc", window_ms), slots)
+    driver = Driver(make_policy("qos", "vtc", True, window_ms), slots)
     assert driver.vtc
     run(driver, ops)
