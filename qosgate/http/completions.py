@@ -95,6 +95,10 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
         priority_offset=min(parsed.priority or 0, MAX_PRIORITY_OFFSET),
         session=session[:_MAX_SESSION_LEN] if session else None,
     )
+    # Read before admit awaits the quota store: a reload meanwhile that removed
+    # the tier must not fail a stream already admitted.
+    tier = state.policy.tiers[identity.tier]
+    pace = Pace(tier.min_delivery_bytes_per_s, tier.delivery_window_s)
     request[ADMITTED] = True  # admitted or refused, the gateway counts it from here
 
     def quota_checked(states: Sequence[LimitState]) -> None:
@@ -111,9 +115,7 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
         prompt_tokens=stream.request.prompt_tokens,
         include_usage=parsed.include_usage,
     )
-    tier = state.policy.tiers[identity.tier]
     if parsed.stream:
-        pace = Pace(tier.min_delivery_bytes_per_s, tier.delivery_window_s)
         return await stream_response(request, stream, call, state, pace)
     return await _json_response(stream, call)
 
