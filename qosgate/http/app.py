@@ -144,11 +144,11 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
 
 
 def _count_refusal(request: web.Request, outcome: Outcome) -> None:
-    """A request that ended before the gateway took it (the gateway counts the
-    rest). Only the API's own paths count as requests."""
+    """A request refused before it became an ask (`Gateway.admit` counts those
+    that did). Only the API's own paths count as requests."""
     if request.get(ADMITTED) or not request.path.startswith("/v1/"):
         return
-    request.app[STATE].gateway.observer.refused(request.get(TIER, "none"), outcome)
+    request.app[STATE].gateway.refused(request.get(TIER, "none"), outcome)
 
 
 def _from_http_exception(request: web.Request, exc: web.HTTPException) -> web.StreamResponse:

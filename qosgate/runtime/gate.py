@@ -247,7 +247,7 @@ class Gateway:
             tokens = shaped.prompt_tokens + shaped.max_tokens
             reservation = await self._reserve(ask, tokens, on_quota)
         except GatewayError as exc:
-            self.observer.refused(ask.tier, exc.outcome)
+            self.refused(ask.tier, exc.outcome)
             raise
         return self.submit(
             request_id=ask.request_id, tenant=ask.tenant, tier=ask.tier, endpoint=ask.endpoint,
@@ -341,8 +341,14 @@ class Gateway:
     def _refuse(self, tier: str, reservation: Reservation | None, error: GatewayError) -> GatewayError:
         """Admission refused the request: its quota back, its outcome counted."""
         self._settle(reservation, 0, served=False)
-        self.observer.refused(tier, error.outcome)
+        self.refused(tier, error.outcome)
         return error
+
+    def refused(self, tier: str, outcome: Outcome) -> None:
+        """Count a request refused before it reached a queue: where every
+        refusal is counted, `admit`'s and `submit`'s and those of the HTTP
+        layer before it has a request to admit (no key, a bad body)."""
+        self.observer.refused(tier, outcome)
 
     # -- the stream's host (StreamHost) --------------------------------------
 
