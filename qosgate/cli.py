@@ -142,7 +142,8 @@ def _serve_command(args: argparse.Namespace, *, demo: bool) -> int:
         print(f"qosgate: invalid policy\n{exc}", file=sys.stderr)
         return 2
     try:
-        policy = with_fleet_role(policy, getattr(args, "role", None), getattr(args, "node_id", None))
+        role, node_id = getattr(args, "role", None), getattr(args, "node_id", None)
+        policy = with_fleet_role(policy, role, node_id)
     except ValueError as exc:
         print(f"qosgate: {exc}", file=sys.stderr)
         return 2

@@ -119,7 +119,9 @@ class LivePolicy:
         from qosgate.config.loader import ConfigError, load_policy
 
         if self.policy_path is None:
-            raise PolicyRejected("this gateway was not started from a policy file; nothing to reload")
+            raise PolicyRejected(
+                "this gateway was not started from a policy file; nothing to reload"
+            )
         try:
             policy = load_policy(self.policy_path)
             keyring = KeyRing.from_policy(policy, self.environ)

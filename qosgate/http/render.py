@@ -26,7 +26,9 @@ class Call:
     include_usage: bool
 
 
-def usage_body(call: Call, completion_tokens: int, reported: dict[str, int] | None) -> dict[str, int]:
+def usage_body(
+    call: Call, completion_tokens: int, reported: dict[str, int] | None
+) -> dict[str, int]:
     # The backend's own count wins where it has one (a real tokenizer).
     prompt = call.prompt_tokens
     completion = completion_tokens

@@ -126,6 +126,9 @@ class GatewayClosing(BackendUnavailableError):
     outcome = Outcome.CANCELLED
     code = "shutting_down"
 
+    def __init__(self) -> None:
+        super().__init__("the gateway is shutting down", retry_after_s=1.0)
+
 
 class WorkQueueFull(QueueFull):
     """Fleet mode: the tier's queue in the shared store already holds

@@ -58,6 +58,7 @@ from qosgate.runtime.errors import (
 log = logging.getLogger(__name__)
 _prompt_log = structlog.get_logger("qosgate.prompts")
 _OnQuota = Callable[[Sequence[LimitState]], None]
+_Held = Reservation | None
 
 
 class PolicyReloadRefused(ValueError):
@@ -135,7 +136,7 @@ class Gateway:
         for stream in list(self._streams.values()):
             if stream.request.state is not RequestState.RUNNING:
                 # One error each: each consumer raises its own, with its own traceback.
-                stream.end(GatewayClosing("the gateway is shutting down", retry_after_s=1.0))
+                stream.end(GatewayClosing())
         if not self._streams:
             return 0
         self._idle = self._get_loop().create_future()
@@ -163,7 +164,7 @@ class Gateway:
             self._timer.cancel()
             self._timer = None
         for stream in list(self._streams.values()):
-            stream.end(GatewayClosing("the gateway is shutting down", retry_after_s=1.0))
+            stream.end(GatewayClosing())
         await self._backend.close()
         await self.quotas.close()
 
@@ -255,7 +256,7 @@ class Gateway:
             priority_offset=ask.priority_offset, session=ask.session, reservation=reservation,
         )  # fmt: skip
 
-    async def _reserve(self, ask: Ask, tokens: int, on_quota: _OnQuota | None) -> Reservation | None:
+    async def _reserve(self, ask: Ask, tokens: int, on_quota: _OnQuota | None) -> _Held:
         # A tenant without limits has nothing to reserve: no coroutine to run.
         if self.quotas.limits(ask.tenant) is None:
             return None
@@ -294,9 +295,7 @@ class Gateway:
         `reservation` (the request's quota): it is refunded if the request is
         refused, and settled when it ends."""
         if self.draining:
-            raise self._refuse(
-                tier, reservation, GatewayClosing("the gateway is shutting down", retry_after_s=1.0)
-            )
+            raise self._refuse(tier, reservation, GatewayClosing())
         down = self._backend_down()
         if down is not None:
             # Gone for good (not starting): queueing would only make the
@@ -338,7 +337,7 @@ class Gateway:
         self._dispatch(now)
         return stream
 
-    def _refuse(self, tier: str, reservation: Reservation | None, error: GatewayError) -> GatewayError:
+    def _refuse(self, tier: str, reservation: _Held, error: GatewayError) -> GatewayError:
         """Admission refused the request: its quota back, its outcome counted."""
         self._settle(reservation, 0, served=False)
         self.refused(tier, error.outcome)
