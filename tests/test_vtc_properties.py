@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qosgate.config.models import PolicyConfig
+from qosgate.config.models import PolicyConfig, TenantConfig
 from qosgate.core.request import Outcome, Request, RequestState
 from qosgate.core.scheduler import BackendCapacity, SchedulePlan, Scheduler
 
@@ -107,10 +107,21 @@ def test_a_preempted_requests_charge_is_refunded_and_its_tenant_moves_forward():
 
 # -- the properties -----------------------------------------------------------------
 
-# The random-traffic policy of test_core_properties: three tiers (a batch
-# window on interactive, a preemptible delay tier), two tenants of different
-# weights in each.
-_POLICY = make_policy("qos", "vtc", True, 0.0)
+# The random-traffic policy of test_core_properties (three tiers, a batch
+# window on interactive, a preemptible delay tier, two tenants of different
+# weights in each), with two more tenants in the preemptible tier, so that a
+# tenant sent back often has others' counters between its refunded one and
+# its charged one.
+_MORE = (TenantConfig(id="t6", tier="batch", weight=1.0),
+         TenantConfig(id="t7", tier="batch", weight=3.0))  # fmt: skip
+
+
+def traffic_policy(kind: str, fairness: str, window_ms: float) -> PolicyConfig:
+    policy = make_policy(kind, fairness, True, window_ms)
+    return policy.model_copy(update={"tenants": (*policy.tenants, *_MORE)})
+
+
+_POLICY = traffic_policy("qos", "vtc", 0.0)
 W_IN, W_OUT = _POLICY.scheduler.vtc.w_in, _POLICY.scheduler.vtc.w_out
 TENANTS = {t.id: (t.tier, t.weight) for t in _POLICY.tenants}
 """tenant -> (tier, weight)."""
@@ -336,7 +347,7 @@ def run(driver: Driver, ops: list[tuple]) -> None:
 )
 def test_reported_queue_totals_are_those_of_the_queued_requests(kind, fairness, window_ms,
                                                                  slots, ops):  # fmt: skip
-    run(Driver(make_policy(kind, fairness, True, window_ms), slots), ops)
+    run(Driver(traffic_policy(kind, fairness, window_ms), slots), ops)
 
 
 @SETTINGS
@@ -346,6 +357,6 @@ def test_reported_queue_totals_are_those_of_the_queued_requests(kind, fairness, 
     ops=st.lists(op, min_size=60, max_size=250),
 )
 def test_vtc_counters_follow_the_reference_model(window_ms, slots, ops):
-    driver = Driver(make_policy("qos", "vtc", True, window_ms), slots)
+    driver = Driver(traffic_policy("qos", "vtc", window_ms), slots)
     assert driver.vtc
     run(driver, ops)
