@@ -6,6 +6,7 @@ import argparse
 import os
 import secrets
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -150,7 +151,7 @@ def _serve_command(args: argparse.Namespace, *, demo: bool) -> int:
     from qosgate.observability import configure_logging
 
     configure_logging(policy.observability.log_format)
-    on_ready = None
+    on_ready: Callable[[str], None] | None = None
     environ = dict(os.environ)
     if demo:
         # The dashboard reads /admin/stats, which needs the admin token: the
@@ -160,8 +161,10 @@ def _serve_command(args: argparse.Namespace, *, demo: bool) -> int:
         if name and not token:
             token = environ[name] = secrets.token_urlsafe(16)
 
-        def on_ready(url: str) -> None:
+        def banner(url: str) -> None:
             print(demo_banner(url, _served_model(policy), token), flush=True)
+
+        on_ready = banner
 
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:

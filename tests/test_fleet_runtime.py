@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from qosgate.backends.base import BackendRejected, Chunk, GenerationJob
 from qosgate.backends.sim_live import SimBackend, filler_text
-from qosgate.config.models import FleetConfig, PolicyConfig
+from qosgate.config.models import PolicyConfig
 from qosgate.core.request import Outcome
 from qosgate.fleet import engine as engine_module
 from qosgate.fleet import wire

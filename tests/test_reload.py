@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import aiohttp
 import pytest

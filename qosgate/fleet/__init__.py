@@ -10,14 +10,9 @@ from .model import (
     pick_tier,
     predicted_wait,
 )
-from .store import (
-    ItemStatus,
-    MemoryWorkQueue,
-    WorkQueue,
-    WorkQueueError,
-    WorkQueueFull,
-    WorkQueueOverloaded,
-)
+from qosgate.runtime.errors import WorkQueueError, WorkQueueFull, WorkQueueOverloaded
+
+from .store import ItemStatus, MemoryWorkQueue, WorkQueue
 
 __all__ = [
     "Claim",

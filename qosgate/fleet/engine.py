@@ -51,12 +51,12 @@ from qosgate.config.scheduling import scheduling_policy
 from qosgate.core.admission import DEFAULT_DRAIN_RATE, DrainRateEstimator
 from qosgate.core.ordering import may_preempt, preemption_victim
 from qosgate.quotas import QuotaStore, QuotaStoreError, build_store
+from qosgate.runtime.errors import WorkQueueError
 
 from . import wire
 from .gateway import default_node_id, fleet_store
 from .model import Lease, ServiceMeter
 from .redis_store import Subscription
-from .store import WorkQueueError
 
 log = logging.getLogger(__name__)
 

@@ -50,12 +50,11 @@ from qosgate.backends.support import PASSTHROUGH, RequestSupport
 from qosgate.config.models import FleetConfig, PolicyConfig
 from qosgate.config.scheduling import scheduling_policy
 from qosgate.core.scheduler import BackendCapacity
-from qosgate.runtime.errors import Expired, GatewayError
+from qosgate.runtime.errors import Expired, GatewayError, WorkQueueError
 
 from . import wire
 from .model import FleetTiers, ServiceMeter, WorkItem
 from .redis_store import RedisWorkQueue, Subscription
-from .store import WorkQueueError
 
 log = logging.getLogger(__name__)
 

@@ -54,15 +54,10 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from qosgate.core.admission import ArrivalRate
+from qosgate.runtime.errors import WorkQueueError, WorkQueueFull
 
 from .model import Claim, FleetLoad, FleetTiers, Lease, WorkItem, lane_key
-from .store import (
-    ItemStatus,
-    WorkQueue,
-    WorkQueueError,
-    WorkQueueFull,
-    milli,
-)
+from .store import ItemStatus, WorkQueue, milli
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from typing import Literal
 
 from qosgate.core.admission import ArrivalRate
 from qosgate.core.fairness import lifted
-from qosgate.runtime.errors import WorkQueueError, WorkQueueFull, WorkQueueOverloaded
+from qosgate.runtime.errors import WorkQueueFull, WorkQueueOverloaded
 
 from .model import Claim, FleetLoad, FleetTiers, Lease, WorkItem, pick_tier, predicted_wait
 
