@@ -1,5 +1,5 @@
-"""The operators' endpoints: /metrics, and /admin/stats, /admin/quotas and
-/admin/reload behind the admin token.
+"""The operators' endpoints: /metrics, /dashboard, and /admin/stats,
+/admin/quotas and /admin/reload behind the admin token.
 """
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import importlib.resources
 import time
 from typing import Any
 
@@ -148,3 +149,24 @@ async def admin_quotas(request: web.Request) -> web.Response:
 
 def _json_text(value: Any) -> str:
     return orjson.dumps(value).decode()
+
+
+_DASHBOARD: bytes | None = None
+
+
+async def dashboard_page(request: web.Request) -> web.Response:
+    """The live page. It carries no data: the browser reads /admin/stats with
+    the admin token, given once as `/dashboard#token=...` (a fragment never
+    reaches a server or its logs) or typed into the page."""
+    global _DASHBOARD
+    if _DASHBOARD is None:
+        _DASHBOARD = (
+            importlib.resources.files("qosgate.http").joinpath("static/dashboard.html").read_bytes()
+        )
+    return web.Response(
+        body=_DASHBOARD,
+        content_type="text/html",
+        charset="utf-8",
+        headers={"Cache-Control": "no-cache", "Content-Security-Policy": "default-src 'self'; "
+                 "script-src 'unsafe-inline'; style-src 'unsafe-inline'"},
+    )

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP surface (docs/HTTP.md): the app, its error
 middleware and the probes. The handlers live by concern: completions.py
 (identity, body, validation, then the runtime's `Gateway.admit`),
-streaming.py, render.py, admin.py, dashboard.py. Every error, whether the
+streaming.py, render.py, admin.py. Every error, whether the
 gateway's own, aiohttp's (404, 405, 413) or a bug, leaves as OpenAI's
 `{"error": {...}}` with the status docs/HTTP.md gives it.
 """
@@ -25,9 +25,8 @@ from qosgate.runtime.errors import GatewayError, PayloadTooLarge, RequestTimeout
 from qosgate.runtime.gate import Gateway
 from qosgate.wiring import LivePolicy
 
-from .admin import admin_quotas, admin_reload, admin_stats, get_metrics
+from .admin import admin_quotas, admin_reload, admin_stats, dashboard_page, get_metrics
 from .completions import post_chat_completions, post_completions
-from .dashboard import dashboard_page
 from .errors import INTERNAL_ERROR, MethodNotAllowed, RouteNotFound, error_payload, error_response
 from .identity import AuthFailureLimiter
 from .openapi import build_openapi

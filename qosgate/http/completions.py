@@ -23,7 +23,7 @@ from qosgate.runtime.gate import RequestStream
 from .errors import MalformedRequest, UnsupportedMediaType
 from .protocol import describe_parse_error
 from .ratelimit import ratelimit_headers
-from .render import Call, Tally, relay_choice_fields, usage_body
+from .render import Call, Tally, relay_choice_fields, response_body, usage_body
 from .state import ADMITTED, RATELIMIT, REQUEST_ID, STATE, TIER, AppState, identify
 from .streaming import Pace, stream_response
 from .validation import MAX_PRIORITY_OFFSET, Endpoint, asked_field, parse_json, validate_body
@@ -152,18 +152,8 @@ async def _json_response(stream: RequestStream, call: Call) -> web.Response:
             **choice_fields,
             "finish_reason": finish,
         }
-        kind = "chat.completion"
     else:
         choice = {"index": 0, "text": text, **choice_fields, "finish_reason": finish}
-        kind = "text_completion"
-    body = orjson.dumps(
-        {
-            "id": call.response_id,
-            "object": kind,
-            "created": call.created,
-            "model": call.model,
-            "choices": [choice],
-            "usage": usage_body(call, tally.tokens, tally.usage),
-        }
-    )
+    usage = usage_body(call, tally.tokens, tally.usage)
+    body = orjson.dumps(response_body(call, [choice], usage, chunk=False))
     return web.Response(body=body, content_type="application/json", charset="utf-8")

@@ -130,38 +130,31 @@ def chunk_event(
         extra = raw.get("delta") if raw else None
         if isinstance(extra, dict):
             delta.update(extra)
-        choice: dict[str, Any] = {
-            "index": 0,
-            "delta": delta,
-            "logprobs": None,
-            "finish_reason": finish,
-        }
-        kind = "chat.completion.chunk"
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+                                  "finish_reason": finish}  # fmt: skip
     else:
         choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
-        kind = "text_completion"
     if raw:
         relay_choice_fields(choice, raw)
-    payload: dict[str, Any] = {
-        "id": call.response_id,
-        "object": kind,
-        "created": call.created,
-        "model": call.model,
-        "choices": [choice],
-    }
-    if usage is not None:
-        payload["usage"] = usage
-    return sse_event(payload)
+    return sse_event(response_body(call, [choice], usage, chunk=True))
 
 
 def usage_event(call: Call, usage: dict[str, int]) -> bytes:
-    return sse_event(
-        {
-            "id": call.response_id,
-            "object": "chat.completion.chunk" if call.endpoint == "chat" else "text_completion",
-            "created": call.created,
-            "model": call.model,
-            "choices": [],
-            "usage": usage,
-        }
-    )
+    return sse_event(response_body(call, [], usage, chunk=True))
+
+
+def response_body(
+    call: Call, choices: list[dict[str, Any]], usage: dict[str, int] | None, *, chunk: bool
+) -> dict[str, Any]:
+    """The fields every answer body and stream event share around its choices."""
+    if call.endpoint == "chat":
+        kind = "chat.completion.chunk" if chunk else "chat.completion"
+    else:
+        kind = "text_completion"
+    body: dict[str, Any] = {
+        "id": call.response_id, "object": kind, "created": call.created, "model": call.model,
+        "choices": choices,
+    }  # fmt: skip
+    if usage is not None:
+        body["usage"] = usage
+    return body

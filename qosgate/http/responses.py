@@ -2,7 +2,7 @@
 probe documents, as pydantic models.
 
 They are the schema the OpenAPI document publishes (openapi.py generates its
-answer schemas from them), and tests validate what the renderers in app.py
+answer schemas from them), and tests validate what the renderers in render.py
 send against them. The renderers build plain dicts: a streamed chunk is
 rendered for every token, and building a model per chunk costs several times
 the dict it would serialize to.

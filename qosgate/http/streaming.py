@@ -153,13 +153,7 @@ async def stream_response(
             request[REQUEST_ID],
             "".join(traceback.format_tb(exc.__traceback__)),
         )
-        await _send_error_event(
-            request,
-            response,
-            INTERNAL_ERROR,
-            pending,
-            stall_s,
-        )
+        await _send_error_event(request, response, INTERNAL_ERROR, pending, stall_s)
     return response
 
 
@@ -281,6 +275,7 @@ async def _write(
     that wait keeps a reader that stopped from holding its backend slot, and
     `pace`'s floor one that reads too slowly."""
     transport = request.transport
+    write = response.write_eof(data) if last else response.write(data)
     if (
         transport is not None
         and not request.protocol.writing_paused
@@ -290,21 +285,14 @@ async def _write(
         # This write cannot wait: the transport stays below its high-water
         # mark, so aiohttp has nothing to drain. Most writes are like this,
         # and skip the timer (a few microseconds each, per token).
-        if last:
-            await response.write_eof(data)
-        else:
-            await response.write(data)
+        await write
         return
     if pace is not None and pace.floor > 0 and transport is not None:
-        write = response.write_eof(data) if last else response.write(data)
         await pace.wait(write, transport, len(data), stall_s)
         return
     try:
         async with asyncio.timeout(stall_s):
-            if last:
-                await response.write_eof(data)
-            else:
-                await response.write(data)
+            await write
     except TimeoutError:
         raise _ClientStalled from None
 

@@ -26,8 +26,6 @@ class Observer:
             policy, registry, tenant_labels=obs.metrics_tenant_labels
         )
         self.log_requests = obs.log_requests
-        self.log_failures = 0
-        """Request lines that could not be written (a closed or full stream)."""
 
     def refused(self, tier: str, outcome: Outcome) -> None:
         self.metrics.refused(tier, outcome)
@@ -47,7 +45,7 @@ class Observer:
             try:
                 request_finished(req, usage)
             except Exception:  # noqa: BLE001 - a log that cannot be written must not fail the request
-                self.log_failures += 1
+                pass
 
 
 __all__ = ["GatewayMetrics", "Observer", "configure_logging", "request_finished"]
