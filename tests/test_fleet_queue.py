@@ -25,12 +25,11 @@ from qosgate.fleet import (
     MemoryWorkQueue,
     WorkItem,
     WorkQueue,
-    WorkQueueFull,
-    WorkQueueOverloaded,
     pick_tier,
     predicted_wait,
 )
 from qosgate.fleet.redis_store import RedisWorkQueue
+from qosgate.runtime.errors import WorkQueueFull, WorkQueueOverloaded
 
 T0 = 1_700_000_000.0
 LEASE = 10.0

@@ -32,10 +32,10 @@ from types import SimpleNamespace
 from qosgate.core import admission, ordering
 from qosgate.core.admission import ArrivalRate
 from qosgate.core.fairness import lifted
-from qosgate.fleet import FleetTiers, Lease, MemoryWorkQueue, WorkItem, WorkQueueFull
-from qosgate.fleet import WorkQueueOverloaded
+from qosgate.fleet import FleetTiers, Lease, MemoryWorkQueue, WorkItem
 from qosgate.fleet.redis_store import RedisWorkQueue
 from qosgate.fleet.store import milli
+from qosgate.runtime.errors import WorkQueueFull, WorkQueueOverloaded
 
 OPERATIONS = 10_000
 T0 = 1_700_000_000.0

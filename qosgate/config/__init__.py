@@ -1,35 +1,11 @@
 """Policy configuration: the pydantic models and the YAML loader that reports lines."""
 
 from qosgate.config.loader import (
-    ConfigError,
-    ConfigIssue,
-    load_model,
-    load_model_text,
-    load_policy,
-    load_policy_text,
-)
-from qosgate.config.models import (
-    AgingConfig,
-    BatchWindow,
-    PolicyConfig,
-    SchedulerConfig,
-    SimBackendConfig,
-    TenantConfig,
-    TierConfig,
-)
+    ConfigError, ConfigIssue, load_model, load_policy, load_policy_text,
+)  # fmt: skip
+from qosgate.config.models import PolicyConfig, SimBackendConfig
 
 __all__ = [
-    "AgingConfig",
-    "BatchWindow",
-    "ConfigError",
-    "ConfigIssue",
-    "PolicyConfig",
-    "SchedulerConfig",
-    "SimBackendConfig",
-    "TenantConfig",
-    "TierConfig",
-    "load_model",
-    "load_model_text",
-    "load_policy",
+    "ConfigError", "ConfigIssue", "PolicyConfig", "SimBackendConfig", "load_model", "load_policy",
     "load_policy_text",
-]
+]  # fmt: skip

@@ -1,40 +1,12 @@
 """Per-tenant quotas: sliding-window token and request limits, concurrency
 caps, and the stores that hold them (memory, Redis)."""
 
-from .guard import FALLBACK, GuardCounters, QuotaGuard, QuotaStoreDown, build_store
-from .local import LocalLimiter
-from .model import (
-    SLOTS,
-    LimitState,
-    Holding,
-    QuotaDecision,
-    RateRule,
-    Renewal,
-    Reservation,
-    SettledTwice,
-    TenantLimits,
-)
-from .store import MemoryQuotaStore, QuotaStore, QuotaStoreError, StoreRecovering, StoreReset
+from .guard import FALLBACK, QuotaGuard, QuotaStoreDown, build_store
+from .model import SLOTS, LimitState, Renewal, Reservation, SettledTwice, TenantLimits
+from .store import MemoryQuotaStore, QuotaStore, QuotaStoreError, StoreReset
 
 __all__ = [
-    "FALLBACK",
-    "SLOTS",
-    "GuardCounters",
-    "Holding",
-    "LimitState",
-    "LocalLimiter",
-    "MemoryQuotaStore",
-    "QuotaDecision",
-    "QuotaGuard",
-    "QuotaStore",
-    "QuotaStoreDown",
-    "QuotaStoreError",
-    "RateRule",
-    "Renewal",
-    "Reservation",
-    "SettledTwice",
-    "StoreRecovering",
-    "StoreReset",
-    "TenantLimits",
-    "build_store",
-]
+    "FALLBACK", "SLOTS", "LimitState", "MemoryQuotaStore", "QuotaGuard", "QuotaStore",
+    "QuotaStoreDown", "QuotaStoreError", "Renewal", "Reservation", "SettledTwice", "StoreReset",
+    "TenantLimits", "build_store",
+]  # fmt: skip
