@@ -22,7 +22,7 @@ from qosgate.core.admission import (
     DrainRateEstimator,
     predicted_wait,
 )
-from qosgate.core.fairness import FairnessOrder, FifoOrder, VtcOrder, service
+from qosgate.core.fairness import FifoOrder, VtcOrder, service
 from qosgate.core.ordering import may_preempt, pick_tier, preemption_victim, tier_level
 from qosgate.core.policy import SchedulingPolicy, TierParams
 from qosgate.core.request import Outcome, Request, RequestState
@@ -120,21 +120,19 @@ class Scheduler:
         tau = policy.drain_rate_tau_s
         if self.kind == "fcfs":
             # One FIFO for everything: no tiers, no budgets, no windows.
-            single = self._queue_list[0] if self._queue_list else _tier_queue(
+            single = self._queue_list[0] if self._queue_list else TierQueue(
                 TierParams(FCFS_QUEUE, 0, None, True), FifoOrder(), tau
             )
             self._queues.update(dict.fromkeys(policy.tiers, single))
             self._queue_list, self._top_level = [single], 0
             return
         for name, tier in policy.tiers.items():
-            fresh = _tier_queue(tier, VtcOrder(weights) if policy.fair else FifoOrder(), tau)
             queue = self._queues.get(name)
             if queue is None:
-                self._queues[name] = fresh
+                order = VtcOrder(weights) if policy.fair else FifoOrder()
+                self._queues[name] = TierQueue(tier, order, tau)
                 continue
-            for attr in ("priority", "budget_s", "delays", "max_len", "max_wait_s",
-                         "max_batch_size", "max_batch_tokens", "preemptible"):
-                setattr(queue, attr, getattr(fresh, attr))
+            queue.configure(tier)
             if isinstance(queue.order, VtcOrder):
                 queue.order.set_weights(weights)
         self._queue_list = sorted(
@@ -516,17 +514,3 @@ class Scheduler:
         }
 
 
-def _tier_queue(tier: TierParams, order: FairnessOrder, tau_s: float) -> TierQueue:
-    return TierQueue(
-        tier.name,
-        priority=tier.priority,
-        budget_s=tier.budget_s,
-        delays=tier.delays,
-        max_len=tier.max_len,
-        max_wait_s=tier.max_wait_s,
-        max_batch_size=tier.max_batch_size,
-        max_batch_tokens=tier.max_batch_tokens,
-        preemptible=tier.preemptible,
-        order=order,
-        inflow_tau_s=tau_s,
-    )

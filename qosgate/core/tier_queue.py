@@ -6,6 +6,7 @@ from collections import OrderedDict
 
 from qosgate.core.admission import ArrivalRate
 from qosgate.core.fairness import FairnessOrder
+from qosgate.core.policy import TierParams
 from qosgate.core.request import Request, RequestState
 
 
@@ -23,32 +24,9 @@ class TierQueue:
         "_by_age", "work", "prompt_tokens", "running", "inflow",
     )
 
-    def __init__(
-        self,
-        name: str,
-        *,
-        priority: int,
-        budget_s: float | None,
-        delays: bool,
-        max_len: int,
-        max_wait_s: float,
-        max_batch_size: int,
-        max_batch_tokens: int,
-        preemptible: bool,
-        order: FairnessOrder,
-        inflow_tau_s: float = 10.0,
-    ) -> None:
-        self.name = name
-        self.priority = priority
-        self.budget_s = budget_s
-        """Queue budget in seconds (None: no budget, never expires or ages)."""
-        self.delays = delays
-        """True for on_timeout: delay (age past the budget), False for reject."""
-        self.max_len = max_len
-        self.max_wait_s = max_wait_s
-        self.max_batch_size = max_batch_size
-        self.max_batch_tokens = max_batch_tokens
-        self.preemptible = preemptible
+    def __init__(self, tier: TierParams, order: FairnessOrder, inflow_tau_s: float = 10.0) -> None:
+        self.name = tier.name
+        self.configure(tier)
         self.order = order
         self._by_age: OrderedDict[str, Request] = OrderedDict()
         self.work = 0
@@ -58,6 +36,19 @@ class TierQueue:
         """Requests of this tier on the backend, in dispatch order (newest last)."""
         self.inflow = ArrivalRate(inflow_tau_s)
         """Work admitted to this tier per second."""
+
+    def configure(self, tier: TierParams) -> None:
+        """Take the tier's settings (again on a reload: what is queued stays)."""
+        self.priority = tier.priority
+        self.budget_s = tier.budget_s
+        """Queue budget in seconds (None: no budget, never expires or ages)."""
+        self.delays = tier.delays
+        """True for on_timeout: delay (age past the budget), False for reject."""
+        self.max_len = tier.max_len
+        self.max_wait_s = tier.max_wait_s
+        self.max_batch_size = tier.max_batch_size
+        self.max_batch_tokens = tier.max_batch_tokens
+        self.preemptible = tier.preemptible
 
     def __len__(self) -> int:
         return len(self._by_age)
