@@ -29,7 +29,9 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from qosgate.config.loader import load_model
-from qosgate.config.models import NonNegativeFloat, PositiveFloat, PositiveInt, StrictModel
+from qosgate.config.models import (
+    NonNegativeFloat, PositiveFloat, PositiveInt, StrictModel, check_name, check_tier_names,
+)  # fmt: skip
 from qosgate.sim.scenario import (
     LengthDist,
     LengthsConfig,
@@ -38,18 +40,9 @@ from qosgate.sim.scenario import (
     TrafficShape,
 )
 
-# Tier and tenant names become the keys of the result JSON and go through the
-# policy models for the report, so they follow the policy's naming rule.
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 DEFAULT_SWEEP = (1, 4, 8, 16, 32, 64)
-
-
-def _check_name(value: str) -> str:
-    if not _NAME.match(value):
-        raise ValueError("must be 1-64 letters, digits, '_', '.', '-'")
-    return value
 
 
 class BenchTier(StrictModel):
@@ -98,10 +91,7 @@ class BenchClass(TrafficShape):
     priority: Annotated[int, Field(ge=0, le=1000)] | None = None
     """Sent as the body's `priority` (qosgate: levels below the tier); None: not sent."""
 
-    @field_validator("name", "tier", "tenant")
-    @classmethod
-    def _names(cls, value: str | None) -> str | None:
-        return None if value is None else _check_name(value)
+    _names = field_validator("name", "tier", "tenant")(check_name)
 
     @field_validator("api_key_env")
     @classmethod
@@ -193,13 +183,7 @@ class BenchScenario(StrictModel):
     """Fields added to every request body (e.g. `ignore_eos: true` for vLLM);
     the scenario's own fields (model, messages/prompt, max_tokens, stream) win."""
 
-    @field_validator("tiers")
-    @classmethod
-    def _tier_names(cls, value: dict[str, BenchTier]) -> dict[str, BenchTier]:
-        for name in value:
-            if not _NAME.match(name):
-                raise ValueError(f"tier name {name!r}: must be 1-64 letters, digits, '_', '.', '-'")
-        return value
+    _tier_names = field_validator("tiers")(check_tier_names)
 
     @model_validator(mode="after")
     def _consistent(self) -> BenchScenario:

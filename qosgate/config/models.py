@@ -99,6 +99,22 @@ EngineArg = (
 )
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+_NAME_RULE = "must be 1-64 letters, digits, '_', '.', '-'"
+
+
+def check_name(value: str | None) -> str | None:
+    """The naming rule of tiers, tenants and nodes (bench scenarios' too:
+    their names go through these models for the report)."""
+    if value is not None and not _NAME.match(value):
+        raise ValueError(_NAME_RULE)
+    return value
+
+
+def check_tier_names(value: dict[str, Any]) -> dict[str, Any]:
+    for name in value:
+        if not _NAME.match(name):
+            raise ValueError(f"tier name {name!r}: {_NAME_RULE}")
+    return value
 _KEY_REF = re.compile(r"^(sha256:[0-9a-f]{64}|env:[A-Za-z_][A-Za-z0-9_]*)$")
 
 
@@ -304,12 +320,7 @@ class TenantConfig(StrictModel):
     quotas: TenantQuotas = TenantQuotas()
     """Token and request quotas."""
 
-    @field_validator("id")
-    @classmethod
-    def _id_shape(cls, value: str) -> str:
-        if not _NAME.match(value):
-            raise ValueError("must be 1-64 letters, digits, '_', '.', '-'")
-        return value
+    _id_shape = field_validator("id")(check_name)
 
     @field_validator("api_keys")
     @classmethod
@@ -487,12 +498,7 @@ class FleetConfig(StrictModel):
     """How long a session or tenant stays bound to its node after its last
     request was taken."""
 
-    @field_validator("node_id")
-    @classmethod
-    def _node_name(cls, value: str | None) -> str | None:
-        if value is not None and not _NAME.match(value):
-            raise ValueError("must be 1-64 letters, digits, '_', '.', '-'")
-        return value
+    _node_name = field_validator("node_id")(check_name)
 
 
 class PolicyConfig(StrictModel):
@@ -519,13 +525,7 @@ class PolicyConfig(StrictModel):
     fleet: FleetConfig | None = None
     """Distributed mode (None: one node, the default)."""
 
-    @field_validator("tiers")
-    @classmethod
-    def _tier_names(cls, value: dict[str, TierConfig]) -> dict[str, TierConfig]:
-        for name in value:
-            if not _NAME.match(name):
-                raise ValueError(f"tier name {name!r}: must be 1-64 letters, digits, '_', '.', '-'")
-        return value
+    _tier_names = field_validator("tiers")(check_tier_names)
 
     @model_validator(mode="after")
     def _references(self) -> PolicyConfig:
