@@ -177,6 +177,21 @@ def test_gamma_burstiness_raises_interarrival_cv(policy):
     assert len(t_bursty) == pytest.approx(20_000, rel=0.1)
 
 
+@pytest.mark.parametrize("cv", [2.0, 4.0])
+def test_gamma_gaps_have_the_rate_and_cv_asked_for(policy, cv):
+    # The B3 sweep's bursty arrivals: the rate must stay the asked one while the
+    # gaps' coefficient of variation is the burstiness.
+    bursty = scenario(
+        duration_s=20_000.0,
+        classes=[{"tenant": "alice"}],
+        arrivals={"rate_rps": 5.0, "process": "gamma", "burstiness": cv},
+    )
+    times = [a.t for a in generate_arrivals(bursty, policy, 5.0, seed=7)]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert statistics.fmean(gaps) == pytest.approx(1 / 5.0, rel=0.05)
+    assert _cv(times) == pytest.approx(cv, rel=0.1)
+
+
 def test_max_tokens_rules(policy):
     cap = generate_arrivals(scenario(max_tokens="cap"), policy, 10.0, seed=0)
     caps = {"interactive": 1024, "standard": 2048, "batch": 4096}

@@ -75,6 +75,7 @@ def _tier_stats(
 
     ttfts = sorted(r.first_token_at - r.arrival for r in requests if r.first_token_at is not None)
     waits = sorted(w for w in map(_queue_wait, requests) if w is not None)
+    served_waits = [r.dispatched_at - r.arrival for r in requests if r.dispatched_at is not None]
     e2es = sorted(
         r.finished_at - r.arrival
         for r in requests
@@ -97,6 +98,7 @@ def _tier_stats(
         "ttft_p99_s": percentile(ttfts, 99),
         "queue_wait_p99_s": percentile(waits, 99),
         "queue_wait_max_s": waits[-1] if waits else None,
+        "served_wait_max_s": max(served_waits, default=None),
         "e2e_p50_s": percentile(e2es, 50),
         "e2e_p99_s": percentile(e2es, 99),
         "goodput_rps": met / window_len,
