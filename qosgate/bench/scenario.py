@@ -32,13 +32,7 @@ from qosgate.config.loader import load_model
 from qosgate.config.models import (
     NonNegativeFloat, PositiveFloat, PositiveInt, StrictModel, check_name, check_tier_names,
 )  # fmt: skip
-from qosgate.sim.scenario import (
-    LengthDist,
-    LengthsConfig,
-    LengthsOverride,
-    MetricsConfig,
-    TrafficShape,
-)
+from qosgate.sim.scenario import LengthsConfig, LengthsOverride, MetricsConfig, TrafficShape
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -237,12 +231,7 @@ class BenchScenario(StrictModel):
 
     def class_lengths(self, cls_: BenchClass) -> LengthsConfig:
         """The lengths a class draws from: its own, else the scenario's."""
-        own = cls_.lengths or LengthsOverride()
-        base = self.lengths
-        prompt: LengthDist | None = own.prompt or (base.prompt if base else None)
-        output: LengthDist | None = own.output or (base.output if base else None)
-        assert prompt is not None and output is not None  # guaranteed by validation
-        return LengthsConfig(prompt=prompt, output=output)
+        return (cls_.lengths or LengthsOverride()).over(self.lengths)
 
 
 def load_bench_scenario(path: str | Path) -> BenchScenario:

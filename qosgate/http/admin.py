@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import importlib.resources
@@ -151,20 +152,17 @@ def _json_text(value: Any) -> str:
     return orjson.dumps(value).decode()
 
 
-_DASHBOARD: bytes | None = None
+@functools.cache
+def _dashboard() -> bytes:
+    return importlib.resources.files("qosgate.http").joinpath("static/dashboard.html").read_bytes()
 
 
 async def dashboard_page(request: web.Request) -> web.Response:
     """The live page. It carries no data: the browser reads /admin/stats with
     the admin token, given once as `/dashboard#token=...` (a fragment never
     reaches a server or its logs) or typed into the page."""
-    global _DASHBOARD
-    if _DASHBOARD is None:
-        _DASHBOARD = (
-            importlib.resources.files("qosgate.http").joinpath("static/dashboard.html").read_bytes()
-        )
     return web.Response(
-        body=_DASHBOARD,
+        body=_dashboard(),
         content_type="text/html",
         charset="utf-8",
         headers={"Cache-Control": "no-cache", "Content-Security-Policy": "default-src 'self'; "

@@ -83,10 +83,7 @@ class ChatChunkChoice(_Open):
     finish_reason: str | None
 
 
-class CompletionChunkChoice(_Open):
-    index: Literal[0]
-    text: str
-    logprobs: Logprobs
+class CompletionChunkChoice(CompletionChoice):
     finish_reason: str | None
 
 

@@ -120,6 +120,13 @@ class LengthsOverride(StrictModel):
     output: LengthDist | None = None
     """True output tokens per request (None: the scenario's)."""
 
+    def over(self, base: LengthsConfig | None) -> LengthsConfig:
+        """These lengths, with what they leave out taken from `base`."""
+        prompt = self.prompt or (base.prompt if base else None)
+        output = self.output or (base.output if base else None)
+        assert prompt is not None and output is not None  # guaranteed by validation
+        return LengthsConfig(prompt=prompt, output=output)
+
 
 class ArrivalsConfig(StrictModel):
     """How requests arrive in time."""
@@ -357,12 +364,7 @@ class Scenario(StrictModel):
 
     def class_lengths(self, cls_: TrafficClass) -> LengthsConfig:
         """The lengths a class draws from: its own, else the scenario's."""
-        own = cls_.lengths or LengthsOverride()
-        base = self.lengths
-        prompt = own.prompt or (base.prompt if base else None)
-        output = own.output or (base.output if base else None)
-        assert prompt is not None and output is not None  # guaranteed by validation
-        return LengthsConfig(prompt=prompt, output=output)
+        return (cls_.lengths or LengthsOverride()).over(self.lengths)
 
 
 def load_scenario(path: str | Path) -> Scenario:
