@@ -6,11 +6,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from qosgate.backends.base import Backend
-    from qosgate.config.models import (
-        OpenAIBackendConfig,
-        SimBackendConfig,
-        VllmBackendConfig,
-    )
+    from qosgate.config.models import OpenAIBackendConfig, SimBackendConfig, VllmBackendConfig
 
 
 class BackendNotImplemented(NotImplementedError):

@@ -39,11 +39,7 @@ from qosgate.backends.base import (
     GenerationJob,
     dump_body,
 )
-from qosgate.backends.tokens import (
-    TokenizerCounter,
-    TokenizerUnavailable,
-    estimate_prompt_tokens,
-)
+from qosgate.backends.tokens import TokenizerCounter, TokenizerUnavailable, estimate_prompt_tokens
 from qosgate.backends.support import PASSTHROUGH
 from qosgate.config.models import OpenAIBackendConfig, UpstreamConfig
 from qosgate.core.scheduler import BackendCapacity

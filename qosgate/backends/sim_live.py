@@ -21,13 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from qosgate.backends.base import (
-    Backend,
-    BackendError,
-    BackendUnavailable,
-    Chunk,
-    GenerationJob,
-)
+from qosgate.backends.base import Backend, BackendError, BackendUnavailable, Chunk, GenerationJob
 from qosgate.backends.sim import SimEngine, StepResult
 from qosgate.backends.tokens import estimate_prompt_tokens
 from qosgate.backends import support
@@ -51,9 +45,7 @@ def filler_text(start: int, count: int) -> str:
     """Output tokens `start` .. `start + count - 1` of any simulated stream, one
     word per token; streams are deterministic so tests can check order."""
     n = len(_WORDS)
-    return "".join(
-        (" " if i else "") + _WORDS[i % n] for i in range(start, start + count)
-    )
+    return "".join((" " if i else "") + _WORDS[i % n] for i in range(start, start + count))
 
 
 _END = object()

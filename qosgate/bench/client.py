@@ -171,9 +171,7 @@ class Job:
                     error_type = f"http_{status}"
                 elif self.stream and response.content_type == "text/event-stream":
                     itl = []
-                    first, output, error_type, error_code = await self._read_stream(
-                        response, itl
-                    )
+                    first, output, error_type, error_code = await self._read_stream(response, itl)
                     outcome = COMPLETED if error_type is None else ERROR
                 else:
                     raw = await response.read()

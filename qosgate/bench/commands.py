@@ -117,12 +117,7 @@ def run_sweep(pool: Any, scenario: BenchScenario, cfg: dict[str, Any], seed: int
               client_workers: int, progress: Any = None) -> dict[str, Any]:
     from qosgate.bench.plan import sweep_pool
     from qosgate.bench.pool import split_users
-    from qosgate.bench.report import (
-        build_bench_report,
-        level_window,
-        records_from,
-        sweep_row,
-    )
+    from qosgate.bench.report import build_bench_report, level_window, records_from, sweep_row
 
     assert scenario.sweep is not None
     rows = []

@@ -70,9 +70,7 @@ def tier_level(tier: TierView, oldest_arrival: float, now: float, ageing: Ageing
     return level if level > 0 else 0
 
 
-def pick_tier(
-    heads: Iterable[tuple[T, float]], now: float, ageing: Ageing
-) -> tuple[T, int] | None:
+def pick_tier(heads: Iterable[tuple[T, float]], now: float, ageing: Ageing) -> tuple[T, int] | None:
     """Of the tiers that may release now, with their oldest arrivals, in
     (priority, name) order: the one to release from, and its level. Lowest
     level first; then the older head (so an aged request overtakes fresher

@@ -76,9 +76,7 @@ class SchedulePlan:
 class Scheduler:
     """One gateway's queues and the decisions over them."""
 
-    def __init__(
-        self, policy: SchedulingPolicy, *, drain_rate_hint: float | None = None
-    ) -> None:
+    def __init__(self, policy: SchedulingPolicy, *, drain_rate_hint: float | None = None) -> None:
         self.policy = policy
         self.kind = policy.kind
         self._admission = policy.admission
@@ -138,9 +136,7 @@ class Scheduler:
         self._queue_list = sorted(
             {id(q): q for q in self._queues.values()}.values(), key=lambda q: (q.priority, q.name)
         )
-        self._top_level = min(
-            self._queues[name].priority for name in policy.tiers
-        )
+        self._top_level = min(self._queues[name].priority for name in policy.tiers)
 
     def queue(self, tier: str) -> TierQueue:
         try:

@@ -104,9 +104,7 @@ class RedisWorkQueue(WorkQueue):
         done_retention_s: float = 86_400.0,
         affinity_ttl_s: float = 600.0,
     ) -> None:
-        super().__init__(
-            tiers, done_retention_s=done_retention_s, affinity_ttl_s=affinity_ttl_s
-        )
+        super().__init__(tiers, done_retention_s=done_retention_s, affinity_ttl_s=affinity_ttl_s)
         if client is None:
             # One retry on a fresh connection, so that a pooled connection the
             # server dropped (a restart) is not taken for an outage, as the

@@ -200,9 +200,7 @@ class MemoryWorkQueue(WorkQueue):
         done_retention_s: float = 86_400.0,
         affinity_ttl_s: float = 600.0,
     ) -> None:
-        super().__init__(
-            tiers, done_retention_s=done_retention_s, affinity_ttl_s=affinity_ttl_s
-        )
+        super().__init__(tiers, done_retention_s=done_retention_s, affinity_ttl_s=affinity_ttl_s)
         # Sorted lists of (arrival, id, item): the same order as a Redis
         # sorted set scored by arrival, whose ties go by member. Lists, not
         # heaps, because a claim may step past items held back for others.
@@ -373,9 +371,7 @@ class MemoryWorkQueue(WorkQueue):
         leases: list[Lease] = []
         expires_at = now + lease_s
         while len(leases) < max_items:
-            heads = {
-                name: q[0][0] for name, q in self._queues.items() if q and name not in passed
-            }
+            heads = {name: q[0][0] for name, q in self._queues.items() if q and name not in passed}
             tier = pick_tier(self.tiers, heads, now)
             if tier is None:
                 break

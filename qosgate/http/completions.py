@@ -60,9 +60,7 @@ async def _read_json(request: web.Request, state: AppState) -> Any:
             async with asyncio.timeout(timeout_s):
                 raw = await request.read()
     except TimeoutError:
-        raise RequestTimeout(
-            f"The request body did not arrive within {timeout_s:g} s."
-        ) from None
+        raise RequestTimeout(f"The request body did not arrive within {timeout_s:g} s.") from None
     except (HttpProcessingError, web.RequestPayloadError) as exc:
         # A broken chunked encoding, a body shorter than its Content-Length, a
         # gzip body that does not inflate: the client's fault, not a bug of ours.

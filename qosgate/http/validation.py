@@ -212,9 +212,7 @@ def _metadata(value: Any) -> dict[str, str]:
         raise _fail("too_long", f"at most 16 pairs, got {len(value)}")
     for key, item in value.items():
         if len(key) > 64 or not isinstance(item, str) or len(item) > 512:
-            raise _fail(
-                "metadata", "keys are strings of at most 64 characters, values at most 512"
-            )
+            raise _fail("metadata", "keys are strings of at most 64 characters, values at most 512")
     return value
 
 

@@ -18,13 +18,9 @@ from .metrics import GatewayMetrics
 
 
 class Observer:
-    def __init__(
-        self, policy: PolicyConfig, registry: CollectorRegistry | None = None
-    ) -> None:
+    def __init__(self, policy: PolicyConfig, registry: CollectorRegistry | None = None) -> None:
         obs = policy.observability
-        self.metrics = GatewayMetrics(
-            policy, registry, tenant_labels=obs.metrics_tenant_labels
-        )
+        self.metrics = GatewayMetrics(policy, registry, tenant_labels=obs.metrics_tenant_labels)
         self.log_requests = obs.log_requests
 
     def refused(self, tier: str, outcome: Outcome) -> None:

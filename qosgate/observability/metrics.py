@@ -59,9 +59,7 @@ class _Levels(Collector):
             tokens.add_metric([tier], t["queued_tokens"])
             oldest.add_metric([tier], t["oldest_wait_s"])
         backend = snap.get("backend", {})
-        inflight = GaugeMetricFamily(
-            f"{PREFIX}backend_inflight", "Requests the backend is running"
-        )
+        inflight = GaugeMetricFamily(f"{PREFIX}backend_inflight", "Requests the backend is running")
         inflight.add_metric([], snap.get("running", 0))
         capacity = GaugeMetricFamily(
             f"{PREFIX}backend_capacity", "Requests the backend could run at once (running + free slots)"

@@ -164,9 +164,7 @@ def generate_arrivals(
     ]
 
 
-def capacity_workload(
-    scenario: Scenario, policy: PolicyConfig, n: int, seed: int
-) -> list[Arrival]:
+def capacity_workload(scenario: Scenario, policy: PolicyConfig, n: int, seed: int) -> list[Arrival]:
     """n requests, all at t=0, with the scenario's mix of tenants and lengths.
 
     Classes are mixed in proportion to their long-run request rates (rate while
