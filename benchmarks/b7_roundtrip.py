@@ -54,8 +54,8 @@ sys.path.insert(0, str(ROOT))
 import redis.asyncio as aioredis  # noqa: E402
 
 from qosgate.config.models import PolicyConfig  # noqa: E402
-from qosgate.quotas.model import SLOTS, TenantLimits  # noqa: E402
-from qosgate.quotas.redis_store import RedisQuotaStore, _ttl_ms  # noqa: E402
+from qosgate.quotas.model import TenantLimits  # noqa: E402
+from qosgate.quotas.redis_store import RedisQuotaStore  # noqa: E402
 from qosgate.observability.stats import percentile  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
@@ -87,15 +87,8 @@ def delta(before: dict, after: dict) -> dict[str, tuple[int, float]]:
 def reserve_args(
     store: RedisQuotaStore, tenant: str, limits: TenantLimits, rid: str
 ) -> tuple[list[str], list[Any]]:
-    """The keys and arguments RedisQuotaStore._call sends for a reserve."""
-    keys = [store.key(tenant, rule.kind) for rule in limits.rates]
-    keys.append(store.key(tenant, "max_concurrency"))
-    argv: list[Any] = [repr(time.time()), rid, repr(600.0), SLOTS, len(limits.rates),
-                       limits.max_concurrency or 0, 1]  # fmt: skip
-    for rule in limits.rates:
-        need = 1 if rule.counts_requests else TOKENS
-        argv += [need, rule.limit, rule.burst, repr(rule.period_s), _ttl_ms(rule)]
-    return keys, argv
+    """The keys and arguments the store's reserve sends."""
+    return store.reserve_call(tenant, limits, TOKENS, rid, time.time(), 600.0, True)
 
 
 async def phase(op: str, n: int, concurrency: int, env: dict[str, Any]) -> list[float]:

@@ -151,7 +151,7 @@ class RedisQuotaStore(QuotaStore):
         except RedisError as exc:
             raise QuotaStoreError(f"redis failed: {exc}") from exc
 
-    async def _call(
+    def reserve_call(
         self,
         tenant: str,
         limits: TenantLimits,
@@ -161,7 +161,9 @@ class RedisQuotaStore(QuotaStore):
         lease_s: float,
         write: bool,
         holds: bool = False,
-    ) -> dict[str, Any]:
+    ) -> tuple[list[str], list[Any]]:
+        """The keys and arguments of the reserve script for one call (B7's
+        round-trip benchmark sends them bare, beside the store's own call)."""
         keys = [self.key(tenant, rule.kind) for rule in limits.rates]
         keys += [self.key(tenant, kind) for kind in ("max_concurrency", "generation", "recovery")]
         args: list[Any] = [
@@ -173,6 +175,20 @@ class RedisQuotaStore(QuotaStore):
         for rule in limits.rates:
             need = 1 if rule.counts_requests else tokens
             args += [need, rule.limit, rule.burst, repr(rule.period_s), _ttl_ms(rule.period_s)]
+        return keys, args
+
+    async def _call(
+        self,
+        tenant: str,
+        limits: TenantLimits,
+        tokens: int,
+        request_id: str,
+        now: float,
+        lease_s: float,
+        write: bool,
+        holds: bool = False,
+    ) -> dict[str, Any]:
+        keys, args = self.reserve_call(tenant, limits, tokens, request_id, now, lease_s, write, holds)
         raw = await self._run(self._reserve, keys, args)
         result = orjson.loads(raw)
         if result.get("stale"):
