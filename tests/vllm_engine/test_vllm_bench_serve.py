@@ -40,6 +40,7 @@ import yaml
 
 from qosgate.backends import build_backend
 from tests.http_support import Live, live_app, make_policy
+from tests.vllm_engine.vllm_cli import LISTENING
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -92,8 +93,8 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.lines: collections.deque[str] = collections.deque(maxlen=300)
         self.proc: asyncio.subprocess.Process | None = None
-        self._up: asyncio.Future[bool] | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._listening: asyncio.Future[bool] | None = None
 
     async def start(self) -> None:
         self.proc = await asyncio.create_subprocess_exec(
@@ -104,35 +105,38 @@ class VllmServer:
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             start_new_session=True, limit=1 << 20,
         )  # fmt: skip
-        self._up = asyncio.get_running_loop().create_future()
+        self._listening = asyncio.get_running_loop().create_future()
         self._reader = asyncio.create_task(self._read())
 
     async def _read(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None and self._up is not None
+        assert self.proc is not None and self.proc.stdout is not None
+        assert self._listening is not None
         async for raw in self.proc.stdout:
             line = raw.decode(errors="replace").rstrip()
             self.lines.append(line)
-            if "Application startup complete" in line and not self._up.done():
-                self._up.set_result(True)
-        if not self._up.done():
-            self._up.set_result(False)  # it exited before it served
+            if line == LISTENING and not self._listening.done():
+                self._listening.set_result(True)
+        if not self._listening.done():
+            self._listening.set_result(False)  # it exited before it listened
 
     async def ready(self) -> None:
-        """Until /health answers 200, or the process has exited. The engine
-        loads for tens of seconds: /health is asked only once uvicorn has said
-        the app is up. Its socket listens a moment later, and nothing says
-        when (uvicorn, handed vLLM's pre-bound socket, logs nothing once it
-        listens), so that moment alone is polled for, bounded."""
-        assert self._up is not None and self.proc is not None
-        async with asyncio.timeout(START_LIMIT_S), aiohttp.ClientSession() as http:
-            up = await asyncio.shield(self._up)
-            while up and self.proc.returncode is None:
-                with contextlib.suppress(aiohttp.ClientConnectionError):
-                    async with http.get(self.url + "/health") as r:
-                        if r.status == 200:
-                            return
-                await asyncio.sleep(0.05)  # no event marks the listen (above)
-        raise AssertionError("vllm serve exited before it served:\n" + "\n".join(self.lines))
+        """Until /health answers 200, or the process has exited. Its socket
+        listens from its bind on, before the engine loads (vllm_cli.py), so
+        the one request waits in the kernel's backlog and is answered once
+        uvicorn serves; a process that exits resets it."""
+        assert self._listening is not None
+        unbounded = aiohttp.ClientTimeout(total=None)  # the START_LIMIT_S guard bounds it
+        async with asyncio.timeout(START_LIMIT_S), aiohttp.ClientSession(timeout=unbounded) as http:
+            try:
+                if not await asyncio.shield(self._listening):
+                    raise aiohttp.ClientConnectionError("no listening socket")
+                async with http.get(self.url + "/health") as r:
+                    if r.status == 200:
+                        return
+                    why = f"vllm serve answered /health with {r.status}"
+            except aiohttp.ClientConnectionError:
+                why = "vllm serve exited before it served"
+        raise AssertionError(why + ":\n" + "\n".join(self.lines))
 
     async def stop(self) -> None:
         proc = self.proc
