@@ -279,8 +279,10 @@ class LocalLimiter:
 
     def holds(self, tenant: str, now: float) -> bool:
         """Whether anything of the tenant is in a window or in flight."""
-        windows = self._windows.get(tenant, {})
-        return bool(self._live(tenant, now)) or any(w.prune(k, now) for k, w in windows.items())
+        # Asked at every reservation: it makes no entry for a tenant it does not know.
+        if tenant in self._inflight and self._live(tenant, now):
+            return True
+        return any(w.prune(k, now) for k, w in self._windows.get(tenant, {}).items())
 
     def tenants(self, now: float) -> set[str]:
         """The tenants with anything in a window or in flight; the others are

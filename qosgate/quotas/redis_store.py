@@ -178,17 +178,9 @@ class RedisQuotaStore(QuotaStore):
         return keys, args
 
     async def _call(
-        self,
-        tenant: str,
-        limits: TenantLimits,
-        tokens: int,
-        request_id: str,
-        now: float,
-        lease_s: float,
-        write: bool,
-        holds: bool = False,
+        self, tenant: str, call: tuple[list[str], list[Any]], write: bool
     ) -> dict[str, Any]:
-        keys, args = self.reserve_call(tenant, limits, tokens, request_id, now, lease_s, write, holds)
+        keys, args = call
         raw = await self._run(self._reserve, keys, args)
         result = orjson.loads(raw)
         if result.get("stale"):
@@ -226,7 +218,8 @@ class RedisQuotaStore(QuotaStore):
         lease_s: float,
         holds: bool = False,
     ) -> QuotaDecision:
-        result = await self._call(tenant, limits, tokens, request_id, now, lease_s, True, holds)
+        call = self.reserve_call(tenant, limits, tokens, request_id, now, lease_s, True, holds)
+        result = await self._call(tenant, call, True)
         states, views = self._states(limits, result, now)
         if result["ok"] == 1:
             reservation = Reservation(
@@ -328,7 +321,8 @@ class RedisQuotaStore(QuotaStore):
             raise QuotaStoreError(f"redis unreachable: {exc}") from exc
 
     async def usage(self, tenant: str, limits: TenantLimits, now: float) -> tuple[LimitState, ...]:
-        result = await self._call(tenant, limits, 0, "", now, 0.0, False)
+        call = self.reserve_call(tenant, limits, 0, "", now, 0.0, False)
+        result = await self._call(tenant, call, False)
         return self._states(limits, result, now)[0]
 
     async def ping(self) -> None:
