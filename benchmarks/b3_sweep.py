@@ -120,6 +120,13 @@ def interactive_capacity_rps(scenario: Scenario, seed: int) -> float:
     return measure_capacity(only.engine, sample)[0]
 
 
+def stated_bounds(scenario: Scenario) -> dict[str, float | None]:
+    """Tier -> the longest queue wait the policy lets a served request have
+    (docs/SCHEDULING.md, "The bounds"): the expiry of reject and delay tiers."""
+    return {name: None if tier.expiry_ms is None else tier.expiry_ms / 1000.0
+            for name, tier in scenario.policy.tiers.items()}
+
+
 def interactive_share(scenario: Scenario) -> float:
     tiers = {tenant.id: tenant.tier for tenant in scenario.policy.tenants}
     total = sum(c.effective_share for c in scenario.classes)
@@ -147,6 +154,7 @@ def run_sweep(
                     "capacity_rps": sim.capacity_rps,
                     "rate_rps": result["rate_rps"],
                     "interactive_demand": result["rate_rps"] * share / own_capacity,
+                    "bounds": stated_bounds(scenario),
                     "policies": result["policies"],
                 }
                 print(f"  {cell}: {time.process_time() - started:.1f} CPU s",
@@ -194,6 +202,8 @@ class Check:
 
     @property
     def passed(self) -> bool:
+        if self.op == "<=":
+            return self.value <= self.threshold
         return self.value >= self.threshold if self.op == ">=" else self.value == self.threshold
 
 
@@ -226,6 +236,17 @@ def evaluate(table: dict[Cell, dict]) -> list[Check]:
         thr_f = figure(table, cell, "fcfs", "totals", "throughput_tokens_per_s")
         checks.append(Check(cell, "qos throughput / fcfs throughput",
                             ratio(thr_q, thr_f, f"{cell}: fcfs throughput"), THROUGHPUT_FLOOR))
+        if "bounds" not in entry:
+            raise SweepError(f"{cell}: the tiers' stated bounds are missing")
+        for tier, bound in entry["bounds"].items():
+            if bound is None:
+                continue
+            try:
+                waited = figure(table, cell, "qos", "tiers", tier, "served_wait_max_s")
+            except SweepError:
+                continue  # the tier served nothing in this cell: nothing waited
+            checks.append(Check(cell, f"{tier} max served wait (qos) within its stated bound",
+                                waited, bound, "<="))
         for policy in POLICIES:
             checks.append(Check(cell, f"requests lost ({policy})",
                                 figure(table, cell, policy, "totals", "lost"), 0.0, "=="))

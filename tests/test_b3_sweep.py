@@ -33,6 +33,7 @@ def table(loads=(1.0, 2.0), demand=0.2, **qos) -> dict:
     return {
         Cell("b3", "poisson", load): {
             "capacity_rps": 10.0, "rate_rps": 10.0 * load, "interactive_demand": demand,
+            "bounds": {"interactive": 0.25, "standard": 1.5, "batch": 30.0},
             "policies": {"qos": report(**qos), "strict": report(), "fcfs": report()},
         }
         for load in loads
@@ -41,8 +42,9 @@ def table(loads=(1.0, 2.0), demand=0.2, **qos) -> dict:
 
 def test_rules_pass_on_good_figures():
     checks = sweep.evaluate(table())
-    # 2 cells: demand rule, 2 x vs strict, throughput, 3 x lost, plus goodput at 1x and 2x
-    assert len(checks) == 2 * 7 + 2
+    # 2 cells: demand rule, 2 x vs strict, throughput, 3 x bound, 3 x lost, plus goodput at
+    # 1x and 2x
+    assert len(checks) == 2 * 10 + 2
     assert all(check.passed for check in checks)
 
 
@@ -78,6 +80,15 @@ def test_each_rule_fails_with_its_cell_and_figures():
         "FAIL  mix=b3 arrivals=poisson load=2x: qos throughput / fcfs throughput: 0.900 >= 0.980",
         "FAIL  mix=b3 arrivals=poisson load=2x: requests lost (qos): 2.000 == 0.000",
     ]
+
+
+def test_a_served_wait_past_its_tiers_stated_bound_fails():
+    cells = table()
+    cells[Cell("b3", "poisson", 2.0)]["policies"]["qos"]["tiers"]["batch"][
+        "served_wait_max_s"] = 30.5
+    failed = [sweep.format_check(c) for c in sweep.evaluate(cells) if not c.passed]
+    assert failed == ["FAIL  mix=b3 arrivals=poisson load=2x: batch max served wait (qos) "
+                      "within its stated bound: 30.500 <= 30.000"]
 
 
 def test_a_rule_on_a_policy_not_run_is_an_error():

@@ -365,15 +365,25 @@ def test_validate_good_file_prints_summary(capsys: pytest.CaptureFixture[str]) -
 def test_validate_warns_about_unbounded_waits_and_missing_slos(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    text = GOOD.replace("    priority: 1\n", "    priority: 5\n").replace(
+    text = GOOD.replace("    priority: 1\n", "    priority: 5\n    min_share: 0\n").replace(
         "    e2e_slo_ms: 60000\n", ""
     )
     path = tmp_path / "warn.yaml"
     path.write_text(text)
     assert main(["validate", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "max_boost" in out and "'slow'" in out
+    assert "tier 'slow' (on_timeout: delay) has min_share 0" in out
     assert "neither ttft_slo_ms nor e2e_slo_ms" in out
+
+
+def test_shares_and_expiry_are_checked_naming_the_field(tmp_path: Path) -> None:
+    many = GOOD.replace("    priority: 1\n", "    priority: 1\n    min_share: 0.3\n").replace(
+        "    priority: 0\n", "    priority: 0\n    min_share: 0.25\n")
+    with pytest.raises(ConfigError, match="tiers: the tiers' min_share add up to 0.55"):
+        load_policy_text(many)
+    early = GOOD.replace("    priority: 1\n", "    priority: 1\n    expire_after_ms: 1\n")
+    with pytest.raises(ConfigError, match="expire_after_ms must not be less than"):
+        load_policy_text(early)
 
 
 def test_schema_is_json_with_field_descriptions(capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,7 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qosgate.config.models import PolicyConfig
+from qosgate.config.scheduling import scheduling_policy
 from qosgate.core.request import Outcome, Request, RequestState
+from qosgate.core.scheduler import BackendCapacity, Scheduler
 
 from core_driver import Harness
 
@@ -116,47 +118,53 @@ def test_every_request_ends_once_nothing_lost_capacity_held(kind, fairness, pree
 
 @SETTINGS
 @given(
-    slots=st.integers(1, 3),
-    service=st.lists(st.floats(0.05, 1.0), min_size=1, max_size=50),
-    flood_gap=st.floats(0.01, 0.2),
-    batch_count=st.integers(1, 4),
+    flood=st.lists(st.tuples(st.integers(1, 400), st.integers(1, 300)), min_size=1, max_size=40),
+    batch=st.lists(st.tuples(st.integers(1, 400), st.integers(1, 300)), min_size=1, max_size=12),
+    share=st.sampled_from([0.02, 0.05, 0.2, 0.5]),
     fairness=st.sampled_from(["vtc", "fifo"]),
 )
-def test_ageing_bound_holds_for_a_trickle_under_a_flood(slots, service, flood_gap, batch_count,
-                                                       fairness):
-    """The ageing bound (docs/SCHEDULING.md): no admitted request waits longer than its tier's
-    max_queue_wait_ms + max_boost * interval_ms + one service time."""
-    budget, interval, max_boost, s_max = 2.0, 0.5, 2, 1.0
+def test_a_delay_tier_gets_its_share_under_a_flood(flood, batch, share, fairness):
+    """The share bound (docs/SCHEDULING.md): under a flood of interactive
+    work that never lets up, a delay tier with `min_share` s is released its
+    oldest request before more than W / s tokens of other work went out since
+    it was last released or had work queued, W that request's own work, plus
+    one request of the others (the one that crossed the line); so of all
+    tokens released while it has work queued, it gets at least s of them,
+    less one request of its own and one of the others."""
     policy = PolicyConfig.model_validate({
         "tiers": {
             "interactive": {"priority": 0, "max_queue_wait_ms": 500},
-            "batch": {"priority": 2, "max_queue_wait_ms": budget * 1000, "on_timeout": "delay"},
+            "batch": {"priority": 2, "max_queue_wait_ms": 1000, "on_timeout": "delay",
+                      "min_share": share},
         },
         "tenants": [{"id": "i", "tier": "interactive"}, {"id": "b", "tier": "batch"}],
-        "scheduler": {"fairness": fairness,
-                      "aging": {"interval_ms": interval * 1000, "max_boost": max_boost}},
+        "scheduler": {"fairness": fairness},
     })
-    h = Harness(policy, slots=slots, service=lambda r: service[r.seq % len(service)],
-                drain_rate_hint=1e9)  # admit the whole flood: the worst case for batch
-    bound = budget + max_boost * interval + s_max
-    horizon = (bound + 1.0) * batch_count + 1.0
-    batch_times = [0.3 + k * (bound + 1.0) for k in range(batch_count)]
-    t, n = 0.0, 0
-    while t < horizon:
-        while batch_times and batch_times[0] <= t:
-            bt = batch_times.pop(0)
-            h.advance(bt)
-            n += 1
-            h.submit(Request(f"b{n}", "b", "batch", 10, 10, h.now))
-        h.advance(t)
-        n += 1
-        h.submit(Request(f"i{n}", "i", "interactive", 10, 10, h.now))
-        t += flood_gap
-    h.drain()
-    batch = [r for r in h.all_requests if r.tier == "batch"]
-    assert batch and all(r.outcome is Outcome.COMPLETED for r in batch)
-    for r in batch:
-        assert r.queue_wait <= bound + 1e-9, (r.queue_wait, bound)
+    sched = Scheduler(scheduling_policy(policy), drain_rate_hint=1e12)  # admit the whole flood
+    queued = [Request(f"b{k}", "b", "batch", p, m, 0.0) for k, (p, m) in enumerate(batch)]
+    for r in queued:
+        assert sched.submit(r, 0.0).admitted
+    largest = max(r.work for r in queued)
+    others = total = mine = other_largest = 0
+    k = 0
+    while queued:
+        k += 1
+        prompt, max_tokens = flood[k % len(flood)]
+        now = k * 0.001
+        sched.submit(Request(f"i{k}", "i", "interactive", prompt, max_tokens, now), now)
+        [released] = sched.schedule(now, BackendCapacity(1, 10**12, 10**12)).dispatch
+        sched.finish(released.id, now, Outcome.COMPLETED, 1)
+        total += released.work
+        if released.tier == "batch":
+            assert released is queued[0]
+            assert others <= released.work / share + other_largest + 1e-6, (others, share)
+            queued.pop(0)
+            mine += released.work
+            others = 0
+        else:
+            others += released.work
+            other_largest = max(other_largest, released.work)
+        assert mine >= share * total - largest - other_largest - 1e-6, (mine, total, share)
 
 
 @SETTINGS

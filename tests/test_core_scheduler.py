@@ -73,18 +73,30 @@ def test_admission_counts_only_tiers_that_outrank():
     assert sched.submit(req("interactive"), 0.0).admitted
 
 
-def test_aged_delay_work_counts_ahead_of_the_level_it_reached():
+def test_delay_work_never_counts_ahead_of_a_latency_tier_however_long_it_waited():
+    # The inversion that made interactive refuse everything once batch alone
+    # neared capacity: batch (priority 2, budget 10 s) queued at t=0..9 has
+    # long spent its budget by t=21.5, but it never climbs past standard or
+    # interactive, so an interactive newcomer waits only for interactive
+    # work: none queued, so none.
     sched = Scheduler(scheduling_policy(policy()), drain_rate_hint=1000.0)
-    # Batch (priority 2, budget 10 s, 1 level/s) queued at t=0..9: by t=21.5
-    # the oldest has climbed to level 0 and outranks interactive newcomers,
-    # and more keeps climbing past them; interactive work alone would fit.
     for k in range(10):
         sched.submit(req("batch", at=float(k)), float(k))
-    assert sched.submit(req("interactive", at=5.0), 5.0).admitted
-    refused = sched.submit(req("interactive", at=21.5), 21.5)
-    assert not refused.admitted and refused.outcome is Outcome.REJECTED_OVERLOAD
-    assert refused.predicted_wait_s == pytest.approx(1.19, abs=0.01)
-    assert refused.retry_after_s == pytest.approx(refused.predicted_wait_s - 0.5)
+    late = sched.submit(req("interactive", at=21.5), 21.5)
+    assert late.admitted and late.predicted_wait_s == 0.0
+    assert sched.level(sched.queue("batch"), 21.5) == 2
+
+
+def test_admission_leaves_lower_tiers_their_guaranteed_shares():
+    # Batch (min_share 0.05 by default) has work queued: a standard newcomer
+    # is served from what its share leaves, 950 of 1000 tokens/s.
+    sched = Scheduler(scheduling_policy(policy()), drain_rate_hint=1000.0)
+    sched.schedule(0.0, FULL)  # saturated: newcomers wait for a slot of their own
+    for _ in range(5):
+        sched.submit(req("standard"), 0.0)
+    assert sched.submit(req("standard"), 0.0).predicted_wait_s == pytest.approx(1.2)
+    sched.submit(req("batch"), 0.0)
+    assert sched.submit(req("standard"), 0.0).predicted_wait_s == pytest.approx(1.4 / 0.95)
 
 
 def test_work_flowing_into_higher_tiers_lengthens_a_lower_tiers_predicted_wait():
@@ -192,22 +204,34 @@ def test_higher_tier_goes_first_regardless_of_arrival():
     assert plan.dispatch == [i, s, b]
 
 
-def test_ageing_lifts_a_delayed_request_to_the_top_after_budget_plus_boost():
-    sched = Scheduler(scheduling_policy(policy()), drain_rate_hint=10**6)
-    b = req("batch", at=0.0)
-    sched.submit(b, 0.0)
-    batch = sched.queue("batch")
-    # Budget 10 s, one level per 1 s, at most 2 levels: level 2 until 11 s,
-    # 1 from 11 s, 0 (the top) from 12 s on.
-    assert sched.level(batch, 10.9) == 2
-    assert sched.level(batch, 11.0) == 1
-    assert sched.level(batch, 12.0) == 0
-    assert sched.level(batch, 500.0) == 0
-    # At the top it goes before fresher interactive work (older first on ties).
-    i = req("interactive", at=12.0)
-    sched.submit(i, 12.0)
-    plan = sched.schedule(12.0, BackendCapacity(1, 10**9, 10**9))
-    assert plan.dispatch == [b]
+def test_ageing_lifts_a_delay_tier_past_delay_tiers_only():
+    tiers = {
+        "interactive": {"priority": 0, "max_queue_wait_ms": 500},
+        "standard": {"priority": 1, "max_queue_wait_ms": 2000},
+        "batch": {"priority": 2, "max_queue_wait_ms": 10_000, "on_timeout": "delay"},
+        "bulk": {"priority": 4, "max_queue_wait_ms": 10_000, "on_timeout": "delay"},
+    }
+    tenants = [{"id": "i1", "tier": "interactive"}, {"id": "s1", "tier": "standard"},
+               {"id": "b1", "tier": "batch"}, {"id": "k1", "tier": "bulk"}]
+    sched = Scheduler(scheduling_policy(policy(tiers=tiers, tenants=tenants)),
+                      drain_rate_hint=10**6)
+    k = req("bulk", "k1", at=0.0)
+    sched.submit(k, 0.0)
+    bulk = sched.queue("bulk")
+    # Budget 10 s, one level per 1 s, at most 2 levels: level 4 until 11 s,
+    # 3 from 11 s, batch's 2 from 12 s on; and batch never climbs at all:
+    # both stop below standard, which refuses late work.
+    assert sched.level(bulk, 10.9) == 4
+    assert sched.level(bulk, 11.0) == 3
+    assert sched.level(bulk, 12.0) == 2
+    assert sched.level(bulk, 500.0) == 2
+    # At batch's level it goes before fresher batch work (older first on
+    # ties), never before standard or interactive.
+    b, s_, i = req("batch", at=12.0), req("standard", at=12.0), req("interactive", at=12.0)
+    for r in (b, s_, i):
+        sched.submit(r, 12.0)
+    plan = sched.schedule(12.0, BackendCapacity(4, 10**9, 10**9))
+    assert plan.dispatch == [i, s_, k, b]
 
 
 def test_strict_never_ages():

@@ -1,8 +1,8 @@
 """The fleet's Lua scripts against the core's rules.
 
-The Redis store restates three of the core's rules inside its scripts,
+The Redis store restates four of the core's rules inside its scripts,
 because they must run atomically with the state they read: the tier choice
-with ageing (claim), the update of a tier's arrival-rate average (enqueue;
+with ageing and the tiers' share credits (claim), the update of a tier's arrival-rate average (enqueue;
 admission's inflow correction reads it back) and the VTC lift to the floor
 (every push). Its admissions are the core's predicted_wait over what it
 reads from Redis, so they check its stored load too. This test
@@ -12,8 +12,9 @@ in what order, admissions and refusals with their predicted wait, whether a
 preemption is still needed, and every tenant's counter):
 
 - `CoreModel`, below: plain lists, every decision taken by calling
-  qosgate/core (ordering.pick_tier, admission.predicted_wait and
-  ArrivalRate, fairness.lifted, ordering.preemption_victim);
+  qosgate/core (ordering.pick_tier and share_credit,
+  admission.predicted_wait and ArrivalRate, fairness.lifted,
+  ordering.preemption_victim);
 - MemoryWorkQueue;
 - RedisWorkQueue, on a real redis-server.
 
@@ -42,11 +43,14 @@ T0 = 1_700_000_000.0
 TENANTS = ["a", "b", "c", "d"]
 NODES = ["n1", "n2", "n3"]
 RATES = [0.0, 35.0, 120.25, 1234.5678, 9000.0]
-# gold and silver refuse late work at the door; bronze and batch age.
+# gold and silver refuse late work at the door; bronze and batch age, but
+# only as far as bronze's level (their age floor, below silver); silver,
+# bronze and batch have guaranteed shares.
 TIERS = FleetTiers.of(
     {"gold": 0, "silver": 1, "bronze": 2, "batch": 4}, interval_s=0.75, max_boost=3, fair=True,
     budgets={"gold": 2.0, "silver": 1.0, "bronze": 0.5, "batch": 0.25},
-    delays=["bronze", "batch"], inflow_tau_s=3.0,
+    delays=["bronze", "batch"], shares={"silver": 0.1, "bronze": 0.15, "batch": 0.05},
+    inflow_tau_s=3.0,
 )  # fmt: skip
 PREEMPTIBLE = {"gold": False, "silver": True, "bronze": True, "batch": True}
 
@@ -64,6 +68,8 @@ class CoreModel:
         self.counters: dict[str, dict[str, float]] = {t: {} for t in tiers.names()}
         self.served: dict[str, float] = {}
         self.inflow = {t: ArrivalRate(tiers.inflow_tau_s) for t in tiers.names()}
+        self.credits: dict[str, float] = {}
+        self.share_turns = 0  # claims a share credit sent out of priority order
         self.tokens = 0
 
     def _in(self, tier: str, tenant: str | None = None) -> list[WorkItem]:
@@ -108,14 +114,14 @@ class CoreModel:
             views = [
                 SimpleNamespace(
                     priority=t.priority, delays=t.delays, budget_s=t.budget_s,
-                    work=sum(i.work for i in self._in(t.name)),
+                    min_share=t.min_share, work=sum(i.work for i in self._in(t.name)),
                     oldest_arrival=min((i.arrival for i in self._in(t.name)), default=None),
                     inflow_rate=self.inflow[t.name].rate,
                 )
                 for t in self.tiers.tiers
             ]  # fmt: skip
             predicted = admission.predicted_wait(
-                tier.priority, item.work, views, item.arrival, self.tiers.ageing,
+                tier.priority, item.work, views, item.arrival,
                 own_slot=room <= 0, room_work=room * item.work, drain=drain,
             )  # fmt: skip
             if predicted > tier.budget_s:
@@ -132,16 +138,25 @@ class CoreModel:
         taken = []
         while len(taken) < max_items:
             heads = [
-                (t, self._in(t.name)[0].arrival) for t in self.tiers.tiers if self._in(t.name)
-            ]
+                (t, head.arrival, ordering.share_owed(self.credits.get(t.name, 0.0), head.work))
+                for t in self.tiers.tiers if self._in(t.name) and (head := self._in(t.name)[0])
+            ]  # fmt: skip
             chosen = ordering.pick_tier(heads, now, self.tiers.ageing)
             if chosen is None:
                 break
             tier = chosen[0].name
+            unowed = [(t, oldest, False) for t, oldest, _ in heads]
+            self.share_turns += ordering.pick_tier(unowed, now, self.tiers.ageing) != chosen
             counters = self.counters[tier]
             tenant = min((counters[i.tenant], i.tenant) for i in self._in(tier))[1]
             item = self._in(tier, tenant)[0]
-            del self.queued[item.id]
+            self._unqueue(item.id)
+            for t in self.tiers.tiers:
+                if t.min_share and self._in(t.name):
+                    self.credits[t.name] = ordering.share_credit(
+                        self.credits.get(t.name, 0.0), t.min_share, item.work,
+                        taken=t.name == tier,
+                    )  # fmt: skip
             self.served[tier] = self._charge(item, item.charge)
             self.tokens += 1
             self.held[item.id] = (item, node, self.tokens, now + lease_s)
@@ -186,8 +201,14 @@ class CoreModel:
         self._slot_back(node)
         return True
 
+    def _unqueue(self, item_id: str) -> None:
+        item = self.queued.pop(item_id)
+        if not self._in(item.tier):
+            self.credits.pop(item.tier, None)  # an emptied tier starts from 0
+
     def cancel(self, item_id: str, only_queued: bool) -> str | None:
-        if self.queued.pop(item_id, None) is not None:
+        if item_id in self.queued:
+            self._unqueue(item_id)
             self.ended.add(item_id)
             return "queued"
         if item_id in self.held:
@@ -315,6 +336,7 @@ async def test_core_memory_and_lua_decide_alike(redis_server):
                 for store in stores:
                     assert await store.depth() == depth, step
         # Every rule was exercised, not only the easy paths.
+        seen["share turns"] = core.share_turns
         assert all(count > 20 for count in seen.values()), seen
     finally:
         await lua.close()
@@ -322,11 +344,14 @@ async def test_core_memory_and_lua_decide_alike(redis_server):
 
 def test_the_core_model_follows_the_core():
     """The model's decisions are the core's: a tier aged to a fresher
-    tier's level goes first when its head is older (ordering.pick_tier)."""
+    tier's level goes first when its head is older, but ageing stops at the
+    floor below the tiers that refuse late work (ordering.pick_tier)."""
     core = CoreModel(TIERS)
     core.enqueue(WorkItem("old", "batch", "a", T0, b"", work=10), None)
-    core.enqueue(WorkItem("new", "silver", "a", T0 + 2.9, b"", work=10), None)
-    # By T0 + 3: batch (4) has climbed 3 levels to silver's 1 (0.25 s budget,
-    # 0.75 s a level); silver's head has not spent its 1 s budget.
-    taken = [item_id for item_id, _ in core.claim("n1", 2, T0 + 3.0, 1.0, 0.0)]
-    assert taken == ["old", "new"]
+    core.enqueue(WorkItem("new", "bronze", "a", T0 + 2.9, b"", work=10), None)
+    core.enqueue(WorkItem("std", "silver", "a", T0 + 2.9, b"", work=10), None)
+    # By T0 + 3 batch (4) would have climbed 3 levels to 1 (0.25 s budget,
+    # 0.75 s a level), but its floor is bronze's 2: it passes bronze's fresher
+    # head, never silver's.
+    taken = [item_id for item_id, _ in core.claim("n1", 3, T0 + 3.0, 1.0, 0.0)]
+    assert taken == ["std", "old", "new"]

@@ -50,7 +50,6 @@ def policy_warnings(policy: PolicyConfig) -> list[str]:
     """Settings that validate but probably do not do what the operator wants."""
     warnings: list[str] = []
     scheduler = policy.scheduler
-    max_boost = scheduler.aging.max_boost
     top_priority = min(tier.priority for tier in policy.tiers.values())
     for name, tier in policy.tiers.items():
         if tier.ttft_slo_ms is None and tier.e2e_slo_ms is None:
@@ -60,19 +59,17 @@ def policy_warnings(policy: PolicyConfig) -> list[str]:
             )
         if tier.on_timeout != "delay" or tier.priority <= top_priority:
             continue
-        # A delayed request must be able to age up to the most important tier, or a
-        # steady stream of that tier's work starves it and the documented bound
-        # (budget + max_boost * interval + one service time) does not hold.
-        if scheduler.policy == "qos" and tier.priority - max_boost > top_priority:
+        # Progress under sustained higher-tier load comes from the tier's
+        # guaranteed share, which only `qos` gives.
+        if scheduler.policy == "qos" and tier.share == 0:
             warnings.append(
-                f"tier {name!r} (on_timeout: delay) has priority {tier.priority} but "
-                f"scheduler.aging.max_boost is {max_boost}: ageing cannot lift it to priority "
-                f"{top_priority}, so its wait is unbounded under sustained higher-tier load"
+                f"tier {name!r} (on_timeout: delay) has min_share 0: under sustained load "
+                "from the tiers above it, its wait is unbounded"
             )
         if scheduler.policy == "strict":
             warnings.append(
                 f"tier {name!r} (on_timeout: delay) can wait without bound: "
-                "scheduler.policy 'strict' never ages requests"
+                "scheduler.policy 'strict' gives no tier a guaranteed share"
             )
     preemptible = [name for name, tier in policy.tiers.items() if tier.preemptible]
     if scheduler.preemption and not preemptible:

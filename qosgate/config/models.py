@@ -37,6 +37,10 @@ MIN_FACTOR, MAX_FACTOR = 1e-6, 10**6
 """Weights and speed factors: their ratios stay far from a float's range."""
 MAX_LEVEL = 1000
 """Priority levels."""
+MAX_SHARES = 0.5
+"""Most of the capacity the tiers' guaranteed shares may take together."""
+DEFAULT_DELAY_SHARE = 0.05
+"""A `delay` tier's min_share when the policy gives none."""
 MAX_BODY_BYTES = 1 << 30
 
 
@@ -80,6 +84,8 @@ Factor = _number(float, ge=MIN_FACTOR, le=MAX_FACTOR)
 FactorOrZero = _number(float, ge=0, le=MAX_FACTOR)
 ByteRate = _number(float, ge=0, le=MAX_BODY_BYTES)
 """Bytes per second (0: no floor)."""
+Share = _number(float, ge=0, le=MAX_SHARES)
+"""A fraction of the backend's capacity."""
 TokenRate = _number(float, ge=MIN_FACTOR, le=MAX_COUNT)
 """Tokens per second; predicted waits divide by it."""
 
@@ -188,6 +194,17 @@ class TierConfig(StrictModel):
     max_queue_wait_ms: Millis = 30_000.0
     """Queue budget: predicted waits beyond it are refused (reject) and queued
     requests reaching it expire (reject) or start ageing (delay)."""
+    expire_after_ms: Millis | None = None
+    """`delay` tiers: queue wait at which a request stops waiting and expires
+    (504). Default: half the tier's e2e_slo_ms, leaving the other half for
+    its service, but no less than max_queue_wait_ms; without an e2e_slo_ms,
+    none (it waits until served; min_share guarantees it progress)."""
+    min_share: Share | None = None
+    """Under `qos`: the fraction of the tokens released to the backend that
+    this tier is guaranteed while it has work queued, however much more
+    important tiers ask for. Default: 0.05 for `delay` tiers (so they never
+    starve), 0 for `reject` tiers (what they cannot be served is refused at
+    the door)."""
     max_queue_len: Count = 10_000
     """Cap on queued requests of this tier; beyond it requests get 429."""
     on_timeout: Literal["reject", "delay"] = "reject"
@@ -215,7 +232,29 @@ class TierConfig(StrictModel):
     def _default_within_cap(self) -> TierConfig:
         if self.default_max_tokens is not None and self.default_max_tokens > self.max_tokens:
             raise ValueError("default_max_tokens must not exceed max_tokens")
+        if self.expire_after_ms is not None:
+            if self.on_timeout != "delay":
+                raise ValueError("expire_after_ms applies to on_timeout: delay tiers only "
+                                 "(a reject tier's requests expire at max_queue_wait_ms)")
+            if self.expire_after_ms < self.max_queue_wait_ms:
+                raise ValueError("expire_after_ms must not be less than max_queue_wait_ms")
         return self
+
+    @property
+    def expiry_ms(self) -> float | None:
+        """Queue wait at which a queued request expires (None: never)."""
+        if self.on_timeout == "reject":
+            return self.max_queue_wait_ms
+        if self.expire_after_ms is not None or self.e2e_slo_ms is None:
+            return self.expire_after_ms
+        return max(self.max_queue_wait_ms, self.e2e_slo_ms / 2)
+
+    @property
+    def share(self) -> float:
+        """min_share, or its default."""
+        if self.min_share is not None:
+            return self.min_share
+        return DEFAULT_DELAY_SHARE if self.on_timeout == "delay" else 0.0
 
 
 class AgingConfig(StrictModel):
@@ -530,6 +569,13 @@ class PolicyConfig(StrictModel):
     @model_validator(mode="after")
     def _references(self) -> PolicyConfig:
         errors: list[str] = []
+        shares = sum(tier.share for tier in self.tiers.values())
+        if shares > MAX_SHARES:
+            errors.append(
+                f"tiers: the tiers' min_share add up to {shares:g} (defaults included: 0.05 "
+                f"per delay tier); at most {MAX_SHARES:g}, so the rest of the capacity still "
+                "goes by priority"
+            )
         seen: dict[str, int] = {}
         for index, tenant in enumerate(self.tenants):
             if tenant.id in seen:

@@ -6,8 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Protocol
 
-from qosgate.core.ordering import TierView, aged_work
-from qosgate.core.policy import Ageing
+from qosgate.core.ordering import TierView
 from qosgate.core.request import Outcome
 
 
@@ -54,7 +53,7 @@ class TierLoad(TierView, Protocol):
         """Tokens (prompt + expected output) of its queued requests."""
 
     @property
-    def oldest_arrival(self) -> float | None: ...
+    def min_share(self) -> float: ...
 
     def inflow_rate(self, now: float) -> float:
         """Tokens/s of work arriving in it (ArrivalRate)."""
@@ -65,40 +64,35 @@ def predicted_wait(
     work: int,
     tiers: Iterable[TierLoad],
     now: float,
-    ageing: Ageing,
     *,
     own_slot: bool,
     room_work: float,
     drain: float,
 ) -> float:
     """How long a newcomer of `work` tokens at `priority` is expected to
-    wait: the work ahead of it (everything queued at its level or above,
-    `delay`-tier work aged to its level, its own work for a slot of its own
-    when `own_slot`, less what the free room takes at once: `room_work`) over
-    the drain left beyond the work that keeps going ahead of it (the inflow
-    of more important tiers and the rate delay-tier work climbs past it)."""
+    wait: the work served before it (everything queued at its priority or
+    above, its own work for a slot of its own when `own_slot`, less what the
+    free room takes at once: `room_work`) over the drain left to it: less
+    the guaranteed shares of the less important tiers with work queued
+    (ordering.share_credit), less the inflow of the more important tiers,
+    which keeps going ahead of it. Ageing adds nothing: it never lifts a
+    `delay` tier to the level of a tier that is admitted here
+    (policy.with_age_floors)."""
     ahead = float(work) if own_slot else 0.0
     inflow = 0.0
+    shares = 0.0
     for other in tiers:
         if other.priority <= priority:
             ahead += other.work
             if other.priority < priority:
                 inflow += other.inflow_rate(now)
-        elif other.delays and ageing.max_boost:
-            climb = other.priority - priority
-            oldest = other.oldest_arrival
-            if oldest is None or climb > ageing.max_boost or other.budget_s is None:
-                continue
-            aged, rate = aged_work(
-                now, oldest, other.work, other.budget_s, climb, ageing.interval_s
-            )
-            ahead += aged
-            inflow += rate
+        elif other.work > 0:
+            shares += other.min_share
     if room_work > 0:
         ahead = max(0.0, ahead - room_work)
     if ahead <= 0.0:
         return 0.0
-    drain -= inflow
+    drain = drain * (1.0 - shares) - inflow
     return ahead / drain if drain > 0 else math.inf
 
 

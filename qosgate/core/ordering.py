@@ -1,6 +1,7 @@
-"""Which tier goes next, how waiting work ages, and which run makes room:
-for the single node's scheduler and the fleet (whose claim script restates
-the tier choice, held to this by tests/test_fleet_rules_differential.py)."""
+"""Which tier goes next, how waiting work ages, what each tier's guaranteed
+share is owed, and which run makes room: for the single node's scheduler and
+the fleet (whose claim script restates the tier choice and the share credit,
+held to this by tests/test_fleet_rules_differential.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ class TierView(Protocol):
     @property
     def budget_s(self) -> float | None: ...
 
+    @property
+    def age_floor(self) -> int: ...
+
 
 T = TypeVar("T", bound=TierView)
 R = TypeVar("R")
@@ -43,45 +47,55 @@ def ageing_boost(
     return levels if levels < max_boost else max_boost
 
 
-def aged_work(
-    now: float, oldest_arrival: float, work: float, budget_s: float, climb: int, interval_s: float
-) -> tuple[float, float]:
-    """Of a `delay` tier's queued `work`, the part that has aged `climb`
-    levels by now, and the rate in tokens/s at which more does: only the
-    oldest arrival is known, so arrivals are taken as spread evenly between
-    it and now."""
-    threshold = now - budget_s - climb * interval_s
-    span = now - oldest_arrival
-    if oldest_arrival > threshold or span <= 0:
-        return 0.0, 0.0
-    rate = work / span
-    return rate * min(span, threshold - oldest_arrival), rate
-
-
 def tier_level(tier: TierView, oldest_arrival: float, now: float, ageing: Ageing) -> int:
     """The level a non-empty tier competes at: its priority less the levels
     its oldest request has climbed (only `delay` tiers age, once their
-    budget is spent), floored at 0."""
+    budget is spent), never above its age floor."""
     level = tier.priority
     if ageing.max_boost and tier.delays and tier.budget_s is not None:
         level -= ageing_boost(
             now, oldest_arrival, tier.budget_s, ageing.interval_s, ageing.max_boost
         )
-    return level if level > 0 else 0
+    floor = tier.age_floor
+    return level if level > floor else floor
 
 
-def pick_tier(heads: Iterable[tuple[T, float]], now: float, ageing: Ageing) -> tuple[T, int] | None:
-    """Of the tiers that may release now, with their oldest arrivals, in
-    (priority, name) order: the one to release from, and its level. Lowest
-    level first; then the older head (so an aged request overtakes fresher
-    work of the tier it climbed to), the lower priority, the earlier given."""
+def pick_tier(
+    heads: Iterable[tuple[T, float, bool]], now: float, ageing: Ageing
+) -> tuple[T, int] | None:
+    """Of the tiers that may release now, with their oldest arrivals and
+    whether their guaranteed share is owed (share_owed), in (priority, name)
+    order: the one to release from, and its level. A tier owed its share
+    first; then the lowest level; then the older head (so an aged request
+    overtakes fresher work of the tier it climbed to), the lower priority,
+    the earlier given."""
     best: tuple[T, int] | None = None
-    best_key: tuple[int, float, int] | None = None
-    for tier, oldest in heads:
-        key = (tier_level(tier, oldest, now, ageing), oldest, tier.priority)
+    best_key: tuple[bool, int, float, int] | None = None
+    for tier, oldest, owed in heads:
+        key = (not owed, tier_level(tier, oldest, now, ageing), oldest, tier.priority)
         if best_key is None or key < best_key:
-            best, best_key = (tier, key[0]), key
+            best, best_key = (tier, key[1]), key
     return best
+
+
+def share_owed(credit: float, head_work: float) -> bool:
+    """Whether a tier with work queued is owed its guaranteed share now: its
+    credit covers the work of its oldest request."""
+    return credit > 0.0 and credit >= head_work
+
+
+def share_credit(credit: float, share: float, work: float, *, taken: bool) -> float:
+    """A tier's share credit after `work` tokens were released, while it still
+    has work queued (a tier whose queue empties starts again from 0). It earns
+    `share` of every release and pays for its own, never below 0: taken when
+    owed, it spends what it earned; taken in plain priority order, with little
+    or no credit, nothing more important was waiting, so it owes nothing for
+    it. So while it stays queued its releases add up to at least `share` of
+    all of them, less one request, and it never banks credit for later."""
+    if taken:
+        left = credit + share * work - work
+        return left if left > 0.0 else 0.0
+    return credit + share * work
 
 
 def may_preempt(times_sent_back: int, output_begun: bool) -> bool:

@@ -4,7 +4,7 @@ file), read alike by the single node's scheduler and the fleet."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Mapping
 
 PolicyKind = Literal["qos", "strict", "fcfs"]
@@ -19,12 +19,41 @@ class TierParams:
     budget_s: float | None
     """Queue budget in seconds (None: none, so it never expires or ages)."""
     delays: bool
-    """`on_timeout: delay`: past its budget it ages instead of expiring."""
+    """`on_timeout: delay`: past its budget it waits on (and ages among the
+    other `delay` tiers) until `expire_after_s`, instead of expiring."""
     max_len: int = 1 << 62
     max_wait_s: float = 0.0
     max_batch_size: int = 1 << 30
     max_batch_tokens: int = 1 << 62
     preemptible: bool = False
+    min_share: float = 0.0
+    """Fraction of the tokens released to the backend that the tier is
+    guaranteed while it has work queued, whatever more important tiers ask."""
+    expire_after_s: float | None = None
+    """`delay` tiers: queue wait at which a request stops waiting and expires
+    (None: it waits until it is served)."""
+    age_floor: int = 0
+    """The most important level ageing may lift the tier to
+    (with_age_floors sets it from the other tiers)."""
+
+    @property
+    def deadline_s(self) -> float | None:
+        """Queue wait after which a queued request of this tier expires."""
+        return self.expire_after_s if self.delays else self.budget_s
+
+
+def with_age_floors(tiers: Mapping[str, TierParams]) -> dict[str, TierParams]:
+    """The tiers with their age floors: a tier may age up to just below the
+    least important tier more important than it that refuses late work (a
+    tier with a latency objective), and no further. So ageing only reorders
+    `delay` tiers among themselves and never takes capacity that a latency
+    tier's admitted work needs: low tiers' progress comes from `min_share`."""
+    floors = {}
+    for name, tier in tiers.items():
+        above = [t.priority for t in tiers.values()
+                 if not t.delays and t.budget_s is not None and t.priority < tier.priority]
+        floors[name] = max(above) + 1 if above else 0
+    return {name: replace(tier, age_floor=floors[name]) for name, tier in tiers.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +85,15 @@ class SchedulingPolicy:
     drain_rate_tau_s: float = 10.0
     initial_drain_rate: float | None = None
 
+    def __post_init__(self) -> None:
+        tiers = with_age_floors(self.tiers)
+        if self.kind != "qos":
+            tiers = {name: replace(t, min_share=0.0) for name, t in tiers.items()}
+        object.__setattr__(self, "tiers", tiers)
+
     # `fcfs` is one FIFO and nothing else; `strict` adds tiers, admission,
-    # preemption and the reserve; `qos` adds ageing and tenant fairness.
+    # preemption and the reserve; `qos` adds ageing, the tiers' guaranteed
+    # shares and tenant fairness.
 
     @property
     def tiered(self) -> bool:

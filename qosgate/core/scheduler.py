@@ -23,7 +23,14 @@ from qosgate.core.admission import (
     predicted_wait,
 )
 from qosgate.core.fairness import FifoOrder, VtcOrder, service
-from qosgate.core.ordering import may_preempt, pick_tier, preemption_victim, tier_level
+from qosgate.core.ordering import (
+    may_preempt,
+    pick_tier,
+    preemption_victim,
+    share_credit,
+    share_owed,
+    tier_level,
+)
 from qosgate.core.policy import SchedulingPolicy, TierParams
 from qosgate.core.request import Outcome, Request, RequestState
 from qosgate.core.tier_queue import TierQueue
@@ -122,7 +129,7 @@ class Scheduler:
                 TierParams(FCFS_QUEUE, 0, None, True), FifoOrder(), tau
             )
             self._queues.update(dict.fromkeys(policy.tiers, single))
-            self._queue_list, self._top_level = [single], 0
+            self._queue_list, self._top_level, self._shares = [single], 0, False
             return
         for name, tier in policy.tiers.items():
             queue = self._queues.get(name)
@@ -137,6 +144,7 @@ class Scheduler:
             {id(q): q for q in self._queues.values()}.values(), key=lambda q: (q.priority, q.name)
         )
         self._top_level = min(self._queues[name].priority for name in policy.tiers)
+        self._shares = any(q.min_share > 0.0 for q in self._queue_list)
 
     def queue(self, tier: str) -> TierQueue:
         try:
@@ -197,7 +205,7 @@ class Scheduler:
             reserved = queue.priority == self._top_level and self._reserve_slots > 0
             room = self._room_slots
             predicted = predicted_wait(
-                queue.priority, req.work, self._queue_list, now, self._ageing,
+                queue.priority, req.work, self._queue_list, now,
                 own_slot=self._saturated and not reserved,
                 room_work=min(self._room_kv, room * req.work) if room > 0 else 0,
                 drain=self.drain.rate,
@@ -213,10 +221,10 @@ class Scheduler:
 
         self._seq += 1
         req.seq = self._seq
-        if budget is not None:
-            req.deadline = req.arrival + budget
-            if not queue.delays:
-                heapq.heappush(self._deadlines, (req.deadline, req.seq, req))
+        limit = queue.deadline_s
+        if limit is not None:
+            req.deadline = req.arrival + limit
+            heapq.heappush(self._deadlines, (req.deadline, req.seq, req))
         queue.push(req)
         queue.inflow.add(req.work, now)
         self._queued[req.id] = req
@@ -268,7 +276,9 @@ class Scheduler:
         blocked: TierQueue | None = None
 
         while free_slots > 0:
-            ready: list[tuple[TierQueue, float]] = []
+            # A share is owed only where it does not reach into the reserve.
+            owing = free_slots > self._reserve_slots
+            ready: list[tuple[TierQueue, float, bool]] = []
             for queue in self._queue_list:
                 oldest = queue.oldest()
                 if oldest is None:
@@ -281,7 +291,9 @@ class Scheduler:
                             if wakeup is None or opens < wakeup:
                                 wakeup = opens
                             continue
-                ready.append((queue, oldest.arrival))
+                ready.append(
+                    (queue, oldest.arrival, owing and share_owed(queue.credit, oldest.work))
+                )
             chosen = pick_tier(ready, now, self._ageing)
             if chosen is None:
                 break
@@ -315,6 +327,12 @@ class Scheduler:
                 open_batches[best.name] = batch
             best.pop()
             self._dispatch(best, req, now)
+            if self._shares:
+                for queue in self._queue_list:
+                    if len(queue):
+                        queue.credit = share_credit(
+                            queue.credit, queue.min_share, req.work, taken=queue is best
+                        )
             plan.dispatch.append(req)
             batch[0] -= 1
             batch[1] -= req.prompt_tokens
@@ -411,7 +429,7 @@ class Scheduler:
         req.output_tokens = 0
         req.first_token_at = None
         # Already admitted and started once: it keeps its place and never expires.
-        req.deadline = None if not queue.delays else req.deadline
+        req.deadline = None
         queue.push(req, front=True)
         self._queued[req.id] = req
 

@@ -20,8 +20,8 @@ class TierQueue:
 
     __slots__ = (
         "name", "priority", "budget_s", "delays", "max_len", "max_wait_s",
-        "max_batch_size", "max_batch_tokens", "preemptible", "order",
-        "_by_age", "work", "prompt_tokens", "running", "inflow",
+        "max_batch_size", "max_batch_tokens", "preemptible", "min_share", "age_floor",
+        "deadline_s", "order", "_by_age", "work", "prompt_tokens", "running", "inflow", "credit",
     )
 
     def __init__(self, tier: TierParams, order: FairnessOrder, inflow_tau_s: float = 10.0) -> None:
@@ -36,6 +36,8 @@ class TierQueue:
         """Requests of this tier on the backend, in dispatch order (newest last)."""
         self.inflow = ArrivalRate(inflow_tau_s)
         """Work admitted to this tier per second."""
+        self.credit = 0.0
+        """Its guaranteed share's credit (ordering.share_credit)."""
 
     def configure(self, tier: TierParams) -> None:
         """Take the tier's settings (again on a reload: what is queued stays)."""
@@ -49,6 +51,9 @@ class TierQueue:
         self.max_batch_size = tier.max_batch_size
         self.max_batch_tokens = tier.max_batch_tokens
         self.preemptible = tier.preemptible
+        self.min_share = tier.min_share
+        self.age_floor = tier.age_floor
+        self.deadline_s = tier.deadline_s
 
     def __len__(self) -> int:
         return len(self._by_age)
@@ -80,6 +85,8 @@ class TierQueue:
         del self._by_age[req.id]
         self.work -= req.work
         self.prompt_tokens -= req.prompt_tokens
+        if not self._by_age:
+            self.credit = 0.0
 
     def remove(self, req: Request, state: RequestState) -> None:
         """Take `req` out of turn (cancelled, expired); `state` is what it becomes."""

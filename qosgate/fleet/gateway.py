@@ -292,9 +292,9 @@ class FleetBackend(Backend):
                 # table (runtime/errors.py), answered as they stand.
                 waiting.ended = True
                 raise
-            if tier.on_timeout == "reject":
+            if tier.expiry_ms is not None:
                 waiting.expiry = asyncio.get_running_loop().call_later(
-                    tier.max_queue_wait_ms / 1000.0, self._expire, request_id, tier.max_queue_wait_ms
+                    tier.expiry_ms / 1000.0, self._expire, request_id, tier.expiry_ms
                 )
             async for chunk in self._relay(job, waiting):
                 yield chunk
@@ -369,7 +369,7 @@ class FleetBackend(Backend):
             if was == "queued":
                 waiting.events.put_nowait(wire.error_event(
                     request_id, wire.LOCAL_TOKEN, "expired",
-                    f"queued in the fleet longer than its tier's budget ({budget_ms:.0f} ms)",
+                    f"queued in the fleet longer than its tier allows ({budget_ms:.0f} ms)",
                 ))  # fmt: skip
 
         self._chore(expire())

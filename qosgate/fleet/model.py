@@ -3,12 +3,12 @@ an engine node takes from next.
 
 Gateway replicas put requests into one queue per tier in a shared store;
 engine nodes pull the globally most urgent work when they have room. The
-rules are the single node's, from qosgate/core (ordering.pick_tier,
-admission.predicted_wait, fairness.lifted and fairness.service): the shared
-queue is a storage strategy under them. The Redis store's scripts restate
-the tier choice, the arrival-rate update and the VTC lift, which must run
-inside Redis to be atomic; tests/test_fleet_rules_differential.py holds
-them to the core.
+rules are the single node's, from qosgate/core (ordering.pick_tier and
+share_credit, admission.predicted_wait, fairness.lifted and
+fairness.service): the shared queue is a storage strategy under them. The
+Redis store's scripts restate the tier choice, the share credit, the
+arrival-rate update and the VTC lift, which must run inside Redis to be
+atomic; tests/test_fleet_rules_differential.py holds them to the core.
 
 A tier's level counts from its oldest queued item, whoever it is held back
 for (below); a tier with nothing the claiming node may take is passed over.
@@ -44,7 +44,7 @@ from qosgate.config.models import PolicyConfig
 from qosgate.config.scheduling import scheduling_policy
 from qosgate.core import admission, ordering
 from qosgate.core.fairness import service
-from qosgate.core.policy import Ageing, SchedulingPolicy, TierParams
+from qosgate.core.policy import Ageing, SchedulingPolicy, TierParams, with_age_floors
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +130,8 @@ class FleetTiers:
             raise ValueError("aging interval must be > 0 and max_boost >= 0")
         if self.inflow_tau_s <= 0:
             raise ValueError("inflow_tau_s must be > 0")
-        ordered = tuple(sorted(self.tiers, key=lambda t: (t.priority, t.name)))
+        floored = with_age_floors({t.name: t for t in self.tiers}).values()
+        ordered = tuple(sorted(floored, key=lambda t: (t.priority, t.name)))
         object.__setattr__(self, "tiers", ordered)
 
     @classmethod
@@ -143,16 +144,18 @@ class FleetTiers:
         fair: bool = False,
         budgets: Mapping[str, float] | None = None,
         delays: Iterable[str] = (),
+        shares: Mapping[str, float] | None = None,
         admission: bool = True,
         inflow_tau_s: float = 10.0,
     ) -> FleetTiers:
         """Tiers by priority. A tier in `budgets` has that queue budget; one
         in `delays` ages past it, any other refuses late work at the door
-        when `admission`."""
-        budgets = budgets or {}
+        when `admission`; one in `shares` has that guaranteed share."""
+        budgets, shares = budgets or {}, shares or {}
         delays = frozenset(delays)
         return cls(
-            tuple(TierParams(n, p, budgets.get(n), n in delays) for n, p in priorities.items()),
+            tuple(TierParams(n, p, budgets.get(n), n in delays, min_share=shares.get(n, 0.0))
+                  for n, p in priorities.items()),
             interval_s,
             max_boost,
             fair,
@@ -167,18 +170,19 @@ class FleetTiers:
     @classmethod
     def from_policy(cls, policy: SchedulingPolicy) -> FleetTiers:
         """As one node reads the policy; `fcfs` is one FIFO by the head's age."""
-        tiers = policy.tiers.values()
-        return cls.of(
-            {t.name: t.priority if policy.tiered else 0 for t in tiers},
-            interval_s=policy.interval_s,
-            max_boost=policy.ageing.max_boost,
-            fair=policy.fair,
-            budgets={t.name: t.budget_s for t in tiers if t.budget_s is not None}
-            if policy.tiered else {},
-            delays=[t.name for t in tiers if t.delays and policy.tiered],
-            admission=policy.admission,
-            inflow_tau_s=policy.drain_rate_tau_s,
-        )  # fmt: skip
+        if policy.tiered:
+            tiers = tuple(policy.tiers.values())
+        else:
+            tiers = tuple(TierParams(t.name, 0, None, False) for t in policy.tiers.values())
+        return cls(
+            tiers,
+            policy.interval_s,
+            policy.ageing.max_boost,
+            policy.fair,
+            policy.drain_rate_tau_s,
+            frozenset(t.name for t in tiers
+                      if policy.admission and t.budget_s is not None and not t.delays),
+        )
 
     @property
     def ageing(self) -> Ageing:
@@ -197,12 +201,37 @@ class FleetTiers:
         return any(t.name == name for t in self.tiers)
 
 
-def pick_tier(tiers: FleetTiers, oldest: Mapping[str, float], now: float) -> str | None:
+def pick_tier(
+    tiers: FleetTiers,
+    oldest: Mapping[str, WorkItem | float],
+    now: float,
+    credits: Mapping[str, float] | None = None,
+) -> str | None:
     """The tier to take the next item from, given each non-empty tier's oldest
-    arrival (the core's ordering.pick_tier); None when every tier is empty."""
-    heads = ((t, oldest[t.name]) for t in tiers.tiers if t.name in oldest)
+    item (or its arrival alone: no share is owed) and the tiers' share credits
+    (the core's ordering.pick_tier); None when every tier is empty."""
+    credits = credits or {}
+    heads = (
+        (t, head, False) if isinstance(head, float)
+        else (t, head.arrival, ordering.share_owed(credits.get(t.name, 0.0), head.work))
+        for t in tiers.tiers if (head := oldest.get(t.name)) is not None
+    )  # fmt: skip
     chosen = ordering.pick_tier(heads, now, tiers.ageing)
     return chosen[0].name if chosen is not None else None
+
+
+def settle_shares(
+    tiers: FleetTiers, credits: dict[str, float], queued: Mapping[str, int], taken: str, work: int
+) -> None:
+    """After an item of `work` tokens of tier `taken` went to a node: every
+    tier with a share and work queued (`queued`: tier -> items) settles its
+    credit as the core's ordering.share_credit says, as one node's scheduler
+    does at each release. A tier whose queue empties drops its credit."""
+    for tier in tiers.tiers:
+        if tier.min_share > 0 and queued.get(tier.name, 0) > 0:
+            credits[tier.name] = ordering.share_credit(
+                credits.get(tier.name, 0.0), tier.min_share, work, taken=tier.name == taken
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +257,7 @@ class _TierLoad:
     priority: int
     delays: bool
     budget_s: float | None
+    min_share: float
     work: int
     oldest_arrival: float | None
     inflow: float
@@ -246,12 +276,12 @@ def predicted_wait(
     if load.drain <= 0.0:
         return None
     views = [
-        _TierLoad(t.priority, t.delays, t.budget_s, load.queued_work.get(t.name, 0),
+        _TierLoad(t.priority, t.delays, t.budget_s, t.min_share, load.queued_work.get(t.name, 0),
                   load.oldest.get(t.name), load.inflow.get(t.name, 0.0))
         for t in tiers.tiers
     ]  # fmt: skip
     return admission.predicted_wait(
-        tiers.tier(tier).priority, work, views, now, tiers.ageing,
+        tiers.tier(tier).priority, work, views, now,
         own_slot=load.room <= 0, room_work=load.room * work, drain=load.drain,
     )  # fmt: skip
 

@@ -31,6 +31,8 @@ which the scripts need since they touch every tier):
   rate      hash, node -> tokens/s it drains when full, in thousandths
   inflow, inflow_at   hashes, tier -> its arrival-rate sum (written with
             %.17g, which reads back exactly) / the last arrival it counts
+  credit    hash, tier -> its guaranteed share's credit (%.17g), for tiers
+            with work queued
 Arrivals and lease ends go in and out as Python's `repr` of the float, never
 through a Lua number: Redis writes Lua numbers with 14 significant digits,
 which would move a wall-clock time by up to a tenth of a millisecond and make
@@ -73,10 +75,10 @@ _FIELDS = (
     "holder", "node", "expiry", "done", "token",
     "affkey", "bound", "bound_at", "room", "seen",
     "charge", "lane", "served", "work", "qwork",
-    "rate", "inflow", "inflow_at",
+    "rate", "inflow", "inflow_at", "credit",
 )  # fmt: skip
 # The prelude's K_* constants and F (the per-tier keys follow) assume this.
-assert len(_FIELDS) == 23
+assert len(_FIELDS) == 24
 _PER_TIER = ("q", "lane", "backlog", "counter")
 
 # The scripts live in `lua/`, one file each; every one starts with the
@@ -135,7 +137,9 @@ class RedisWorkQueue(WorkQueue):
         ]  # fmt: skip
         for tier in tiers.tiers:
             budget = "" if tier.budget_s is None else repr(tier.budget_s)
-            self._tier_args += [tier.priority, budget, int(tier.delays)]
+            self._tier_args += [
+                tier.priority, budget, int(tier.delays), repr(tier.min_share), tier.age_floor,
+            ]  # fmt: skip
         self._enqueue = self._redis.register_script(_script("enqueue"))
         self._claim = self._redis.register_script(_script("claim"))
         self._renew = self._redis.register_script(_script("renew"))

@@ -12,7 +12,16 @@ from qosgate.core.admission import ArrivalRate
 from qosgate.core.fairness import lifted
 from qosgate.runtime.errors import WorkQueueFull, WorkQueueOverloaded
 
-from .model import Claim, FleetLoad, FleetTiers, Lease, WorkItem, pick_tier, predicted_wait
+from .model import (
+    Claim,
+    FleetLoad,
+    FleetTiers,
+    Lease,
+    WorkItem,
+    pick_tier,
+    predicted_wait,
+    settle_shares,
+)
 
 ItemStatus = Literal["queued", "leased", "completed"]
 
@@ -227,6 +236,8 @@ class MemoryWorkQueue(WorkQueue):
         # Admission: tier -> tokens queued, tier -> arrival rate.
         self._work = dict.fromkeys(tiers.names(), 0)
         self._inflow = {name: ArrivalRate(tiers.inflow_tau_s) for name in tiers.names()}
+        # Tier -> its guaranteed share's credit (tiers with work queued).
+        self._credits: dict[str, float] = {}
         self.published: list[tuple[str, bytes]] = []
         """Replies `complete` published, in order (Redis publishes them)."""
         self.wakes = 0
@@ -299,6 +310,8 @@ class MemoryWorkQueue(WorkQueue):
         entry = (item.arrival, item.id, item)
         self._queues[item.tier].remove(entry)
         self._work[item.tier] -= item.work
+        if not self._queues[item.tier]:
+            self._credits.pop(item.tier, None)
         if self.tiers.fair:
             lanes = self._lanes[item.tier]
             lanes[item.tenant].remove(entry)
@@ -371,8 +384,8 @@ class MemoryWorkQueue(WorkQueue):
         leases: list[Lease] = []
         expires_at = now + lease_s
         while len(leases) < max_items:
-            heads = {name: q[0][0] for name, q in self._queues.items() if q and name not in passed}
-            tier = pick_tier(self.tiers, heads, now)
+            heads = {name: q[0][2] for name, q in self._queues.items() if q and name not in passed}
+            tier = pick_tier(self.tiers, heads, now, self._credits)
             if tier is None:
                 break
             candidate = self._candidate(tier, skipped)
@@ -389,6 +402,10 @@ class MemoryWorkQueue(WorkQueue):
                 continue
             self._unqueue(item)
             del self._queued[item.id]
+            settle_shares(
+                self.tiers, self._credits, {n: len(q) for n, q in self._queues.items()},
+                tier, item.work,
+            )  # fmt: skip
             if self.tiers.fair:
                 self._served[tier] = self._add_service(tier, item.tenant, item.charge)
             if owner:

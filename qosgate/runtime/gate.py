@@ -468,9 +468,9 @@ class Gateway:
         for req in plan.expired:
             stream = streams[req.id]
             if req.outcome is Outcome.EXPIRED:
-                budget_ms = self._policy.tiers[req.tier].max_queue_wait_ms
+                budget_ms = self._policy.tiers[req.tier].expiry_ms
                 stream.ended_in_queue(Expired(
-                    f"queued longer than tier {req.tier!r}'s budget ({budget_ms:.0f} ms)"
+                    f"queued longer than tier {req.tier!r} allows ({budget_ms:.0f} ms)"
                 ))  # fmt: skip
             else:
                 # The core ended it backend_error: the wait was the backend's

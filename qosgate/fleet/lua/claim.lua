@@ -3,8 +3,9 @@
 -- args. Returns {leases, held back until ('' for none)}, one [id, tier,
 -- tenant, arrival, payload, attempt, token, affinity key, charge, where its
 -- key was bound (0: nowhere, 1: this node, 2: another), work] per lease.
--- The tier choice restates core.ordering.pick_tier and the rest
--- MemoryWorkQueue.claim (tests/test_fleet_rules_differential.py).
+-- The tier choice restates core.ordering.pick_tier (with the tiers' share
+-- credits) and the rest MemoryWorkQueue.claim
+-- (tests/test_fleet_rules_differential.py).
 local BACKLOG_PAGE = 8
 local now = tonumber(ARGV[1])
 local node = ARGV[2]
@@ -44,7 +45,7 @@ local passed = {}
 
 local out = {}
 while #out < max_items do
-  local best, best_level, best_prio, best_head
+  local best, best_owed, best_level, best_prio, best_head
   for i = 1, T.n do
     local name = T.names[i]
     local head = (not passed[name]) and redis.call('ZRANGE', T.q[name], 0, 0)[1]
@@ -59,13 +60,15 @@ while #out < max_items do
           if boost > max_boost then boost = max_boost end
         end
       end
-      -- core.ordering.tier_level and pick_tier's order
+      -- core.ordering.tier_level, share_owed and pick_tier's order
       local level = prio - boost
-      if level < 0 then level = 0 end
-      if best == nil or level < best_level
+      if level < T.floor[name] then level = T.floor[name] end
+      local credit = tonumber(redis.call('HGET', KEYS[K_CREDIT], name) or '0')
+      local owed = credit > 0 and credit >= tonumber(redis.call('HGET', KEYS[K_WORK], head))
+      if best == nil or (owed and not best_owed) or (owed == best_owed and (level < best_level
           or (level == best_level and (arrival < best_head
-              or (arrival == best_head and prio < best_prio))) then
-        best, best_level, best_prio, best_head = i, level, prio, arrival
+              or (arrival == best_head and prio < best_prio))))) then
+        best, best_owed, best_level, best_prio, best_head = i, owed, level, prio, arrival
       end
     end
   end
@@ -107,6 +110,7 @@ while #out < max_items do
       end
     else
       unqueue(id, tier)
+      settle_shares(tier, tonumber(redis.call('HGET', KEYS[K_WORK], id)))
       local charge = redis.call('HGET', KEYS[K_CHARGE], id)
       if T.fair then
         local counter = add_service(tier, redis.call('HGET', KEYS[K_TENANT], id), charge)

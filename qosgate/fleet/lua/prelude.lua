@@ -3,18 +3,18 @@
 -- per tier in FleetTiers order its queue, lane, backlog and counter keys,
 -- each kind in a block of n) and, from some ARGV index, the tier args: n,
 -- the names, fair, the inflow time constant, then per tier its priority,
--- budget ('' for none) and delays (1/0).
+-- budget ('' for none), delays (1/0), min_share and age floor.
 local K_TIER, K_TENANT, K_ARRIVAL, K_ATTEMPT, K_PAYLOAD = 1, 2, 3, 4, 5
 local K_HOLDER, K_NODE, K_EXPIRY, K_DONE, K_TOKEN = 6, 7, 8, 9, 10
 local K_AFFKEY, K_BOUND, K_BOUND_AT, K_ROOM, K_SEEN = 11, 12, 13, 14, 15
 local K_CHARGE, K_LANE, K_SERVED, K_WORK, K_QWORK = 16, 17, 18, 19, 20
-local K_RATE, K_INFLOW, K_INFLOW_AT = 21, 22, 23
-local F = 23
+local K_RATE, K_INFLOW, K_INFLOW_AT, K_CREDIT = 21, 22, 23, 24
+local F = 24
 local T = {}
 local function tier_args(at)
   local n = tonumber(ARGV[at])
   T.n, T.names, T.q, T.lane, T.backlog, T.counter = n, {}, {}, {}, {}, {}
-  T.prio, T.budget, T.delays = {}, {}, {}
+  T.prio, T.budget, T.delays, T.share, T.floor = {}, {}, {}, {}, {}
   for i = 1, n do
     local name = ARGV[at + i]
     T.names[i] = name
@@ -26,12 +26,14 @@ local function tier_args(at)
   T.fair = ARGV[at + n + 1] == '1'
   T.tau = tonumber(ARGV[at + n + 2])
   for i = 1, n do
-    local name, j = T.names[i], at + n + 3 + 3 * (i - 1)
+    local name, j = T.names[i], at + n + 3 + 5 * (i - 1)
     T.prio[name] = tonumber(ARGV[j])
     T.budget[name] = tonumber(ARGV[j + 1])
     T.delays[name] = ARGV[j + 2] == '1'
+    T.share[name] = tonumber(ARGV[j + 3])
+    T.floor[name] = tonumber(ARGV[j + 4])
   end
-  return at + n + 3 + 3 * n
+  return at + n + 3 + 5 * n
 end
 -- A tenant's items in a fair tier's lane set: members `tenant \0 hex \0 id`,
 -- all scored 0, so they sort by tenant, then arrival, then id.
@@ -72,12 +74,32 @@ local function push(id)
 end
 local function unqueue(id, tier)
   redis.call('ZREM', T.q[tier], id)
+  -- An emptied tier's share credit starts again from 0 (model.settle_shares).
+  if redis.call('ZCARD', T.q[tier]) == 0 then redis.call('HDEL', KEYS[K_CREDIT], tier) end
   -- 0 - x, not -x: Lua writes -0 as '-0', which HINCRBY refuses.
   redis.call('HINCRBY', KEYS[K_QWORK], tier, 0 - tonumber(redis.call('HGET', KEYS[K_WORK], id)))
   if not T.fair then return end
   redis.call('ZREM', T.lane[tier], redis.call('HGET', KEYS[K_LANE], id))
   local tenant = redis.call('HGET', KEYS[K_TENANT], id)
   if not lane_head(tier, tenant, 0) then redis.call('ZREM', T.backlog[tier], tenant) end
+end
+-- model.settle_shares (core.ordering.share_credit for each tier with a
+-- share and work queued) after `work` tokens of `taken` went to a node.
+local function settle_shares(taken, work)
+  for i = 1, T.n do
+    local name = T.names[i]
+    local share = T.share[name]
+    if share > 0 and redis.call('ZCARD', T.q[name]) > 0 then
+      local credit = tonumber(redis.call('HGET', KEYS[K_CREDIT], name) or '0')
+      if name ~= taken then
+        credit = credit + share * work
+      else
+        credit = credit + share * work - work
+        if not (credit > 0) then credit = 0 end
+      end
+      redis.call('HSET', KEYS[K_CREDIT], name, string.format('%.17g', credit))
+    end
+  end
 end
 local function requeue(id)
   redis.call('HDEL', KEYS[K_HOLDER], id)
