@@ -2,7 +2,7 @@
 pass rules that can fail.
 
     .venv/bin/python benchmarks/b3_sweep.py [--loads 1,2,4] [--arrivals poisson]
-        [--mix b3] [--policies qos,strict,fcfs] [--json PATH]
+        [--mix b3] [--policies qos,strict,fcfs] [--prefill-budget TOKENS] [--json PATH]
 
 Every cell (mix x arrivals x load) runs each policy on the same arrivals through
 the simulator's own API (qosgate.sim.commands.Simulation). The B3 scenario file
@@ -350,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mix", help=f"comma-separated subset of {', '.join(MIXES)}")
     parser.add_argument("--policies", help=f"comma-separated subset of {', '.join(POLICIES)}")
     parser.add_argument("--seed", type=int, help="arrival seed (default: the scenario's)")
+    parser.add_argument("--prefill-budget", type=int, metavar="TOKENS",
+                        help="run with scheduler.prefill_budget_tokens set (default: unset)")
     parser.add_argument("--json", dest="json_path",
                         help="write the per-cell figures and checks")
     args = parser.parse_args(argv)
@@ -362,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"b3_sweep: {exc}", file=sys.stderr)
         return 2
     base = load_scenario(SCENARIO)
+    if args.prefill_budget is not None:
+        data = base.model_dump()
+        data["policy"]["scheduler"]["prefill_budget_tokens"] = args.prefill_budget
+        base = Scenario.model_validate(data)
     seed = base.seed if args.seed is None else args.seed
     table = run_sweep(base, mixes, arrivals, loads, policies, seed)
     rows = summarise(table)

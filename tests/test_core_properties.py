@@ -22,7 +22,8 @@ SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 TIERS = ["interactive", "standard", "batch"]
 
 
-def make_policy(kind: str, fairness: str, preemption: bool, window_ms: float) -> PolicyConfig:
+def make_policy(kind: str, fairness: str, preemption: bool, window_ms: float,
+                prefill_budget: int | None = None) -> PolicyConfig:
     return PolicyConfig.model_validate({
         "tiers": {
             "interactive": {"priority": 0, "max_queue_wait_ms": 400, "max_queue_len": 8,
@@ -33,7 +34,8 @@ def make_policy(kind: str, fairness: str, preemption: bool, window_ms: float) ->
         },
         "tenants": [{"id": f"t{i}", "tier": TIERS[i % 3], "weight": 1 + i % 2} for i in range(6)],
         "scheduler": {"policy": kind, "fairness": fairness, "preemption": preemption,
-                      "aging": {"interval_ms": 500, "max_boost": 2}},
+                      "aging": {"interval_ms": 500, "max_boost": 2},
+                      "prefill_budget_tokens": prefill_budget},
     })
 
 
@@ -53,11 +55,13 @@ op = st.one_of(
     preemption=st.booleans(),
     window_ms=st.sampled_from([0.0, 20.0]),
     slots=st.integers(1, 4),
+    prefill_budget=st.sampled_from([None, 300]),
     ops=st.lists(op, min_size=1, max_size=120),
 )
 def test_every_request_ends_once_nothing_lost_capacity_held(kind, fairness, preemption,
-                                                             window_ms, slots, ops):
-    h = Harness(make_policy(kind, fairness, preemption, window_ms), slots=slots,
+                                                             window_ms, slots, prefill_budget,
+                                                             ops):
+    h = Harness(make_policy(kind, fairness, preemption, window_ms, prefill_budget), slots=slots,
                 service=lambda r: 0.05 + r.prompt_tokens / 1000.0,
                 output_tokens=lambda r: max(1, r.max_tokens // 2), drain_rate_hint=2000.0)
     seen_outcome: dict[str, Outcome] = {}
@@ -80,6 +84,9 @@ def test_every_request_ends_once_nothing_lost_capacity_held(kind, fairness, pree
         assert queued | running | finished == {r.id for r in h.all_requests}
         assert running == set(h.backend.running)
         assert len(running) <= slots
+        # The prefill count is what runs with no first token yet.
+        assert sched.prefilling_tokens == sum(
+            r.prompt_tokens for r in sched.running() if r.first_token_at is None)
         # Queue totals match their contents.
         for queue in {id(q): q for q in sched.queues}.values():
             members = [r for r in sched.queued() if sched.queue(r.tier) is queue]

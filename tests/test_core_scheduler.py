@@ -568,3 +568,39 @@ def test_no_preemption_and_no_expired_outcome_while_the_backend_is_down():
     plan = sched.schedule(1.5, DOWN, backend_ready=False)
     # Its budget ran out because the backend was down, not because of load.
     assert plan.expired == [i] and i.outcome is Outcome.BACKEND_ERROR
+
+
+# -- the prefill budget ----------------------------------------------------
+
+
+def test_prefill_budget_holds_lower_tiers_until_a_first_token_never_the_top():
+    sched = Scheduler(scheduling_policy(policy(scheduler={"prefill_budget_tokens": 1000})),
+                      drain_rate_hint=10**6)
+    long_std = req("standard", at=0.0, prompt=800)
+    sched.submit(long_std, 0.0)
+    # Nothing in prefill: it goes, however long.
+    assert sched.schedule(0.0, ROOMY).dispatch == [long_std]
+    s2, b = req("standard", at=0.1, prompt=300), req("batch", at=0.1, prompt=100)
+    i = req("interactive", at=0.1, prompt=900)
+    for r in (s2, b, i):
+        sched.submit(r, 0.1)
+    # Interactive goes whatever the budget says; then 1700 tokens are in
+    # prefill, and standard and batch wait.
+    assert sched.schedule(0.1, ROOMY).dispatch == [i]
+    assert sched.on_first_token(long_std.id, 0.2) is True
+    # 900 left in prefill: batch's 100 fits the budget, standard's 300 not.
+    assert sched.schedule(0.2, ROOMY).dispatch == [b]
+    assert sched.on_first_token(i.id, 0.3) is True
+    assert sched.schedule(0.3, ROOMY).dispatch == [s2]
+    assert sched.on_first_token(s2.id, 0.4) is False  # nothing was held back
+
+
+def test_prefill_budget_is_given_back_by_ends_without_a_first_token():
+    sched = Scheduler(scheduling_policy(policy(scheduler={"prefill_budget_tokens": 500})),
+                      drain_rate_hint=10**6)
+    first, second = req("standard", prompt=400), req("standard", prompt=400)
+    sched.submit(first, 0.0)
+    sched.submit(second, 0.0)
+    assert sched.schedule(0.0, ROOMY).dispatch == [first]
+    sched.finish(first.id, 0.1, Outcome.BACKEND_ERROR, 0)
+    assert sched.schedule(0.1, ROOMY).dispatch == [second]

@@ -306,6 +306,11 @@ class SchedulerConfig(StrictModel):
     """Time constant of the drain-rate EWMA (tokens/s the backend completes)."""
     initial_drain_rate: TokenRate | None = None
     """Drain rate (tokens/s) assumed before any measurement (default: backend's hint)."""
+    prefill_budget_tokens: Count | None = None
+    """Prompt tokens handed to the backend and not yet past their prefill (no
+    first token) beyond which work below the top priority is held back, so a
+    top-priority prompt never queues behind more prefill than this inside the
+    engine (qos and strict; None: no limit)."""
 
 
 class RateLimit(StrictModel):

@@ -40,4 +40,5 @@ def scheduling_policy(policy: PolicyConfig) -> SchedulingPolicy:
         w_out=sched.vtc.w_out,
         drain_rate_tau_s=sched.drain_rate_tau_s,
         initial_drain_rate=sched.initial_drain_rate,
+        prefill_budget_tokens=sched.prefill_budget_tokens,
     )

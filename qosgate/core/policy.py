@@ -84,6 +84,10 @@ class SchedulingPolicy:
     w_out: float = 2.0
     drain_rate_tau_s: float = 10.0
     initial_drain_rate: float | None = None
+    prefill_budget_tokens: int | None = None
+    """Prompt tokens released to the backend and not yet past their prefill
+    (no first token) beyond which work below the top level is held back, so
+    a top-level prefill never queues behind more than this (None: no limit)."""
 
     def __post_init__(self) -> None:
         tiers = with_age_floors(self.tiers)

@@ -93,6 +93,11 @@ class Scheduler:
         self._reserve_kv = policy.reserve_kv_tokens if policy.tiered else 0
         self._w_in = policy.w_in
         self._w_out = policy.w_out
+        self._prefill_budget = policy.prefill_budget_tokens if policy.tiered else None
+        # Prompt tokens of running requests with no first token yet: the
+        # prefills queued in or going through the backend.
+        self._prefilling = 0
+        self._held_for_prefill = False
         prior = policy.initial_drain_rate or drain_rate_hint or DEFAULT_DRAIN_RATE
         self.drain = DrainRateEstimator(policy.drain_rate_tau_s, prior)
         self._output_estimate = _DEFAULT_OUTPUT_ESTIMATE
@@ -274,6 +279,9 @@ class Scheduler:
         open_batches: dict[str, list] = {}
         wakeup: float | None = None
         blocked: TierQueue | None = None
+        budget = self._prefill_budget
+        prefilling = self._prefilling
+        held: list[TierQueue] = []  # tiers held back this round for the prefill budget
 
         while free_slots > 0:
             # A share is owed only where it does not reach into the reserve.
@@ -281,7 +289,7 @@ class Scheduler:
             ready: list[tuple[TierQueue, float, bool]] = []
             for queue in self._queue_list:
                 oldest = queue.oldest()
-                if oldest is None:
+                if oldest is None or queue in held:
                     continue
                 if queue.max_wait_s > 0.0:
                     batch = open_batches.get(queue.name)
@@ -305,6 +313,12 @@ class Scheduler:
                 break
             req = best.peek()
             assert req is not None
+            if (below_top and budget is not None and prefilling > 0
+                    and prefilling + req.prompt_tokens > budget):
+                # The backend's prefill queue is as long as a top-level
+                # request may wait behind; this waits for a first token.
+                held.append(best)
+                continue
             if kv_total is not None and req.prompt_tokens >= kv_total:
                 best.pop()
                 if not plan.failed:
@@ -327,6 +341,7 @@ class Scheduler:
                 open_batches[best.name] = batch
             best.pop()
             self._dispatch(best, req, now)
+            prefilling += req.prompt_tokens
             if self._shares:
                 for queue in self._queue_list:
                     if len(queue):
@@ -346,7 +361,8 @@ class Scheduler:
         if self._preemption and backend_ready and (blocked is not None or free_slots <= 0):
             self._preempt(now, blocked, plan)
 
-        self._saturated = free_slots <= 0 or blocked is not None
+        self._held_for_prefill = bool(held)
+        self._saturated = free_slots <= 0 or blocked is not None or bool(held)
         self._room_slots = 0 if self._saturated else free_slots
         self._room_kv = 0 if self._saturated else free_kv
         # What the coming interval is: saturated only if work is still waiting
@@ -363,6 +379,7 @@ class Scheduler:
         del self._queued[req.id]
         req.state = _RUNNING
         req.dispatched_at = now
+        self._prefilling += req.prompt_tokens
         charge = service(self._w_in, self._w_out, req.prompt_tokens, req.work - req.prompt_tokens)
         req.charged_service = charge
         queue.order.on_dispatch(req, charge)
@@ -425,6 +442,8 @@ class Scheduler:
         del queue.running[req.id]
         queue.order.on_settle(req, -req.charged_service)
         req.charged_service = 0.0
+        if req.first_token_at is None:
+            self._prefilling -= req.prompt_tokens
         req.preemptions += 1
         req.output_tokens = 0
         req.first_token_at = None
@@ -435,10 +454,14 @@ class Scheduler:
 
     # -- progress reported by the backend ------------------------------------
 
-    def on_first_token(self, req_id: str, now: float) -> None:
+    def on_first_token(self, req_id: str, now: float) -> bool:
+        """A running request's first output token; True when work was held
+        back for the prefill budget, so the caller should schedule again."""
         req = self._running.get(req_id)
         if req is not None and req.first_token_at is None:
             req.first_token_at = now
+            self._prefilling -= req.prompt_tokens
+        return self._held_for_prefill
 
     def finish(self, req_id: str, now: float, outcome: Outcome, output_tokens: int) -> Request:
         """A running request ended (completed, failed, cancelled mid-stream)."""
@@ -447,6 +470,8 @@ class Scheduler:
             raise KeyError(f"request {req_id!r} is not running")
         queue = self._queues[req.tier]
         del queue.running[req_id]
+        if req.first_token_at is None:
+            self._prefilling -= req.prompt_tokens
         req.state = _FINISHED
         req.outcome = outcome
         req.finished_at = now
@@ -492,6 +517,11 @@ class Scheduler:
     @property
     def running_count(self) -> int:
         return len(self._running)
+
+    @property
+    def prefilling_tokens(self) -> int:
+        """Prompt tokens of running requests with no first token yet."""
+        return self._prefilling
 
     def queued(self) -> Iterable[Request]:
         return self._queued.values()

@@ -359,7 +359,8 @@ class Gateway:
         return self._backend.generate(job)
 
     def first_token(self, request: Request, now: float) -> None:
-        self._scheduler.on_first_token(request.id, now)
+        if self._scheduler.on_first_token(request.id, now):
+            self._wake()  # work held back for the prefill budget may go now
         self.observer.first_token(request, now)
 
     def finish(self, stream: RequestStream, outcome: Outcome, now: float) -> None:
