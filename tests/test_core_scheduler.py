@@ -604,3 +604,20 @@ def test_prefill_budget_is_given_back_by_ends_without_a_first_token():
     assert sched.schedule(0.0, ROOMY).dispatch == [first]
     sched.finish(first.id, 0.1, Outcome.BACKEND_ERROR, 0)
     assert sched.schedule(0.1, ROOMY).dispatch == [second]
+
+
+def test_an_owed_share_takes_a_reserved_slot_under_a_flood_from_the_top():
+    sched = Scheduler(scheduling_policy(policy(scheduler={"reserve": {"slots": 2}})),
+                      drain_rate_hint=10**9)
+    b = req("batch", at=0.0)  # 200 tokens of work; min_share 0.05 by default
+    sched.submit(b, 0.0)
+    released = []
+    for k in range(30):
+        now = 0.01 * (k + 1)
+        sched.submit(req("interactive", at=now), now)
+        # One free slot, never more than the reserve of 2.
+        for r in sched.schedule(now, BackendCapacity(1, 10**9, 10**9)).dispatch:
+            released.append(r)
+            sched.finish(r.id, now, Outcome.COMPLETED, 100)
+    # Owed once 200 / 0.05 = 4,000 tokens of interactive went out: 20 of them.
+    assert released.index(b) == 20

@@ -284,8 +284,6 @@ class Scheduler:
         held: list[TierQueue] = []  # tiers held back this round for the prefill budget
 
         while free_slots > 0:
-            # A share is owed only where it does not reach into the reserve.
-            owing = free_slots > self._reserve_slots
             ready: list[tuple[TierQueue, float, bool]] = []
             for queue in self._queue_list:
                 oldest = queue.oldest()
@@ -299,15 +297,17 @@ class Scheduler:
                             if wakeup is None or opens < wakeup:
                                 wakeup = opens
                             continue
-                ready.append(
-                    (queue, oldest.arrival, owing and share_owed(queue.credit, oldest.work))
-                )
+                ready.append((queue, oldest.arrival, share_owed(queue.credit, oldest.work)))
             chosen = pick_tier(ready, now, self._ageing)
             if chosen is None:
                 break
             best, level = chosen
             below_top = level > top_level
-            if below_top and free_slots <= self._reserve_slots:
+            # The reserve holds slots against the order by level, not against
+            # a tier's guaranteed share: under a flood of top-level work the
+            # free slots never pass the reserve, and nothing below would run.
+            if (below_top and free_slots <= self._reserve_slots
+                    and not share_owed(best.credit, best.oldest().work)):
                 # What is left is held for top-level work.
                 blocked = best
                 break
