@@ -194,7 +194,7 @@ class CoreModel:
             return False
         mine = self.tiers.tier(lease.item.tier).priority
         urgent = sum(1 for i in self.queued.values() if self.tiers.tier(i.tier).priority < mine)
-        if urgent <= self._live(now)[1]:
+        if not ordering.preemption_needed(urgent, self._live(now)[1]):
             return False
         node = self.held[lease.item.id][1]
         self._requeue(lease.item.id)

@@ -98,6 +98,14 @@ def share_credit(credit: float, share: float, work: float, *, taken: bool) -> fl
     return credit + share * work
 
 
+def preemption_needed(urgent_queued: int, free_slots: int) -> bool:
+    """Whether sending a run back still makes room that work waits for: more
+    requests of more important tiers are queued than the free slots can
+    start (a preemption chosen a moment earlier, when the backend was full,
+    may have been overtaken by a completion)."""
+    return urgent_queued > free_slots
+
+
 def may_preempt(times_sent_back: int, output_begun: bool) -> bool:
     """Whether a run may be sent back: output already streamed to a client
     cannot be taken back, and a run sent back MAX_PREEMPTIONS times stays."""

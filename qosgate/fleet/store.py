@@ -8,6 +8,7 @@ import itertools
 from abc import ABC, abstractmethod
 from typing import Literal
 
+from qosgate.core import ordering
 from qosgate.core.admission import ArrivalRate
 from qosgate.core.fairness import lifted
 from qosgate.runtime.errors import WorkQueueFull, WorkQueueOverloaded
@@ -491,7 +492,7 @@ class MemoryWorkQueue(WorkQueue):
             return False
         mine = self.tiers.tier(held.item.tier).priority
         urgent = sum(len(self._queues[t.name]) for t in self.tiers.tiers if t.priority < mine)
-        if urgent <= self._load(now).room:
+        if not ordering.preemption_needed(urgent, self._load(now).room):
             return False
         self._requeue(held)
         self._give_slot_back(held.node)
