@@ -47,6 +47,9 @@ def make_queue(kind: str, request, tiers: FleetTiers = TIERS, **kw) -> WorkQueue
     if kind == "memory":
         return MemoryWorkQueue(tiers, **kw)
     server = request.getfixturevalue("redis_server")
+    # A generous timeout, so that a loaded machine does not make the store
+    # retry a script that had already run (see test_fleet_rules_differential).
+    kw.setdefault("socket_timeout_s", 30.0)
     return RedisWorkQueue(server.url, tiers, key_prefix=f"test-{uuid.uuid4().hex[:8]}:", **kw)
 
 

@@ -256,7 +256,11 @@ async def test_core_memory_and_lua_decide_alike(redis_server):
     rng = random.Random(21)
     core = CoreModel(TIERS)
     memory = MemoryWorkQueue(TIERS)
-    lua = RedisWorkQueue(redis_server.url, TIERS, key_prefix=f"diff-{uuid.uuid4().hex[:8]}:")
+    # A generous timeout: on a loaded machine a reply later than the default
+    # 0.5 s would make the store retry a script that had already run, and the
+    # second enqueue of an id is refused as a duplicate (by design; not a rule).
+    lua = RedisWorkQueue(redis_server.url, TIERS, key_prefix=f"diff-{uuid.uuid4().hex[:8]}:",
+                         socket_timeout_s=30.0)
     stores = (memory, lua)
     seen = {"claimed": 0, "refused": 0, "full": 0, "preempted": 0, "released": 0}
     now = T0
