@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from enum import Enum
 from typing import Any, Literal, Protocol
 
 import structlog
@@ -63,14 +62,6 @@ _Held = Reservation | None
 
 class PolicyReloadRefused(ValueError):
     """A reloaded policy changes what only a restart can change."""
-
-
-class _Go(Enum):
-    """Why a stream's dispatch future resolved."""
-
-    DISPATCHED = "dispatched"
-    ENDED = "ended"
-    """Finished while queued (expired, failed, cancelled, gateway closed)."""
 
 
 class Gateway:
@@ -581,7 +572,8 @@ class RequestStream:
         # what the tenant is charged for if it ends cancelled.
         self._ran = False
         self._reported_prompt: int | None = None
-        self._go: asyncio.Future[_Go] = loop.create_future()
+        # Resolved when the request is dispatched, or ends while queued.
+        self._go: asyncio.Future[None] = loop.create_future()
         # Bumped on every preemption, so a consumer can tell that the backend
         # run it is reading is no longer the request's current one.
         self._epoch = 0
@@ -626,7 +618,7 @@ class RequestStream:
         # Done already only if the consumer's task was just cancelled while it
         # waited (that cancels the future too); its handler ends the request.
         if not self._go.done():
-            self._go.set_result(_Go.DISPATCHED)
+            self._go.set_result(None)
 
     def preempted(self) -> None:
         self._epoch += 1
@@ -638,7 +630,7 @@ class RequestStream:
         self._error = error
         self._host.ended(self)
         if not self._go.done():
-            self._go.set_result(_Go.ENDED)
+            self._go.set_result(None)
 
     def end(self, error: GatewayError | None) -> None:
         """Cancel the request wherever it is (no-op once it has an outcome). With
@@ -650,7 +642,7 @@ class RequestStream:
         self._error = error
         self._host.cancel(self, outcome, self._loop.time())
         if not self._go.done():
-            self._go.set_result(_Go.ENDED)
+            self._go.set_result(None)
 
     def _fail(self, error: GatewayError) -> GatewayError:
         """A running request failed in the backend: finish it with the error's outcome."""
