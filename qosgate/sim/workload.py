@@ -114,6 +114,17 @@ def length_sampler(rng: random.Random, dist: LengthDist):
     return draw
 
 
+def class_draws(
+    scenario: Scenario, index: int, cls_: TrafficClass, rate: float, seed: int
+) -> tuple[list[float], Callable[[], int], Callable[[], int]]:
+    """The class's arrival times and its prompt and output length samplers,
+    from the seeded streams that `qosgate bench` draws from too."""
+    times = arrival_times(random.Random(f"{seed}/{index}/times"), scenario, cls_, rate)
+    lengths = scenario.class_lengths(cls_)
+    rng = random.Random(f"{seed}/{index}/lengths")
+    return times, length_sampler(rng, lengths.prompt), length_sampler(rng, lengths.output)
+
+
 def _ask(rule: str | int, output: int, cap: int) -> int:
     if rule == "cap":
         return cap
@@ -154,11 +165,7 @@ def generate_arrivals(
     drawn: list[tuple[float, int, int, Arrival]] = []
     for index, (cls_, rate) in enumerate(zip(scenario.classes, rates)):
         tier_name, tier = _class_tier(policy, cls_.tenant)
-        times = arrival_times(random.Random(f"{seed}/{index}/times"), scenario, cls_, rate)
-        lengths = scenario.class_lengths(cls_)
-        rng = random.Random(f"{seed}/{index}/lengths")
-        prompt = length_sampler(rng, lengths.prompt)
-        output = length_sampler(rng, lengths.output)
+        times, prompt, output = class_draws(scenario, index, cls_, rate, seed)
         for n, t in enumerate(times):
             arrival = _draw(scenario, cls_, tier_name, tier, prompt, output, "", t)
             drawn.append((t, index, n, arrival))
