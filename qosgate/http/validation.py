@@ -132,7 +132,7 @@ def _exactly_one(value: Any) -> int:
     return n
 
 
-def _strings(limit: int, what: str = "strings") -> Callable[[Any], str | list[str]]:
+def _strings(limit: int) -> Callable[[Any], str | list[str]]:
     """A string or an array of at most `limit` strings (OpenAI's `stop`)."""
 
     def check(value: Any) -> str | list[str]:
@@ -140,10 +140,10 @@ def _strings(limit: int, what: str = "strings") -> Callable[[Any], str | list[st
             return value
         if not isinstance(value, list):
             raise _fail(
-                "stop_type", f"expected a string or an array of {what}, but got {_type_name(value)}"
+                "stop_type", f"expected a string or an array of strings, but got {_type_name(value)}"
             )
         if len(value) > limit:
-            raise _fail("too_long", f"at most {limit} {what}, got {len(value)}")
+            raise _fail("too_long", f"at most {limit} strings, got {len(value)}")
         for index, item in enumerate(value):
             if not isinstance(item, str):
                 raise _fail("stop_type", f"item {index} must be a string, not {_type_name(item)}")
