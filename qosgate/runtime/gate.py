@@ -203,10 +203,9 @@ class Gateway:
     def snapshot(self) -> dict:
         loop = self._get_loop()
         snap = self._scheduler.snapshot(loop.time())
-        ready = self._backend.ready()
         cap = self._backend.capacity()
         snap["backend"] = {
-            "ready": ready,
+            "ready": self._backend.ready(),
             "free_slots": cap.free_slots,
             "free_kv_tokens": cap.free_kv_tokens,
             "kv_capacity_tokens": cap.kv_capacity_tokens,
