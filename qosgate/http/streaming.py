@@ -121,19 +121,12 @@ async def stream_response(
             request[REQUEST_ID], slow.taken, slow.waited_s, pace.floor,
         )  # fmt: skip
         response.force_close()
-        await _send_error_event(
-            request,
-            response,
-            error_payload(
-                f"The client read the stream slower than {pace.floor:g} bytes a second "
-                f"(tier delivery floor) for {slow.waited_s:g}s; the stream was ended.",
-                "server_error",
-                "client_too_slow",
-                None,
-            ),
-            pending,
-            stall_s,
+        message = (
+            f"The client read the stream slower than {pace.floor:g} bytes a second "
+            f"(tier delivery floor) for {slow.waited_s:g}s; the stream was ended."
         )
+        payload = error_payload(message, "server_error", "client_too_slow", None)
+        await _send_error_event(request, response, payload, pending, stall_s)
     except ConnectionError:
         # The client went away mid-stream (aiohttp's write errors are
         # ConnectionResetError): end the request as cancelled.
