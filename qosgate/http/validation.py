@@ -140,7 +140,8 @@ def _strings(limit: int) -> Callable[[Any], str | list[str]]:
             return value
         if not isinstance(value, list):
             raise _fail(
-                "stop_type", f"expected a string or an array of strings, but got {_type_name(value)}"
+                "stop_type",
+                f"expected a string or an array of strings, but got {_type_name(value)}",
             )
         if len(value) > limit:
             raise _fail("too_long", f"at most {limit} strings, got {len(value)}")
@@ -396,31 +397,25 @@ def nullable(schema: dict[str, Any]) -> dict[str, Any]:
 
 _NAME_SCHEMA = {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}
 _OBJECT = {"type": "object"}
-_TOOL_SCHEMA = {
-    "type": "object",
-    "required": ["type", "function"],
-    "properties": {
-        "type": {"const": "function"},
-        "function": {
-            "type": "object",
-            "required": ["name"],
-            "properties": {
-                "name": _NAME_SCHEMA,
-                "description": {"type": "string"},
-                "parameters": nullable(_OBJECT),
-                "strict": nullable({"type": "boolean"}),
-            },
-        },
-    },
-}
-_NAMED_CHOICE_SCHEMA = {
-    "type": "object",
-    "required": ["type", "function"],
-    "properties": {
-        "type": {"const": "function"},
-        "function": {"type": "object", "required": ["name"], "properties": {"name": _NAME_SCHEMA}},
-    },
-}
+
+
+def _function_schema(**more: Any) -> dict[str, Any]:
+    """A tool or a named tool choice: `type` function, and a named function."""
+    properties = {"name": _NAME_SCHEMA, **more}
+    function = {"type": "object", "required": ["name"], "properties": properties}
+    return {
+        "type": "object",
+        "required": ["type", "function"],
+        "properties": {"type": {"const": "function"}, "function": function},
+    }
+
+
+_TOOL_SCHEMA = _function_schema(
+    description={"type": "string"},
+    parameters=nullable(_OBJECT),
+    strict=nullable({"type": "boolean"}),
+)
+_NAMED_CHOICE_SCHEMA = _function_schema()
 _RESPONSE_FORMAT_SCHEMA = {
     "anyOf": [
         {
