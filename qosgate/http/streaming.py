@@ -37,10 +37,7 @@ async def stream_response(
     try:
         # Wait for the first chunk before sending headers: an error while the
         # request is queued (expired, backend down) can still be a proper status.
-        try:
-            first: Chunk | None = await chunks.__anext__()
-        except StopAsyncIteration:
-            first = None
+        first: Chunk | None = await anext(chunks, None)
     except BaseException:
         await stream.aclose()
         raise
@@ -85,10 +82,7 @@ async def stream_response(
                 data = b"".join(pending)
                 pending.clear()
                 await _write(request, response, data, stall_s, pace=pace)
-            try:
-                chunk = await chunks.__anext__()
-            except StopAsyncIteration:
-                chunk = None
+            chunk = await anext(chunks, None)
         usage = usage_body(call, tally.tokens, tally.usage)
         finish = tally.finish_reason or "stop"
         last_text = (last.text or None) if last is not None else None

@@ -695,9 +695,7 @@ class RequestStream:
                 try:
                     while True:
                         try:
-                            chunk = await gen.__anext__()
-                        except StopAsyncIteration:
-                            chunk = None
+                            chunk = await anext(gen, None)
                         except Exception as exc:
                             if self._epoch != epoch or req.finished:
                                 break
