@@ -410,16 +410,14 @@ def plot_run(result_runs: dict, series: dict[str, dict], path: str | Path) -> No
     if not policies:
         raise ValueError("nothing to plot: no policy has a series")
 
-    tiers: list[str] = []
+    # Every tier named anywhere, in the order first named.
+    names: list[str] = []
     for policy in policies:
-        for name in runs.get(policy, {}).get("tiers", {}):
-            if name not in tiers:
-                tiers.append(name)
+        names += runs.get(policy, {}).get("tiers", {})
         for _, snapshot in series[policy].get("queue_depth", ()):
-            tiers.extend(name for name in snapshot if name not in tiers)
-        for _, name, _ in series[policy].get("ttft", ()):
-            if name not in tiers:
-                tiers.append(name)
+            names += snapshot
+        names += [name for _, name, _ in series[policy].get("ttft", ())]
+    tiers = list(dict.fromkeys(names))
     palette = plt.get_cmap("tab10")
     colour = {name: palette(i % 10) for i, name in enumerate(tiers)}
 
