@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -341,11 +342,8 @@ def plot_open(result: dict[str, Any], records: dict[str, list[Record]],
         for tier in tiers:
             recs = [r for r in records[label] if scenario.classes[r.cls].tier == tier]
             events = sorted([(r.sent, 1) for r in recs] + [(r.end, -1) for r in recs])
-            xs, ys, level = [], [], 0
-            for t, step in events:
-                level += step
-                xs.append(t)
-                ys.append(level)
+            xs = [t for t, _ in events]
+            ys = list(accumulate(step for _, step in events))
             if xs:
                 top.step(xs, ys, where="post", color=colour[tier], label=tier, linewidth=1.0)
             points = [(r.sent, r.ttft) for r in recs if r.ttft is not None and r.ttft > 0]
