@@ -15,7 +15,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
@@ -23,13 +23,9 @@ from qosgate.backends import build_backend
 from qosgate.backends.base import Backend
 from qosgate.config.models import PolicyConfig
 from qosgate.http.identity import KeyRing, KeyRingError
-from qosgate.observability import Observer
 from qosgate.quotas import QuotaGuard
 from qosgate.runtime.errors import PolicyRejected
 from qosgate.runtime.gate import Gateway, PolicyReloadRefused
-
-if TYPE_CHECKING:
-    from qosgate.fleet.engine import EngineNode
 
 log = logging.getLogger(__name__)
 
@@ -75,21 +71,7 @@ def build_gateway(policy: PolicyConfig, *, quotas: QuotaGuard | None = None) -> 
     """The gateway a policy describes, not yet started: its backend, its
     quota guard (`quotas` replaces the one the policy would build: a
     benchmark's instrumented store) and its metrics."""
-    return Gateway(
-        policy,
-        gateway_backend(policy),
-        quotas=quotas if quotas is not None else QuotaGuard.from_policy(policy),
-        observer=Observer(policy),
-    )
-
-
-def build_engine_node(policy: PolicyConfig) -> EngineNode:
-    """An engine node of the fleet (`fleet.role: engine`): the configured
-    backend, fed from the shared queue."""
-    from qosgate.fleet.engine import EngineNode
-
-    assert policy.fleet is not None
-    return EngineNode(policy, policy.fleet, build_backend(policy.backend))
+    return Gateway(policy, gateway_backend(policy), quotas=quotas)
 
 
 class LivePolicy:
@@ -174,7 +156,10 @@ async def serve_engine(
     """An engine node of the fleet (`fleet.role: engine`): the backend, fed
     from the shared queue, and only /healthz, /readyz and /fleet over HTTP
     (clients talk to the gateway replicas)."""
-    node = build_engine_node(policy)
+    from qosgate.fleet.engine import EngineNode
+
+    assert policy.fleet is not None
+    node = EngineNode(policy, policy.fleet, build_backend(policy.backend))
 
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

@@ -48,6 +48,7 @@ from qosgate.backends.base import (
     Chunk,
     GenerationJob,
 )
+from qosgate.backends.tokens import estimate_prompt_tokens
 from qosgate.config.models import VllmBackendConfig
 from qosgate.core.scheduler import BackendCapacity
 
@@ -323,9 +324,6 @@ class VllmBackend(Backend):
             self.back.set()
             return
 
-    def _note_progress(self) -> None:
-        self._progress_at = asyncio.get_running_loop().time()
-
     def _stall_due(self) -> float:
         """When the engine is stalled if nothing changes: no output at all for
         the bound, or a request it took that long ago and has not answered
@@ -390,16 +388,12 @@ class VllmBackend(Backend):
     def count_prompt_tokens(self, endpoint: str, body: dict[str, Any]) -> int:
         if self.engine is None or self._dead:
             # Before the engine is up: the estimate, as the sim backend counts.
-            from qosgate.backends.tokens import estimate_prompt_tokens
-
             return estimate_prompt_tokens(endpoint, body)
         try:
             rendered: dict[str, Any] | BackendRejected = self._render(endpoint, body)
             count = len(rendered["prompt_token_ids"])
         except BackendRejected as exc:
             # Refused when it runs, through the one mapping of backend errors.
-            from qosgate.backends.tokens import estimate_prompt_tokens
-
             rendered, count = exc, estimate_prompt_tokens(endpoint, body)
         kept = self._rendered
         kept[id(body)] = (body, rendered)
@@ -488,7 +482,7 @@ class VllmBackend(Backend):
             outputs = engine.generate(engine_input, params, request_id, priority=job.priority)
             try:
                 async for out in outputs:
-                    self._note_progress()
+                    self._progress_at = asyncio.get_running_loop().time()
                     run.answered = True
                     if run.fenced is not None:
                         break

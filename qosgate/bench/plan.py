@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 
 from qosgate.bench.scenario import BenchScenario
-from qosgate.sim.workload import arrival_times, class_rates, length_sampler
+from qosgate.sim.workload import class_draws, class_rates, length_sampler
 
 Spec = tuple[int, float, int, int, int]
 
@@ -31,13 +31,8 @@ def plan_open(scenario: BenchScenario, seed: int | None = None) -> list[Spec]:
     rates = class_rates(scenario, scenario.arrivals.rate_rps)  # type: ignore[arg-type]
     drawn: list[tuple[float, int, int, int, int]] = []
     for index, (cls_, rate) in enumerate(zip(scenario.classes, rates)):
-        times = arrival_times(
-            random.Random(f"{seed}/{index}/times"), scenario, cls_, rate  # type: ignore[arg-type]
-        )
-        lengths = scenario.class_lengths(cls_)
-        rng = random.Random(f"{seed}/{index}/lengths")
-        prompt = length_sampler(rng, lengths.prompt)
-        output = length_sampler(rng, lengths.output)
+        draws = class_draws(scenario, index, cls_, rate, seed)  # type: ignore[arg-type]
+        times, prompt, output = draws
         for n, t in enumerate(times):
             drawn.append((t, index, n, prompt(), output()))
     drawn.sort()

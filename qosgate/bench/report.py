@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from qosgate.bench.scenario import BenchScenario
 from qosgate.config.models import PolicyConfig
 from qosgate.core.request import Outcome, Request, RequestState
 from qosgate.observability.stats import percentile
-from qosgate.sim.report import build_policy_report, format_table
+from qosgate.sim.report import build_policy_report, fmt_cell, format_table, pyplot, save_figure
 
 _OUTCOMES = {
     COMPLETED: Outcome.COMPLETED,
@@ -75,11 +76,8 @@ class Record:
         return (self.end - self.first) / (self.output_tokens - 1)
 
     def shifted(self, offset: float) -> Record:
-        return Record(
-            self.rid, self.cls, self.sent + offset, None if self.first is None else self.first + offset,
-            self.end + offset, self.status, self.outcome, self.error_type, self.error_code,
-            self.prompt_tokens, self.output_tokens, self.itl, self.lag,
-        )  # fmt: skip
+        first = None if self.first is None else self.first + offset
+        return replace(self, sent=self.sent + offset, first=first, end=self.end + offset)
 
 
 def records_from(raw: Iterable[tuple]) -> list[Record]:
@@ -240,12 +238,6 @@ def _ms(value: Any) -> str:
     return "-" if value is None else f"{value * 1000:.1f}"
 
 
-def _num(value: Any, spec: str = ".1f") -> str:
-    if value is None:
-        return "-"
-    return f"{value:{spec}}" if isinstance(value, float) else str(value)
-
-
 def format_bench(result: dict[str, Any]) -> str:
     """The run as text: the simulate-style tier table (open loop) or one row
     per concurrency level (sweep), then the client's own figures."""
@@ -263,7 +255,8 @@ def format_bench(result: dict[str, Any]) -> str:
                 lines.append(
                     f"  {row['concurrency']:>5} {row['requests']:>9} {row['completed']:>10}"
                     f" {row['rejected']:>9} {row['errors']:>7} {row['lost']:>5}"
-                    f" {_num(row['throughput_rps']):>9} {_num(row['output_tokens_per_s']):>10}"
+                    f" {fmt_cell(row['throughput_rps'], '.1f'):>9}"
+                    f" {fmt_cell(row['output_tokens_per_s'], '.1f'):>10}"
                     f" {_ms(row['ttft_p50_s']):>9} {_ms(row['ttft_p99_s']):>9}"
                     f" {_ms(row['e2e_p50_s']):>9} {_ms(row['e2e_p99_s']):>9}"
                     f" {_ms(row['tpot_p50_s']):>9} {_ms(row['itl_p99_s']):>9}"
@@ -277,8 +270,8 @@ def format_bench(result: dict[str, Any]) -> str:
         lines.append(
             f"{label}: e2e p50 {_ms(totals.get('e2e_p50_s'))} ms, p99 {_ms(totals.get('e2e_p99_s'))} ms;"
             f" TPOT p50 {_ms(totals.get('tpot_p50_s'))} ms; ITL p99 {_ms(totals.get('itl_p99_s'))} ms;"
-            f" {_num(totals.get('throughput_rps'), '.2f')} req/s,"
-            f" {_num(totals.get('output_tokens_per_s'))} output tok/s"
+            f" {fmt_cell(totals.get('throughput_rps'), '.2f')} req/s,"
+            f" {fmt_cell(totals.get('output_tokens_per_s'), '.1f')} output tok/s"
         )
         lines.append(_totals_line(totals))
     return "\n".join(lines)
@@ -304,11 +297,7 @@ def _totals_line(totals: dict[str, Any]) -> str:
 def plot_sweep(result: dict[str, Any], path: str | Path) -> None:
     """Throughput against latency, one curve per label, each point a concurrency
     level: requests/s against end-to-end latency, and output tokens/s against TTFT."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     palette = plt.get_cmap("tab10")
     for index, (label, run) in enumerate(result.get("policies", {}).items()):
@@ -334,19 +323,14 @@ def plot_sweep(result: dict[str, Any], path: str | Path) -> None:
     fig.suptitle(f"{result.get('scenario', '?')}: throughput against latency "
                  "(points labelled with concurrency)")
     fig.tight_layout()
-    fig.savefig(Path(path), dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_open(result: dict[str, Any], records: dict[str, list[Record]],
               scenario: BenchScenario, path: str | Path) -> None:
     """Open loop: requests in flight per tier over time (top) and TTFT per tier
     over time (bottom), one column per label."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     labels = list(records)
     tiers = list(scenario.tiers)
     palette = plt.get_cmap("tab10")
@@ -358,11 +342,8 @@ def plot_open(result: dict[str, Any], records: dict[str, list[Record]],
         for tier in tiers:
             recs = [r for r in records[label] if scenario.classes[r.cls].tier == tier]
             events = sorted([(r.sent, 1) for r in recs] + [(r.end, -1) for r in recs])
-            xs, ys, level = [], [], 0
-            for t, step in events:
-                level += step
-                xs.append(t)
-                ys.append(level)
+            xs = [t for t, _ in events]
+            ys = list(accumulate(step for _, step in events))
             if xs:
                 top.step(xs, ys, where="post", color=colour[tier], label=tier, linewidth=1.0)
             points = [(r.sent, r.ttft) for r in recs if r.ttft is not None and r.ttft > 0]
@@ -378,5 +359,4 @@ def plot_open(result: dict[str, Any], records: dict[str, list[Record]],
         top.legend(fontsize="small")
     fig.suptitle(f"{result.get('scenario', '?')}: {result.get('url', '')}")
     fig.tight_layout()
-    fig.savefig(Path(path), dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)

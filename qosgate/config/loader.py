@@ -92,9 +92,9 @@ def load_model(model_cls: type[M], path_or_text: str | os.PathLike[str]) -> M:
     try:
         text = Path(source).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(source, [ConfigIssue("", None, "file not found")]) from None
+        raise _file_error(source, "file not found") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(source, [ConfigIssue("", None, f"cannot read file: {exc}")]) from None
+        raise _file_error(source, f"cannot read file: {exc}") from None
     return load_model_text(model_cls, text, source)
 
 
@@ -106,9 +106,12 @@ def load_model_text(model_cls: type[M], text: str, source: str = "<string>") -> 
     except ValidationError as exc:
         raise ConfigError(source, _validation_issues(exc, lines, model_cls)) from None
     except RecursionError:
-        raise ConfigError(
-            source, [ConfigIssue("", None, "document is nested too deeply")]
-        ) from None
+        raise _file_error(source, "document is nested too deeply") from None
+
+
+def _file_error(source: str, message: str, line: int | None = None) -> ConfigError:
+    """A problem of the whole file, not of one field."""
+    return ConfigError(source, [ConfigIssue("", line, message)])
 
 
 # --- YAML -> data + line map -------------------------------------------------------
@@ -143,23 +146,14 @@ def _parse(text: str, source: str) -> tuple[dict[Any, Any], dict[FieldPath, int]
         loader = _Loader(text)
         root = loader.get_single_node()
         if root is None or (isinstance(root, yaml.ScalarNode) and root.tag == _NULL_TAG):
-            raise ConfigError(
-                source, [ConfigIssue("", None, "file is empty; expected a mapping of settings")]
-            )
+            raise _file_error(source, "file is empty; expected a mapping of settings")
         if not isinstance(root, yaml.MappingNode):
-            kind = (
-                "a list"
-                if isinstance(root, yaml.SequenceNode)
-                else f"a single value ({root.value!r})"
-            )
-            raise ConfigError(
-                source,
-                [
-                    ConfigIssue(
-                        "", _line(root), f"top level must be a mapping of settings, found {kind}"
-                    )
-                ],
-            )
+            if isinstance(root, yaml.SequenceNode):
+                kind = "a list"
+            else:
+                kind = f"a single value ({root.value!r})"
+            message = f"top level must be a mapping of settings, found {kind}"
+            raise _file_error(source, message, _line(root))
         duplicates: list[ConfigIssue] = []
         _walk(root, (), lines, positions, duplicates, set())
         if duplicates:
@@ -170,14 +164,12 @@ def _parse(text: str, source: str) -> tuple[dict[Any, Any], dict[FieldPath, int]
     except yaml.reader.ReaderError as exc:
         # Raised before any mark exists; its position is a character offset.
         line = len(_YAML_LINE_BREAK.findall(text, 0, exc.position)) + 1
-        message = f"character #x{exc.character:04x} is not allowed in YAML"
-        raise ConfigError(source, [ConfigIssue("", line, f"invalid YAML: {message}")]) from None
+        message = f"invalid YAML: character #x{exc.character:04x} is not allowed in YAML"
+        raise _file_error(source, message, line) from None
     except yaml.YAMLError as exc:
-        raise ConfigError(source, [ConfigIssue("", None, f"invalid YAML: {exc}")]) from None
+        raise _file_error(source, f"invalid YAML: {exc}") from None
     except RecursionError:
-        raise ConfigError(
-            source, [ConfigIssue("", None, "document is nested too deeply")]
-        ) from None
+        raise _file_error(source, "document is nested too deeply") from None
     finally:
         if loader is not None:
             loader.dispose()
@@ -275,6 +267,11 @@ def _validation_issues(
     # Errors from the branches of one plain union (e.g. str | int | bool) land on the
     # same field; they are merged into one "should be a or b" issue.
     alternatives: dict[tuple[str, int | None], list[str]] = {}
+
+    def at(path: FieldPath, message: str) -> ConfigIssue:
+        # A path not in the document (a missing field) is at its parent's line.
+        return ConfigIssue(_dotted(path), _line_of(path, lines), message)
+
     errors = exc.errors()
     for error in errors:
         loc = tuple(error["loc"])
@@ -282,34 +279,22 @@ def _validation_issues(
             continue  # a list emptied by its items' own errors; those say what is wrong
         resolved, unresolved = _resolve(loc, lines)
         kind = error["type"]
+        raised = _raised(error)
         if kind == "missing" and unresolved:
             # The missing field is the last element; unresolved ones before it are labels.
-            path = (*resolved, unresolved[-1])
-            issues.append(
-                ConfigIssue(_dotted(path), _line_of(resolved, lines), "required field is missing")
-            )
+            issues.append(at((*resolved, unresolved[-1]), "required field is missing"))
         elif kind == "extra_forbidden":
-            issues.append(
-                ConfigIssue(
-                    _dotted(resolved), _line_of(resolved, lines), _unknown_key(model_cls, loc)
-                )
-            )
-        elif kind == "value_error" and isinstance(_raised(error), ConfigError):
+            issues.append(at(resolved, _unknown_key(model_cls, loc)))
+        elif kind == "value_error" and isinstance(raised, ConfigError):
             # A field that names another file (a scenario's policy) failed to load:
             # keep that file's issues whole, at the field that refers to it.
-            nested = _raised(error)
-            for inner in nested.issues:
-                issues.append(
-                    ConfigIssue(
-                        _dotted(resolved), _line_of(resolved, lines), inner.render(nested.source)
-                    )
-                )
-        elif kind == "value_error" and _raised(error) is not None and not unresolved:
-            for path, message in _split_embedded(resolved, str(_raised(error)), lines):
-                issues.append(ConfigIssue(_dotted(path), _line_of(path, lines), message))
+            issues.extend(at(resolved, inner.render(raised.source)) for inner in raised.issues)
+        elif kind == "value_error" and raised is not None and not unresolved:
+            for path, message in _split_embedded(resolved, str(raised), lines):
+                issues.append(at(path, message))
         else:
             message = _describe(error)
-            issue = ConfigIssue(_dotted(resolved), _line_of(resolved, lines), message)
+            issue = at(resolved, message)
             if unresolved:
                 key = (issue.path, issue.line)
                 if key not in alternatives:

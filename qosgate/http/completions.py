@@ -26,7 +26,7 @@ from .ratelimit import ratelimit_headers
 from .render import Call, Tally, relay_choice_fields, response_body, usage_body
 from .state import ADMITTED, RATELIMIT, REQUEST_ID, STATE, TIER, AppState, identify
 from .streaming import Pace, stream_response
-from .validation import MAX_PRIORITY_OFFSET, Endpoint, asked_field, parse_json, validate_body
+from .validation import MAX_PRIORITY_OFFSET, Endpoint, parse_json, validate_body
 
 SESSION_HEADER = "X-Session-Id"
 _MAX_SESSION_LEN = 256
@@ -88,7 +88,7 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
         endpoint=endpoint,
         body=raw,
         asked_max_tokens=parsed.asked_max_tokens,
-        asked_field=asked_field(parsed),
+        asked_field=parsed.asked_field,
         min_tokens=parsed.min_tokens,
         priority_offset=min(parsed.priority or 0, MAX_PRIORITY_OFFSET),
         session=session[:_MAX_SESSION_LEN] if session else None,

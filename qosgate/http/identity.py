@@ -132,13 +132,13 @@ class KeyRing:
         return Identity(tenant, self._tiers[tenant])
 
     def _from_header(self, headers: Mapping[str, str]) -> Identity:
-        if self._secret_digest is None:
-            # Without a configured secret nothing can vouch for the header; a
-            # client sending it is trying to pick its own tenant.
-            raise Unauthorized(f"{TENANT_HEADER} is only accepted from the trusted front gateway.")
         presented = headers.get(SECRET_HEADER)
-        if presented is None or not hmac.compare_digest(
-            _digest(presented).encode(), self._secret_digest.encode()
+        # Without a configured secret nothing can vouch for the header; a
+        # client sending it is trying to pick its own tenant.
+        if (
+            self._secret_digest is None
+            or presented is None
+            or not hmac.compare_digest(_digest(presented).encode(), self._secret_digest.encode())
         ):
             raise Unauthorized(f"{TENANT_HEADER} is only accepted from the trusted front gateway.")
         tenant = headers[TENANT_HEADER].strip()

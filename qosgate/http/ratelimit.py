@@ -8,7 +8,6 @@ from qosgate.quotas import LimitState
 from qosgate.runtime.gate import tightest_tokens
 
 
-
 def duration(seconds: float) -> str:
     """OpenAI's reset format: `250ms`, `1.5s`, `6m0s`, `1h2m3s`."""
     if seconds < 1:
@@ -28,16 +27,11 @@ def ratelimit_headers(states: Iterable[LimitState]) -> dict[str, str]:
     left), the requests trio from requests_per_minute; none for a tenant
     without such limits."""
     states = list(states)
+    requests = next((s for s in states if s.kind == "requests_per_minute"), None)
     headers: dict[str, str] = {}
-    t = tightest_tokens(states)
-    if t is not None:
-        headers["x-ratelimit-limit-tokens"] = str(t.limit)
-        headers["x-ratelimit-remaining-tokens"] = str(t.remaining)
-        headers["x-ratelimit-reset-tokens"] = duration(t.reset_s)
-    requests = [s for s in states if s.kind == "requests_per_minute"]
-    if requests:
-        r = requests[0]
-        headers["x-ratelimit-limit-requests"] = str(r.limit)
-        headers["x-ratelimit-remaining-requests"] = str(r.remaining)
-        headers["x-ratelimit-reset-requests"] = duration(r.reset_s)
+    for unit, state in (("tokens", tightest_tokens(states)), ("requests", requests)):
+        if state is not None:
+            headers[f"x-ratelimit-limit-{unit}"] = str(state.limit)
+            headers[f"x-ratelimit-remaining-{unit}"] = str(state.remaining)
+            headers[f"x-ratelimit-reset-{unit}"] = duration(state.reset_s)
     return headers

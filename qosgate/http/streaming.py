@@ -37,10 +37,7 @@ async def stream_response(
     try:
         # Wait for the first chunk before sending headers: an error while the
         # request is queued (expired, backend down) can still be a proper status.
-        try:
-            first: Chunk | None = await chunks.__anext__()
-        except StopAsyncIteration:
-            first = None
+        first: Chunk | None = await anext(chunks, None)
     except BaseException:
         await stream.aclose()
         raise
@@ -85,10 +82,7 @@ async def stream_response(
                 data = b"".join(pending)
                 pending.clear()
                 await _write(request, response, data, stall_s, pace=pace)
-            try:
-                chunk = await chunks.__anext__()
-            except StopAsyncIteration:
-                chunk = None
+            chunk = await anext(chunks, None)
         usage = usage_body(call, tally.tokens, tally.usage)
         finish = tally.finish_reason or "stop"
         last_text = (last.text or None) if last is not None else None
@@ -121,19 +115,12 @@ async def stream_response(
             request[REQUEST_ID], slow.taken, slow.waited_s, pace.floor,
         )  # fmt: skip
         response.force_close()
-        await _send_error_event(
-            request,
-            response,
-            error_payload(
-                f"The client read the stream slower than {pace.floor:g} bytes a second "
-                f"(tier delivery floor) for {slow.waited_s:g}s; the stream was ended.",
-                "server_error",
-                "client_too_slow",
-                None,
-            ),
-            pending,
-            stall_s,
+        message = (
+            f"The client read the stream slower than {pace.floor:g} bytes a second "
+            f"(tier delivery floor) for {slow.waited_s:g}s; the stream was ended."
         )
+        payload = error_payload(message, "server_error", "client_too_slow", None)
+        await _send_error_event(request, response, payload, pending, stall_s)
     except ConnectionError:
         # The client went away mid-stream (aiohttp's write errors are
         # ConnectionResetError): end the request as cancelled.

@@ -60,25 +60,21 @@ def _fail(kind: str, message: str) -> PydanticCustomError:
     return PydanticCustomError(kind, message)
 
 
+# bool before int: JSON true is an int to Python.
+_JSON_TYPES = (
+    (type(None), "null"), (bool, "a boolean"), (int, "an integer"), (float, "a number"),
+    (str, "a string"), (list, "an array"), (dict, "an object"),
+)  # fmt: skip
+
+
 def _type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
+    for kind, name in _JSON_TYPES:
+        if isinstance(value, kind):
+            return name
     return type(value).__name__
 
 
-def _integer(minimum: int) -> Callable[[Any], int]:
+def _integer(low: int, high: int | None = None) -> Callable[[Any], int]:
     def check(value: Any) -> int:
         # JSON has one number type: `2.0` is the integer 2 to every JSON Schema
         # reader (our OpenAPI document included), so it is taken as 2. JSON
@@ -87,8 +83,10 @@ def _integer(minimum: int) -> Callable[[Any], int]:
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
             raise _fail("int_type", f"expected an integer, but got {_type_name(value)}")
-        if value < minimum:
-            raise _fail("too_small", f"must be at least {minimum}, got {short_number(value)}")
+        if value < low:
+            raise _fail("too_small", f"must be at least {low}, got {short_number(value)}")
+        if high is not None and value > high:
+            raise _fail("too_large", f"must be at most {high}, got {short_number(value)}")
         return value
 
     return check
@@ -134,19 +132,7 @@ def _exactly_one(value: Any) -> int:
     return n
 
 
-def _bounded_integer(low: int, high: int) -> Callable[[Any], int]:
-    at_least = _integer(low)
-
-    def check(value: Any) -> int:
-        n = at_least(value)
-        if n > high:
-            raise _fail("too_large", f"must be at most {high}, got {short_number(n)}")
-        return n
-
-    return check
-
-
-def _strings(limit: int, what: str = "strings") -> Callable[[Any], str | list[str]]:
+def _strings(limit: int) -> Callable[[Any], str | list[str]]:
     """A string or an array of at most `limit` strings (OpenAI's `stop`)."""
 
     def check(value: Any) -> str | list[str]:
@@ -154,10 +140,11 @@ def _strings(limit: int, what: str = "strings") -> Callable[[Any], str | list[st
             return value
         if not isinstance(value, list):
             raise _fail(
-                "stop_type", f"expected a string or an array of {what}, but got {_type_name(value)}"
+                "stop_type",
+                f"expected a string or an array of strings, but got {_type_name(value)}",
             )
         if len(value) > limit:
-            raise _fail("too_long", f"at most {limit} {what}, got {len(value)}")
+            raise _fail("too_long", f"at most {limit} strings, got {len(value)}")
         for index, item in enumerate(value):
             if not isinstance(item, str):
                 raise _fail("stop_type", f"item {index} must be a string, not {_type_name(item)}")
@@ -167,7 +154,7 @@ def _strings(limit: int, what: str = "strings") -> Callable[[Any], str | list[st
 
 
 def _token_ids(limit: int) -> Callable[[Any], list[int]]:
-    token = _bounded_integer(0, MAX_TOKEN_ID)
+    token = _integer(0, MAX_TOKEN_ID)
 
     def check(value: Any) -> list[int]:
         if not isinstance(value, list):
@@ -359,12 +346,8 @@ def _ranged_number(low: float, high: float) -> Any:
 
 
 def _ranged_integer(low: int, high: int | None = None, **schema: Any) -> Any:
-    if high is None:
-        return _field(_integer(low), {"type": "integer", "minimum": low, **schema})
-    return _field(
-        _bounded_integer(low, high),
-        {"type": "integer", "minimum": low, "maximum": high, **schema},
-    )
+    bounds = {"minimum": low} if high is None else {"minimum": low, "maximum": high}
+    return _field(_integer(low, high), {"type": "integer", **bounds, **schema})
 
 
 # No upper bound here: past the model's context is refused by `runtime.ask.fit_context`,
@@ -414,31 +397,25 @@ def nullable(schema: dict[str, Any]) -> dict[str, Any]:
 
 _NAME_SCHEMA = {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}
 _OBJECT = {"type": "object"}
-_TOOL_SCHEMA = {
-    "type": "object",
-    "required": ["type", "function"],
-    "properties": {
-        "type": {"const": "function"},
-        "function": {
-            "type": "object",
-            "required": ["name"],
-            "properties": {
-                "name": _NAME_SCHEMA,
-                "description": {"type": "string"},
-                "parameters": nullable(_OBJECT),
-                "strict": nullable({"type": "boolean"}),
-            },
-        },
-    },
-}
-_NAMED_CHOICE_SCHEMA = {
-    "type": "object",
-    "required": ["type", "function"],
-    "properties": {
-        "type": {"const": "function"},
-        "function": {"type": "object", "required": ["name"], "properties": {"name": _NAME_SCHEMA}},
-    },
-}
+
+
+def _function_schema(**more: Any) -> dict[str, Any]:
+    """A tool or a named tool choice: `type` function, and a named function."""
+    properties = {"name": _NAME_SCHEMA, **more}
+    function = {"type": "object", "required": ["name"], "properties": properties}
+    return {
+        "type": "object",
+        "required": ["type", "function"],
+        "properties": {"type": {"const": "function"}, "function": function},
+    }
+
+
+_TOOL_SCHEMA = _function_schema(
+    description={"type": "string"},
+    parameters=nullable(_OBJECT),
+    strict=nullable({"type": "boolean"}),
+)
+_NAMED_CHOICE_SCHEMA = _function_schema()
 _RESPONSE_FORMAT_SCHEMA = {
     "anyOf": [
         {
@@ -566,8 +543,13 @@ class _Body(BaseModel):
     """vLLM-style extension: levels below the tenant's tier (0: the tier's own)."""
 
     @property
+    def asked_field(self) -> str:
+        """The field the client asked its output length in."""
+        return "max_tokens"
+
+    @property
     def asked_max_tokens(self) -> int | None:
-        return self.max_tokens
+        return getattr(self, self.asked_field)
 
     @property
     def include_usage(self) -> bool:
@@ -647,13 +629,9 @@ class ChatBody(_Body):
     parallel_tool_calls: StrictBool | None = None
 
     @property
-    def asked_max_tokens(self) -> int | None:
+    def asked_field(self) -> str:
         # OpenAI's newer name wins when both are given.
-        return (
-            self.max_completion_tokens
-            if self.max_completion_tokens is not None
-            else self.max_tokens
-        )
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
     def features(self) -> list[tuple[str, str]]:
         wanted = super().features()
@@ -863,13 +841,6 @@ def _drop_media(content: dict[str, Any], support: RequestSupport) -> None:
                 if part["properties"]["type"]["const"] not in MEDIA
                 or part["properties"]["type"]["const"] in support.features
             ]
-
-
-def asked_field(parsed: _Body) -> str:
-    """The field the client asked its output length in."""
-    if isinstance(parsed, ChatBody) and parsed.max_completion_tokens is not None:
-        return "max_completion_tokens"
-    return "max_tokens"
 
 
 def check_support(parsed: _Body, support: RequestSupport) -> None:

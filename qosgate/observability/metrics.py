@@ -133,45 +133,37 @@ class GatewayMetrics:
         self.tenant_labels = tenant_labels
         self._tiers = policy.tiers
         r = self.registry
+
+        def histogram(name: str, text: str, buckets: Any, labels: Any = ("tier",)) -> Histogram:
+            return Histogram(f"{PREFIX}{name}", text, labels, buckets=buckets, registry=r)
+
         self.requests = Counter(
             f"{PREFIX}requests", "Requests by tier and outcome", ["tier", "outcome"], registry=r
         )
-        self.queue_wait = Histogram(
-            f"{PREFIX}queue_wait_seconds", "Time queued before dispatch", ["tier"],
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.fleet_queue_wait = Histogram(
-            f"{PREFIX}fleet_queue_wait_seconds",
+        self.queue_wait = histogram(
+            "queue_wait_seconds", "Time queued before dispatch", LATENCY_BUCKETS
+        )
+        self.fleet_queue_wait = histogram(
+            "fleet_queue_wait_seconds",
             "Fleet mode: time a replica's request waited in the shared queue before "
-            "an engine node started it", ["tier"],
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.ttft = Histogram(
-            f"{PREFIX}ttft_seconds", "Time to first token", ["tier"],
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.tpot = Histogram(
-            f"{PREFIX}tpot_seconds", "Time per output token after the first", ["tier"],
-            buckets=TPOT_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.e2e = Histogram(
-            f"{PREFIX}e2e_seconds", "Arrival to last token", ["tier"],
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "an engine node started it",
+            LATENCY_BUCKETS,
+        )
+        self.ttft = histogram("ttft_seconds", "Time to first token", LATENCY_BUCKETS)
+        self.tpot = histogram("tpot_seconds", "Time per output token after the first", TPOT_BUCKETS)
+        self.e2e = histogram("e2e_seconds", "Arrival to last token", LATENCY_BUCKETS)
         self.slo_attained = Counter(
             f"{PREFIX}slo_attained", "Completed within the tier's SLO", ["tier"], registry=r
         )
         self.slo_missed = Counter(
             f"{PREFIX}slo_missed", "Completed outside the tier's SLO", ["tier"], registry=r
         )
-        self.batch_size = Histogram(
-            f"{PREFIX}batch_size", "Requests released together by a batch window",
-            buckets=BATCH_SIZE_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.batch_wait = Histogram(
-            f"{PREFIX}batch_wait_seconds", "How long a batch's oldest request waited",
-            buckets=BATCH_WAIT_BUCKETS, registry=r,
-        )  # fmt: skip
+        self.batch_size = histogram(
+            "batch_size", "Requests released together by a batch window", BATCH_SIZE_BUCKETS, ()
+        )
+        self.batch_wait = histogram(
+            "batch_wait_seconds", "How long a batch's oldest request waited", BATCH_WAIT_BUCKETS, ()
+        )
         self.tokens = Counter(
             f"{PREFIX}tokens", "Tokens served, by tenant and kind (prompt, completion)",
             ["tenant", "kind"], registry=r,

@@ -207,7 +207,7 @@ class LocalLimiter:
                 exceeded=kind,
                 retry_after_s=wait,
                 reason=refusal_reason(kind, limit, need, wait),
-                states=self._states(tenant, limits, now),
+                states=self.usage(tenant, limits, now),
             )
         for rule, window, need, _, level in checks:
             k = rule.slot(now)
@@ -218,7 +218,7 @@ class LocalLimiter:
             inflight[request_id] = now + lease_s
         reservation = Reservation(tenant, request_id, tokens, now, limits, store=store)
         return QuotaDecision(
-            admitted=True, reservation=reservation, states=self._states(tenant, limits, now)
+            admitted=True, reservation=reservation, states=self.usage(tenant, limits, now)
         )
 
     def settle(self, reservation: Reservation, charged: int, served: bool, now: float) -> None:
@@ -325,9 +325,6 @@ class LocalLimiter:
                 inflight.pop(rid, None)
 
     def usage(self, tenant: str, limits: TenantLimits, now: float) -> tuple[LimitState, ...]:
-        return self._states(tenant, limits, now)
-
-    def _states(self, tenant: str, limits: TenantLimits, now: float) -> tuple[LimitState, ...]:
         states = []
         for rule in limits.rates:
             window = self._window(tenant, rule.kind)

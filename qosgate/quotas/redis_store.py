@@ -197,8 +197,7 @@ class RedisQuotaStore(QuotaStore):
         views = []
         states = []
         for rule, (flat, level) in zip(limits.rates, result["rules"]):
-            # cjson writes an empty table as {}; a filled one as a list.
-            pairs = flat if isinstance(flat, list) else []
+            pairs = _list(flat)
             slots = {int(pairs[i]): int(pairs[i + 1]) for i in range(0, len(pairs), 2)}
             used = sum(slots.values())
             views.append((slots, used, float(level)))

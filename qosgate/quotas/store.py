@@ -129,7 +129,7 @@ class MemoryQuotaStore(QuotaStore):
         )
 
     async def settle(self, reservation: Reservation, charged: int, served: bool, now: float) -> None:
-        self._limiter.settle(reservation, charged, served, now)
+        self.settle_now(reservation, charged, served, now)
 
     def settle_now(self, reservation: Reservation, charged: int, served: bool, now: float) -> None:
         """`settle` without the await: nothing here waits on I/O."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from enum import Enum
 from typing import Any, Literal, Protocol
 
 import structlog
@@ -63,14 +62,6 @@ _Held = Reservation | None
 
 class PolicyReloadRefused(ValueError):
     """A reloaded policy changes what only a restart can change."""
-
-
-class _Go(Enum):
-    """Why a stream's dispatch future resolved."""
-
-    DISPATCHED = "dispatched"
-    ENDED = "ended"
-    """Finished while queued (expired, failed, cancelled, gateway closed)."""
 
 
 class Gateway:
@@ -212,10 +203,9 @@ class Gateway:
     def snapshot(self) -> dict:
         loop = self._get_loop()
         snap = self._scheduler.snapshot(loop.time())
-        ready = self._backend.ready()
         cap = self._backend.capacity()
         snap["backend"] = {
-            "ready": ready,
+            "ready": self._backend.ready(),
             "free_slots": cap.free_slots,
             "free_kv_tokens": cap.free_kv_tokens,
             "kv_capacity_tokens": cap.kv_capacity_tokens,
@@ -581,7 +571,8 @@ class RequestStream:
         # what the tenant is charged for if it ends cancelled.
         self._ran = False
         self._reported_prompt: int | None = None
-        self._go: asyncio.Future[_Go] = loop.create_future()
+        # Resolved when the request is dispatched, or ends while queued.
+        self._go: asyncio.Future[None] = loop.create_future()
         # Bumped on every preemption, so a consumer can tell that the backend
         # run it is reading is no longer the request's current one.
         self._epoch = 0
@@ -626,7 +617,7 @@ class RequestStream:
         # Done already only if the consumer's task was just cancelled while it
         # waited (that cancels the future too); its handler ends the request.
         if not self._go.done():
-            self._go.set_result(_Go.DISPATCHED)
+            self._go.set_result(None)
 
     def preempted(self) -> None:
         self._epoch += 1
@@ -638,7 +629,7 @@ class RequestStream:
         self._error = error
         self._host.ended(self)
         if not self._go.done():
-            self._go.set_result(_Go.ENDED)
+            self._go.set_result(None)
 
     def end(self, error: GatewayError | None) -> None:
         """Cancel the request wherever it is (no-op once it has an outcome). With
@@ -650,7 +641,7 @@ class RequestStream:
         self._error = error
         self._host.cancel(self, outcome, self._loop.time())
         if not self._go.done():
-            self._go.set_result(_Go.ENDED)
+            self._go.set_result(None)
 
     def _fail(self, error: GatewayError) -> GatewayError:
         """A running request failed in the backend: finish it with the error's outcome."""
@@ -704,9 +695,7 @@ class RequestStream:
                 try:
                     while True:
                         try:
-                            chunk = await gen.__anext__()
-                        except StopAsyncIteration:
-                            chunk = None
+                            chunk = await anext(gen, None)
                         except Exception as exc:
                             if self._epoch != epoch or req.finished:
                                 break

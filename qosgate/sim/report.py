@@ -11,6 +11,7 @@ import math
 from bisect import bisect_right
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from qosgate.config.models import PolicyConfig, TierConfig
 from qosgate.core.request import Outcome, Request
@@ -322,12 +323,11 @@ def build_policy_report(
 # -- text --------------------------------------------------------------------------------
 
 
-def _fmt(value: object, spec: str = ".3f", suffix: str = "") -> str:
+def fmt_cell(value: object, spec: str = ".3f") -> str:
+    """A table cell: `-` for None, a float as `spec` says, anything else as is."""
     if value is None:
         return "-"
-    if isinstance(value, float):
-        return f"{value:{spec}}{suffix}"
-    return f"{value}{suffix}"
+    return f"{value:{spec}}" if isinstance(value, float) else str(value)
 
 
 _COLUMNS = (
@@ -368,16 +368,16 @@ def format_table(result: dict) -> str:
             cells = []
             for _, align, key in _COLUMNS:
                 value = name if key == "name" else stats.get(key)
-                cells.append(f"{_fmt(value):{align}}")
+                cells.append(f"{fmt_cell(value):{align}}")
             lines.append("  " + " ".join(cells))
         totals = run.get("totals", {})
         lines.append(
             "  totals: "
-            f"throughput {_fmt(totals.get('throughput_tokens_per_s'), '.1f')} tok/s, "
-            f"goodput {_fmt(totals.get('goodput_rps'), '.3f')} req/s, "
-            f"max service diff {_fmt(totals.get('max_service_difference'), '.1f')} "
-            f"(avg {_fmt(totals.get('avg_service_difference'), '.1f')}), "
-            f"lost {_fmt(totals.get('lost'))}"
+            f"throughput {fmt_cell(totals.get('throughput_tokens_per_s'), '.1f')} tok/s, "
+            f"goodput {fmt_cell(totals.get('goodput_rps'), '.3f')} req/s, "
+            f"max service diff {fmt_cell(totals.get('max_service_difference'), '.1f')} "
+            f"(avg {fmt_cell(totals.get('avg_service_difference'), '.1f')}), "
+            f"lost {fmt_cell(totals.get('lost'))}"
         )
     checks = result.get("targets")
     if checks:
@@ -386,7 +386,7 @@ def format_table(result: dict) -> str:
         for check in checks:
             verdict = "PASS" if check.get("passed") else "FAIL"
             lines.append(
-                f"  {verdict}  {check.get('name')}: {_fmt(check.get('value'), '.4g')} "
+                f"  {verdict}  {check.get('name')}: {fmt_cell(check.get('value'), '.4g')} "
                 f"{check.get('op')} {check.get('threshold'):g}"
             )
     return "\n".join(lines)
@@ -404,26 +404,20 @@ def plot_run(result_runs: dict, series: dict[str, dict], path: str | Path) -> No
     also works. series[policy] holds "queue_depth": [(t, {tier: n})] and
     "ttft": [(t_arrival, tier, ttft_s)].
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     runs = result_runs.get("policies", result_runs)
     policies = [p for p in runs if p in series] + [p for p in series if p not in runs]
     if not policies:
         raise ValueError("nothing to plot: no policy has a series")
 
-    tiers: list[str] = []
+    # Every tier named anywhere, in the order first named.
+    names: list[str] = []
     for policy in policies:
-        for name in runs.get(policy, {}).get("tiers", {}):
-            if name not in tiers:
-                tiers.append(name)
+        names += runs.get(policy, {}).get("tiers", {})
         for _, snapshot in series[policy].get("queue_depth", ()):
-            tiers.extend(name for name in snapshot if name not in tiers)
-        for _, name, _ in series[policy].get("ttft", ()):
-            if name not in tiers:
-                tiers.append(name)
+            names += snapshot
+        names += [name for _, name, _ in series[policy].get("ttft", ())]
+    tiers = list(dict.fromkeys(names))
     palette = plt.get_cmap("tab10")
     colour = {name: palette(i % 10) for i, name in enumerate(tiers)}
 
@@ -465,5 +459,19 @@ def plot_run(result_runs: dict, series: dict[str, dict], path: str | Path) -> No
         title += f", load {result_runs['load']:g}x"
     fig.suptitle(title)
     fig.tight_layout(rect=(0, 0, 0.9, 0.95))
+    save_figure(fig, path)
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files only (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: str | Path) -> None:
     fig.savefig(Path(path), dpi=100)
-    plt.close(fig)
+    pyplot().close(fig)

@@ -46,8 +46,11 @@ def with_policy(policy: PolicyConfig, name: str) -> PolicyConfig:
     return policy.model_copy(update={"scheduler": scheduler})
 
 
-def build_engine(engine_cfg: SimBackendConfig) -> SimEngine:
-    return SimEngine.from_config(engine_cfg)
+def _request(arrival: Arrival) -> Request:
+    return Request(
+        arrival.id, arrival.tenant, arrival.tier, arrival.prompt_tokens, arrival.max_tokens,
+        arrival.t, priority_offset=arrival.priority_offset,
+    )  # fmt: skip
 
 
 def _capacity(engine: SimEngine) -> BackendCapacity:
@@ -71,7 +74,7 @@ def run_policy(
     whatever is still queued or running is cancelled (and counted as such).
     """
     scheduler = Scheduler(scheduling_policy(policy), drain_rate_hint=drain_rate_hint)
-    engine = build_engine(engine_cfg)
+    engine = SimEngine.from_config(engine_cfg)
     by_id: dict[str, Request] = {}
     true_output: dict[str, int] = {}
     run = PolicyRun(policy=policy.scheduler.policy, requests=[], samples=[], end_time=0.0)
@@ -97,12 +100,12 @@ def run_policy(
         wakeup = plan.wakeup_at if plan.wakeup_at is not None else _INF
 
     def schedule() -> None:
-        plan = scheduler.schedule(now, _capacity(engine))
-        carry_out(plan)
         # A preemption frees room that this same instant can use.
-        while plan.preempt:
+        while True:
             plan = scheduler.schedule(now, _capacity(engine))
             carry_out(plan)
+            if not plan.preempt:
+                return
 
     while True:
         t_arrival = arrivals[next_arrival].t if next_arrival < n else _INF
@@ -128,11 +131,7 @@ def run_policy(
             while next_arrival < n and arrivals[next_arrival].t <= now:
                 arrival = arrivals[next_arrival]
                 next_arrival += 1
-                req = Request(
-                    arrival.id, arrival.tenant, arrival.tier, arrival.prompt_tokens,
-                    arrival.max_tokens, arrival.t, priority_offset=arrival.priority_offset,
-                )
-                by_id[req.id] = req
+                req = by_id[arrival.id] = _request(arrival)
                 true_output[req.id] = arrival.output_tokens
                 scheduler.submit(req, now)
             if progress is not None and next_arrival >= next_progress:
@@ -159,14 +158,10 @@ def run_policy(
         engine.abort(req.id)
     for req in list(scheduler.queued()):
         scheduler.cancel(req.id, now)
-    while next_arrival < n:
-        arrival = arrivals[next_arrival]
-        next_arrival += 1
-        req = Request(arrival.id, arrival.tenant, arrival.tier, arrival.prompt_tokens,
-                      arrival.max_tokens, arrival.t, priority_offset=arrival.priority_offset)
+    for arrival in arrivals[next_arrival:]:
+        req = by_id[arrival.id] = _request(arrival)
         req.outcome = Outcome.CANCELLED
         req.finished_at = now
-        by_id[req.id] = req
     run.samples.append((now, scheduler.depth_by_tier()))
     run.requests = list(by_id.values())
     run.end_time = now
@@ -184,7 +179,7 @@ def measure_capacity(
     for), and the rate is read between the 20th and 80th percentile of
     completions so the fill-up and drain transients do not count.
     """
-    engine = build_engine(engine_cfg)
+    engine = SimEngine.from_config(engine_cfg)
     pending = list(workload)
     pending.reverse()
     sizes = {a.id: a.prompt_tokens + a.output_tokens for a in workload}

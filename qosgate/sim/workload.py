@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from qosgate.config.models import PolicyConfig, TierConfig
@@ -113,6 +114,17 @@ def length_sampler(rng: random.Random, dist: LengthDist):
     return draw
 
 
+def class_draws(
+    scenario: Scenario, index: int, cls_: TrafficClass, rate: float, seed: int
+) -> tuple[list[float], Callable[[], int], Callable[[], int]]:
+    """The class's arrival times and its prompt and output length samplers,
+    from the seeded streams that `qosgate bench` draws from too."""
+    times = arrival_times(random.Random(f"{seed}/{index}/times"), scenario, cls_, rate)
+    lengths = scenario.class_lengths(cls_)
+    rng = random.Random(f"{seed}/{index}/lengths")
+    return times, length_sampler(rng, lengths.prompt), length_sampler(rng, lengths.output)
+
+
 def _ask(rule: str | int, output: int, cap: int) -> int:
     if rule == "cap":
         return cap
@@ -126,6 +138,16 @@ def _class_tier(policy: PolicyConfig, tenant: str) -> tuple[str, TierConfig]:
     if tenant not in tiers:
         raise ValueError(f"tenant {tenant!r} is not in the policy")
     return tiers[tenant], policy.tiers[tiers[tenant]]
+
+
+def _draw(
+    scenario: Scenario, cls_: TrafficClass, tier_name: str, tier: TierConfig,
+    prompt: Callable[[], int], output: Callable[[], int], rid: str, t: float,
+) -> Arrival:  # fmt: skip
+    """One request of the class: its lengths drawn, its ask as the scenario says."""
+    p, o = prompt(), output()
+    ask = _ask(scenario.max_tokens, o, tier.max_tokens)
+    return Arrival(rid, t, cls_.tenant, tier_name, p, min(o, ask), ask, cls_.priority_offset)
 
 
 def generate_arrivals(
@@ -143,25 +165,13 @@ def generate_arrivals(
     drawn: list[tuple[float, int, int, Arrival]] = []
     for index, (cls_, rate) in enumerate(zip(scenario.classes, rates)):
         tier_name, tier = _class_tier(policy, cls_.tenant)
-        times = arrival_times(random.Random(f"{seed}/{index}/times"), scenario, cls_, rate)
-        lengths = scenario.class_lengths(cls_)
-        rng = random.Random(f"{seed}/{index}/lengths")
-        prompt = length_sampler(rng, lengths.prompt)
-        output = length_sampler(rng, lengths.output)
+        times, prompt, output = class_draws(scenario, index, cls_, rate, seed)
         for n, t in enumerate(times):
-            p, o = prompt(), output()
-            ask = _ask(scenario.max_tokens, o, tier.max_tokens)
-            drawn.append(
-                (t, index, n, Arrival("", t, cls_.tenant, tier_name, p, min(o, ask), ask,
-                                      cls_.priority_offset))
-            )
+            arrival = _draw(scenario, cls_, tier_name, tier, prompt, output, "", t)
+            drawn.append((t, index, n, arrival))
     drawn.sort(key=lambda item: item[:3])
     # Ids follow arrival order so they read naturally in logs and traces.
-    return [
-        Arrival(f"r{i}", a.t, a.tenant, a.tier, a.prompt_tokens, a.output_tokens, a.max_tokens,
-                a.priority_offset)
-        for i, (_, _, _, a) in enumerate(drawn)
-    ]
+    return [replace(a, id=f"r{i}") for i, (_, _, _, a) in enumerate(drawn)]
 
 
 def capacity_workload(scenario: Scenario, policy: PolicyConfig, n: int, seed: int) -> list[Arrival]:
@@ -179,11 +189,7 @@ def capacity_workload(scenario: Scenario, policy: PolicyConfig, n: int, seed: in
         if not pool:
             raise ValueError(f"trace {scenario.trace!r} has no requests")
         picks = [rng.choice(pool) for _ in range(n)]
-        return [
-            Arrival(f"cap{i}", 0.0, a.tenant, a.tier, a.prompt_tokens, a.output_tokens,
-                    a.max_tokens, a.priority_offset)
-            for i, a in enumerate(picks)
-        ]
+        return [replace(a, id=f"cap{i}", t=0.0) for i, a in enumerate(picks)]
     total = scenario.arrivals.total_rate() or 1.0
     rates = class_rates(scenario, total)
     weights = [rate * cls_.on_fraction for cls_, rate in zip(scenario.classes, rates)]
@@ -197,14 +203,9 @@ def capacity_workload(scenario: Scenario, policy: PolicyConfig, n: int, seed: in
              length_sampler(class_rng, lengths.output))
         )
     chosen = rng.choices(range(len(samplers)), weights=weights, k=n)
-    out: list[Arrival] = []
-    for i, index in enumerate(chosen):
-        cls_, tier_name, tier, prompt, output = samplers[index]
-        p, o = prompt(), output()
-        ask = _ask(scenario.max_tokens, o, tier.max_tokens)
-        out.append(Arrival(f"cap{i}", 0.0, cls_.tenant, tier_name, p, min(o, ask), ask,
-                           cls_.priority_offset))
-    return out
+    return [
+        _draw(scenario, *samplers[index], f"cap{i}", 0.0) for i, index in enumerate(chosen)
+    ]
 
 
 _TRACE_KEYS = {"t", "tenant", "prompt_tokens", "output_tokens", "max_tokens", "id"}
