@@ -125,6 +125,29 @@ class BackendRejected(BackendError):
         """The request field the backend blamed, when it named one."""
 
 
+class BackendStream:
+    """Base of a stream that `Backend.generate` returns with abilities only
+    some streams have; each is declared here with the answer of a stream
+    that lacks it, which is what a plain async iterator of chunks gets."""
+
+    __slots__ = ()
+
+    def ready(self) -> bool:
+        """True when the next chunk is at hand, so that `__anext__` will not
+        wait (see `RequestStream.ready`); False when the stream cannot tell."""
+        return False
+
+    def started(self) -> bool:
+        """For a backend that queues what it takes (the fleet's): False while
+        the job waits there, so that a request cancelled then is refunded as
+        one cancelled in the gateway's own queue. Others start it at once."""
+        return True
+
+
+PLAIN_STREAM = BackendStream()
+"""The abilities of a stream that declares none."""
+
+
 class Backend:
     """Port implemented by the sim, openai and vllm backends and the fleet's
     replica. The abilities only some backends have are declared here with
@@ -188,14 +211,10 @@ class Backend:
         raise NotImplementedError
 
     def generate(self, job: GenerationJob) -> AsyncIterator[Chunk]:
-        """Start `job` now and stream its output. Closing the iterator before its
-        end aborts the work. Raises BackendError / BackendUnavailable.
-
-        The iterator may also have `ready() -> bool`: True when its next chunk
-        is at hand, so that `__anext__` will not wait (see `RequestStream.ready`),
-        and `started() -> bool`, for a backend that queues what it takes (the
-        fleet's): False while the job waits there, so that a request cancelled
-        then is refunded as one cancelled in the gateway's own queue."""
+        """Start `job` now and stream its output. Closing the iterator
+        (`aclose`) before its end aborts the work. Raises BackendError /
+        BackendUnavailable. A stream with more to say (`ready`, `started`)
+        derives from BackendStream."""
         raise NotImplementedError
 
     def abort(self, request_id: str) -> None:

@@ -34,6 +34,7 @@ from qosgate.backends.base import (
     Backend,
     BackendError,
     BackendRejected,
+    BackendStream,
     BackendUnavailable,
     Chunk,
     GenerationJob,
@@ -594,7 +595,7 @@ class OpenAIBackend(Backend):
         return True, models, "", contexts
 
 
-class _Call:
+class _Call(BackendStream):
     """One request's stream. Holds its upstream slot from `generate()` until it
     ends, fails, is closed or aborted, whichever comes first."""
 

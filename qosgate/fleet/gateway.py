@@ -42,6 +42,7 @@ from qosgate.backends.base import (
     Backend,
     BackendError,
     BackendRejected,
+    BackendStream,
     BackendUnavailable,
     Chunk,
     GenerationJob,
@@ -100,7 +101,7 @@ class _Waiting:
     """Wall-clock time it went into the shared queue."""
 
 
-class _FleetStream:
+class _FleetStream(BackendStream):
     """A request's output from the fleet, and whether a node has started it."""
 
     __slots__ = ("_gen", "_waiting")

@@ -29,9 +29,11 @@ from qosgate.backends.base import (
     Backend,
     BackendError,
     BackendRejected,
+    BackendStream,
     BackendUnavailable,
     Chunk,
     GenerationJob,
+    PLAIN_STREAM,
 )
 from qosgate.config.models import PolicyConfig
 from qosgate.config.scheduling import scheduling_policy
@@ -580,12 +582,10 @@ class RequestStream:
         """Output tokens delivered so far (the backend's count once it ends)."""
         self._error: GatewayError | None = None
         self._agen: AsyncIterator[Chunk] | None = None
-        # The `ready` of the backend's stream while one is being read (None
-        # for a stream that cannot tell).
-        self._backend_ready: Callable[[], bool] | None = None
-        # The `started` of the last backend stream, for a backend that queues
-        # what it takes (None: it ran from the hand-over).
-        self._backend_started: Callable[[], bool] | None = None
+        # The backend stream being read (PLAIN_STREAM between two), and the
+        # last one read: their abilities.
+        self._reading: BackendStream = PLAIN_STREAM
+        self._last_read: BackendStream = PLAIN_STREAM
 
     def __aiter__(self) -> AsyncIterator[Chunk]:
         if self._agen is None:
@@ -598,8 +598,7 @@ class RequestStream:
         at once. False when the backend's stream cannot tell."""
         # Nothing between two chunks of one backend stream waits: once a chunk
         # has gone out the request is no longer preempted.
-        ready = self._backend_ready
-        return ready is not None and ready()
+        return self._reading.ready()
 
     async def aclose(self) -> None:
         """The client went away: a queued request leaves its queue now, a running
@@ -657,8 +656,7 @@ class RequestStream:
         expired, failed by the backend, or cancelled before it ran is not."""
         req = self.request
         ran = self._ran
-        started = self._backend_started
-        if ran and started is not None and not started():
+        if ran and not self._last_read.started():
             # Handed to a backend that queues it (the fleet's), and still
             # waiting there: as if cancelled in the gateway's own queue.
             ran = False
@@ -689,8 +687,9 @@ class RequestStream:
                     gen = host.hand_over(self.job)
                 except Exception as exc:
                     raise self._fail(_map_backend_error(req, exc)) from exc
-                self._backend_ready = getattr(gen, "ready", None)
-                self._backend_started = getattr(gen, "started", None)
+                self._reading = self._last_read = (
+                    gen if isinstance(gen, BackendStream) else PLAIN_STREAM
+                )
                 closed = False
                 try:
                     while True:
@@ -726,7 +725,7 @@ class RequestStream:
                             return
                         yield chunk
                 finally:
-                    self._backend_ready = None
+                    self._reading = PLAIN_STREAM
                     if not closed:
                         await _close_quietly(gen)
                 if req.finished:
@@ -776,11 +775,8 @@ def _map_backend_error(req: Request, exc: Exception) -> GatewayError:
 
 
 async def _close_quietly(gen: AsyncIterator[Chunk]) -> None:
-    aclose = getattr(gen, "aclose", None)
-    if aclose is None:
-        return
     try:
-        await aclose()
+        await gen.aclose()  # type: ignore[attr-defined]
     except Exception:
         # The request's outcome is already decided; a backend that cannot
         # close cleanly must not turn it into a different one.
