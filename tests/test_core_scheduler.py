@@ -621,3 +621,26 @@ def test_an_owed_share_takes_a_reserved_slot_under_a_flood_from_the_top():
             sched.finish(r.id, now, Outcome.COMPLETED, 100)
     # Owed once 200 / 0.05 = 4,000 tokens of interactive went out: 20 of them.
     assert released.index(b) == 20
+
+
+def test_a_delay_tier_expires_at_expire_after_ms_and_by_default_at_half_its_e2e_slo():
+    tiers = {
+        "interactive": {"priority": 0, "max_queue_wait_ms": 500},
+        "batch": {"priority": 2, "max_queue_wait_ms": 10_000, "on_timeout": "delay",
+                  "e2e_slo_ms": 60_000},
+        "bulk": {"priority": 3, "max_queue_wait_ms": 10_000, "on_timeout": "delay",
+                 "expire_after_ms": 12_000},
+        "forever": {"priority": 4, "max_queue_wait_ms": 10_000, "on_timeout": "delay"},
+    }
+    tenants = [{"id": name, "tier": name} for name in tiers]
+    sched = Scheduler(scheduling_policy(policy(tiers=tiers, tenants=tenants)),
+                      drain_rate_hint=10**6)
+    b, k, f = req("batch", "batch"), req("bulk", "bulk"), req("forever", "forever")
+    for r in (b, k, f):
+        assert sched.submit(r, 0.0).admitted
+    assert not sched.schedule(11.9, FULL).expired
+    assert list(sched.schedule(12.0, FULL).expired) == [k]
+    assert not sched.schedule(29.9, FULL).expired
+    plan = sched.schedule(30.0, FULL)
+    assert list(plan.expired) == [b] and b.outcome is Outcome.EXPIRED
+    assert not sched.schedule(10**6, FULL).expired and f.state is RequestState.QUEUED
