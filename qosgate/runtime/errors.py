@@ -95,7 +95,8 @@ class Overloaded(GatewayError):
 
 
 class Expired(GatewayError):
-    """The request was still queued when its tier's queue budget ran out."""
+    """The request was still queued at its tier's deadline (its queue budget, or a
+    delay tier's expire_after_ms)."""
 
     status = 504
     outcome = Outcome.EXPIRED
