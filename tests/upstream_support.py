@@ -16,9 +16,10 @@ of a `VllmUpstream`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import yaml
@@ -83,6 +84,7 @@ class FakeUpstream:
     async def start(self) -> None:
         app = web.Application()
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_post("/v1/completions", self._generate)
         # Cancelling the handler on disconnect is how a held stream learns its
@@ -112,6 +114,16 @@ class FakeUpstream:
 
     def whole_choice_for(self, body: dict[str, Any], chat: bool) -> dict[str, Any] | None:
         return self.whole_choice
+
+    def metrics_page(self) -> str | None:
+        """Its /metrics page (None: it has none, 404, as a server that is not vLLM)."""
+        return None
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        page = self.metrics_page()
+        if page is None:
+            raise web.HTTPNotFound()
+        return web.Response(text=page, content_type="text/plain")
 
     async def _models(self, request: web.Request) -> web.Response:
         self.model_probes.append(dict(request.headers))
@@ -505,3 +517,87 @@ async def live_backend(
         make_policy(text)
     ) as live:
         yield live, upstream
+
+
+# -- an upstream with an engine's limited room ---------------------------------------
+
+
+class EngineUpstream(FakeUpstream):
+    """An upstream that runs at most `slots` streamed requests at once, as an
+    engine with `max_num_seqs` does, queues the rest first come first served,
+    and reports both (and `kv`) on /metrics as vLLM's server does. A running
+    request answers once the test gives it a turn (`turns`; None: at once).
+    `until` waits for a state the test names: every change wakes it."""
+
+    def __init__(self, slots: int, models: tuple[str, ...] = ("m",)) -> None:
+        super().__init__("engine", models)
+        self.slots = slots
+        self.running = 0
+        self.queue: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.started: list[dict[str, Any]] = []
+        """The bodies of the requests that ran, in the order they started."""
+        self.max_waiting = 0
+        self.kv = 0.1
+        self.turns: asyncio.Semaphore | None = asyncio.Semaphore(0)
+        self._moved = asyncio.Event()
+
+    def metrics_page(self) -> str | None:
+        # vLLM's shape: one sample per engine, labelled, among other families
+        # whose names start the same way.
+        labels = '{engine="0",model_name="m"}'
+        return "\n".join([
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{labels} {float(self.running)}",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{labels} {float(len(self.queue))}",
+            "# TYPE vllm:num_requests_waiting_by_reason gauge",
+            'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 99.0',
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{labels} {self.kv}",
+            "# TYPE vllm:e2e_request_latency_seconds histogram",
+            'vllm:e2e_request_latency_seconds_bucket{le="+Inf",engine="0"} 3.0',
+            "",
+        ])  # fmt: skip
+
+    async def until(self, predicate: Callable[[], bool]) -> None:
+        while not predicate():
+            self._moved.clear()
+            await self._moved.wait()
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()  # aiohttp keeps the body: the base class reads it again
+        if self.running < self.slots and not self.queue:
+            self.running += 1
+        else:
+            turn = asyncio.get_running_loop().create_future()
+            self.queue.append(turn)
+            self.max_waiting = max(self.max_waiting, len(self.queue))
+            self._moved.set()
+            try:
+                await turn  # the slot of a request that finished, handed over
+            except asyncio.CancelledError:
+                if turn in self.queue:
+                    self.queue.remove(turn)
+                    self._moved.set()
+                else:
+                    self._free()
+                raise
+        self.started.append(body)
+        self._moved.set()
+        try:
+            if self.turns is not None:
+                await self.turns.acquire()
+            return await super()._generate(request)
+        finally:
+            self._free()
+
+    def _free(self) -> None:
+        while self.queue:
+            turn = self.queue.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                break
+        else:
+            self.running -= 1
+        self._moved.set()

@@ -8,14 +8,22 @@ rendezvous hashing picks for the tenant or session, so that an upstream's
 prefix cache keeps serving the same conversation.
 
 Capacity is what the gateway itself has in flight against each upstream's
-`max_concurrency`: the upstreams' KV caches are invisible from here, so KV is
-reported as unbounded and the concurrency limits are the only gate.
+limit. An upstream that reports its engine's state in Prometheus metrics
+(vLLM's running and waiting requests and KV usage) has its limit learned from
+them (`_Room`), so that a backlog waits in the gateway, where tiers order it,
+rather than in the upstream's first-come queue; `max_concurrency` bounds it.
+One that reports none is limited by `max_concurrency` alone. KV is reported
+to the scheduler as unbounded: the limits are the gate.
+
+Each request carries its engine priority as `priority` where the upstream
+takes it (vLLM with `--scheduling-policy priority`), learned per upstream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import email.utils
 import hashlib
 import json
@@ -29,6 +37,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 from qosgate.backends.base import (
     Backend,
@@ -67,22 +76,142 @@ _MAX_BODY_BYTES = 64 << 20
 _READ_TIMEOUT: type[Exception] = getattr(aiohttp, "SocketTimeoutError", aiohttp.ServerTimeoutError)
 
 
+_UNREPORTED_LIMIT = 64
+"""`max_concurrency` where it is unset and the upstream reports no metrics."""
+_LEARNED_BOUND = 1024
+"""`max_concurrency` where it is unset over room learned from metrics."""
+_SLOW_START = 4
+"""Requests first sent to an upstream that reports its engine's state, before
+its reports have shown room for more (`_Room`)."""
+
+_RUNNING = "vllm:num_requests_running"
+_WAITING = "vllm:num_requests_waiting"
+_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+"""KV usage, 0 to 1 (the second: vLLM's name before 0.10)."""
+_ROOM_METRICS = frozenset((_RUNNING, _WAITING, *_KV_USAGE))
+
+
+def _engine_report(text: str) -> tuple[int, int, float | None] | None:
+    """(running, waiting, KV usage or None) summed over the engines a vLLM
+    metrics page reports (KV usage: the fullest); None if it reports no
+    running and waiting requests (not vLLM)."""
+    # Only the lines of the few samples read are parsed: a vLLM page holds
+    # hundreds of histogram buckets, read several times a second.
+    wanted = "\n".join(
+        line for line in text.splitlines()
+        if line.split("{", 1)[0].split(" ", 1)[0] in _ROOM_METRICS
+    )  # fmt: skip
+    values: dict[str, list[float]] = {}
+    try:
+        for family in text_string_to_metric_families(wanted + "\n"):
+            for sample in family.samples:
+                values.setdefault(sample.name, []).append(sample.value)
+    except ValueError:
+        return None
+    if _RUNNING not in values or _WAITING not in values:
+        return None
+    kv = next((max(values[name]) for name in _KV_USAGE if name in values), None)
+    running, waiting = sum(values[_RUNNING]), sum(values[_WAITING])
+    if not all(math.isfinite(v) for v in (running, waiting)):
+        return None
+    return int(running), int(waiting), kv
+
+
+class _Room:
+    """How many requests the gateway may have in flight at one upstream,
+    learned from what its engine reports, so that the engine's own queue
+    stays (nearly) empty. The engine's limit (vLLM's `max_num_seqs`, or what
+    its KV cache holds) is not reported, only its effect: requests it leaves
+    waiting. And the gateway's count is not the engine's: a request the engine
+    has finished may still be streaming through its API server. So the limit
+    is on the gateway's own count, moved by what each report shows:
+
+    - Nothing waits while the gateway uses its room: it grows, by half until
+      the engine has been seen full, then by a 32nd (at least one).
+    - Requests wait beyond the most the engine has ever run at once (`peak`,
+      which its limit is at least): it drops by that excess. The engine is
+      seen full when that happens with no new peak. Requests that wait while
+      fewer run are the engine admitting a burst a step at a time (its
+      prefill budget), not a limit: nothing changes.
+    - KV usage at the high-water mark: it drops to what does not wait, so
+      that the engine does not preempt.
+
+    And while the last report shows anything waiting there (`held`), nothing
+    more is sent: what is sent then would queue behind what waits, where
+    first come is first served, instead of waiting in the gateway, where a
+    more important request can still pass it.
+
+    Between reports the gateway's own count is exact: a request that ends
+    frees its slot at once. Another client's requests count in the engine's
+    figures, so they shrink the room as the gateway's would."""
+
+    __slots__ = ("bound", "held", "high_water", "limit", "peak", "seen_full")
+
+    def __init__(self, bound: int, high_water: float) -> None:
+        self.bound = bound
+        self.high_water = high_water
+        self.limit = min(bound, _SLOW_START)
+        self.peak = 0
+        self.seen_full = False
+        self.held = False
+
+    def report(self, running: int, waiting: int, kv: float | None, in_flight: int) -> None:
+        """An engine report, read while the gateway had `in_flight` there."""
+        new_peak = running > self.peak
+        self.peak = max(self.peak, running)
+        self.held = waiting > 0
+        if kv is not None and kv >= self.high_water:
+            self.limit = min(self.limit, max(1, in_flight - waiting))
+            self.seen_full = True
+        elif waiting > 0:
+            excess = running + waiting - self.peak
+            if excess > 0:
+                self.limit = max(1, in_flight - excess)
+                # A first burst can wait before the engine has taken in all it
+                # can run: only waiting at a peak seen before marks its limit.
+                self.seen_full = self.seen_full or not new_peak
+        elif in_flight >= self.limit - 1:
+            self.limit += max(1, self.limit // (32 if self.seen_full else 2))
+        self.limit = min(self.limit, self.bound)
+
+
 class _Upstream:
-    __slots__ = ("cfg", "headers", "healthy", "in_flight", "index", "limit", "url", "weight")
+    __slots__ = ("cfg", "headers", "healthy", "in_flight", "index", "metrics_url",
+                 "priority_ok", "reports", "room", "url", "weight")  # fmt: skip
 
     def __init__(self, cfg: UpstreamConfig, index: int) -> None:
         self.cfg = cfg
         self.index = index
         self.url = cfg.url.rstrip("/")
         self.weight = cfg.weight
-        self.limit = cfg.max_concurrency
+        self.metrics_url = cfg.metrics_url or self.url.removesuffix("/v1") + "/metrics"
+        self.room = _Room(cfg.max_concurrency or _LEARNED_BOUND, cfg.kv_high_water)
+        self.reports: bool | None = None if cfg.learn_room else False
+        """Whether it reports its engine's state (None: not asked yet)."""
+        self.priority_ok: bool | None = {"on": True, "off": False}.get(cfg.priority)
+        """Whether it takes `priority` (None: not known yet)."""
         self.headers: dict[str, str] = {}
         # Unknown until the first probe; start() probes before anything routes.
         self.healthy = False
         self.in_flight = 0
 
+    @property
+    def limit(self) -> int:
+        # Not yet known to report (a server just back): the small start, not
+        # a fallback that could flood a small engine's queue.
+        if self.reports is False:
+            return self.cfg.max_concurrency or _UNREPORTED_LIMIT
+        return 0 if self.room.held else self.room.limit
+
     def has_room(self) -> bool:
         return self.healthy and self.in_flight < self.limit
+
+
+async def _cancel(task: asyncio.Task[None] | None) -> None:
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 def _rendezvous_score(key: str, upstream: _Upstream) -> float:
@@ -203,6 +332,8 @@ class OpenAIBackend(Backend):
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._metrics_timer: asyncio.TimerHandle | None = None
+        self._metrics_task: asyncio.Task[None] | None = None
         self._listener: Callable[[], None] | None = None
         # Weak, so that a stream its caller dropped unread can be collected
         # and give its slot back (_Call.__del__).
@@ -252,6 +383,9 @@ class OpenAIBackend(Backend):
         await self._check_all()
         if not any(u.healthy for u in self._upstreams):
             log.warning("no upstream answered its health check; will keep checking")
+        # Whether each upstream reports its engine's state is known before
+        # anything is sent: an unknown one would get a guess.
+        await self._read_all_metrics()
         # Polling is not how work moves here (the listener is); this loop only
         # notices upstreams dying or coming back, which nothing else reports.
         self._health_task = self._loop.create_task(
@@ -262,13 +396,11 @@ class OpenAIBackend(Backend):
         if self._closed:
             return
         self._closed = True
-        if self._health_task is not None:
-            self._health_task.cancel()
-            try:
-                await self._health_task
-            except asyncio.CancelledError:
-                pass
-            self._health_task = None
+        await _cancel(self._health_task)
+        self._health_task = None
+        if self._metrics_timer is not None:
+            self._metrics_timer.cancel()
+        await _cancel(self._metrics_task)
         for request_id in list(self._calls):
             self.abort(request_id)
         if self._session is not None:
@@ -336,7 +468,13 @@ class OpenAIBackend(Backend):
                     return home
         candidates = [u for u in self._upstreams if u.has_room()]
         if not candidates:
-            return None
+            # The dispatcher hands over only what capacity() allowed, but an
+            # engine report may have shrunk a learned room since: the request
+            # goes where it is least over, within the upstream's bound,
+            # rather than fail.
+            over = [u for u in self._upstreams if u.healthy and u.reports is not False
+                    and u.in_flight < u.room.bound]  # fmt: skip
+            return min(over, key=lambda u: u.in_flight - u.room.limit, default=None)
         count = len(self._upstreams)
         rr = self._rr
         best = min(candidates, key=lambda u: (u.in_flight, -u.weight, (u.index - rr) % count))
@@ -385,7 +523,7 @@ class OpenAIBackend(Backend):
                 # than leave a live upstream out for a whole interval.
                 self._recheck.set()
 
-    def _request_body(self, job: GenerationJob) -> dict[str, Any]:
+    def _request_body(self, job: GenerationJob, upstream: _Upstream) -> dict[str, Any]:
         # The body arrives clamped and without the gateway's own fields (see
         # GenerationJob.body). A client that reads the answer whole gets it
         # from the upstream whole: one JSON body instead of an event per token
@@ -393,6 +531,8 @@ class OpenAIBackend(Backend):
         # request, B1). Streamed answers always carry usage.
         body = dict(job.body)
         body["max_tokens"] = job.max_tokens
+        if job.priority and upstream.priority_ok is not False:
+            body["priority"] = job.priority
         if not job.streamed:
             body["stream"] = False
             body.pop("stream_options", None)
@@ -418,35 +558,28 @@ class OpenAIBackend(Backend):
         response: aiohttp.ClientResponse | None = None
         finished = False
         try:
-            try:
-                response = await self._session.post(
-                    url,
-                    data=dump_body(self._request_body(job)),
-                    headers=headers,
-                    timeout=self._stream_timeout if job.streamed else self._whole_timeout,
-                )
-            except aiohttp.ClientConnectionError as exc:
-                # ServerTimeoutError is a connection error too, but a slow
-                # upstream is not a dead one.
-                if isinstance(exc, TimeoutError):
-                    raise
-                self._mark_unhealthy(upstream, repr(exc))
-                if isinstance(exc, aiohttp.ServerDisconnectedError):
-                    # It took the request and hung up: no answer came, so no
-                    # output was produced (retryable), but it failed the request.
-                    raise BackendError(
-                        "the upstream dropped the connection", retryable=True
-                    ) from exc
-                # Down, not failing: it could not be connected to, or sent
-                # the request. The client is told when to come back (503 with
-                # Retry-After) rather than handed a 502 that OpenAI's clients
-                # retry at once.
-                raise BackendUnavailable(
-                    "the upstream could not be reached", _DOWN_RETRY_AFTER_S
-                ) from exc
-            call.response = response
+            body = self._request_body(job, upstream)
+            response = call.response = await self._post(url, body, headers, job, upstream)
             if call.aborted:
                 raise call.abort_error()
+            if "priority" in body and upstream.priority_ok is None:
+                if response.status in _REJECTED_STATUSES:
+                    # Perhaps refused for `priority` (vLLM without priority
+                    # scheduling): asked again without it, which then decides.
+                    refusal = await _read_at_most(response, _ERROR_BODY_BYTES)
+                    response.release()
+                    del body["priority"]
+                    response = call.response = await self._post(url, body, headers, job, upstream)
+                    if call.aborted:
+                        raise call.abort_error()
+                    if response.status not in _REJECTED_STATUSES:
+                        upstream.priority_ok = False
+                        log.warning(
+                            "upstream %s refused a request's priority (%s); sending it none",
+                            upstream.url, _error_fields(refusal)[0],
+                        )  # fmt: skip
+                elif response.status == 200:
+                    upstream.priority_ok = True
             if response.status != 200:
                 raise _upstream_error(
                     response.status,
@@ -510,6 +643,40 @@ class OpenAIBackend(Backend):
                     response.close()
             self._release(call)
 
+    async def _post(
+        self,
+        url: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        job: GenerationJob,
+        upstream: _Upstream,
+    ) -> aiohttp.ClientResponse:
+        assert self._session is not None
+        try:
+            return await self._session.post(
+                url,
+                data=dump_body(body),
+                headers=headers,
+                timeout=self._stream_timeout if job.streamed else self._whole_timeout,
+            )
+        except aiohttp.ClientConnectionError as exc:
+            # ServerTimeoutError is a connection error too, but a slow
+            # upstream is not a dead one.
+            if isinstance(exc, TimeoutError):
+                raise
+            self._mark_unhealthy(upstream, repr(exc))
+            if isinstance(exc, aiohttp.ServerDisconnectedError):
+                # It took the request and hung up: no answer came, so no
+                # output was produced (retryable), but it failed the request.
+                raise BackendError("the upstream dropped the connection", retryable=True) from exc
+            # Down, not failing: it could not be connected to, or sent the
+            # request. The client is told when to come back (503 with
+            # Retry-After) rather than handed a 502 that OpenAI's clients
+            # retry at once.
+            raise BackendUnavailable(
+                "the upstream could not be reached", _DOWN_RETRY_AFTER_S
+            ) from exc
+
     def _transport_error(self, exc: Exception) -> BackendError | None:
         """What a failed read or a timeout means for the request (None: not
         the upstream's doing, a bug)."""
@@ -548,6 +715,11 @@ class OpenAIBackend(Backend):
                     upstream.healthy = True
                     recovered = True
                     log.info("upstream %s is healthy", upstream.url)
+                    # It may be a new server (restarted, other settings):
+                    # whether it reports, and its room, are learned again.
+                    if upstream.cfg.learn_room:
+                        upstream.reports = None
+                        upstream.room = _Room(upstream.room.bound, upstream.room.high_water)
                 for name, root in models.items():
                     if root is not None:
                         self.model_roots.setdefault(name, root)
@@ -593,6 +765,78 @@ class OpenAIBackend(Backend):
                     if isinstance(context, int) and not isinstance(context, bool) and context > 0:
                         contexts[entry["id"]] = context
         return True, models, "", contexts
+
+    # -- room --------------------------------------------------------------
+
+    def _metrics_tick(self) -> None:
+        self._metrics_timer = None
+        if not self._closed and self._loop is not None:
+            self._metrics_task = self._loop.create_task(
+                self._read_all_metrics(), name="qosgate-openai-metrics"
+            )
+
+    async def _read_all_metrics(self) -> None:
+        """One read of every healthy upstream's metrics that may report, then
+        the next one timed (a timer, not a sleeping task: one read at a time,
+        and nothing to wake on close)."""
+        try:
+            readers = [self._read_metrics(u) for u in self._upstreams
+                       if u.healthy and u.reports is not False]  # fmt: skip
+            if readers:
+                await asyncio.gather(*readers)
+        except Exception:
+            log.exception("metrics round failed")
+        finally:
+            if self._metrics_timer is not None:
+                self._metrics_timer.cancel()
+            if not self._closed and self._loop is not None:
+                # An upstream held by its waiting requests is read again
+                # sooner: they are usually taken in within a few steps.
+                held = any(u.reports and u.room.held for u in self._upstreams)
+                interval = self._cfg.metrics_interval_s / (4 if held else 1)
+                self._metrics_timer = self._loop.call_later(interval, self._metrics_tick)
+
+    async def _read_metrics(self, upstream: _Upstream) -> None:
+        assert self._session is not None
+        report: tuple[int, int, float | None] | None = None
+        why = ""
+        try:
+            async with self._session.get(
+                upstream.metrics_url, headers=upstream.headers, timeout=self._health_timeout
+            ) as response:
+                if response.status == 200:
+                    page = await _read_at_most(response, _MAX_METRICS_BYTES)
+                    report = _engine_report(page.decode("utf-8", "replace"))
+                    why = "no vLLM running and waiting requests in them"
+                else:
+                    why = f"answered {response.status}"
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            # A known reporter that misses a read keeps the room it had; the
+            # health probe judges whether it is down.
+            if upstream.reports:
+                return
+            why = f"failed: {exc!r}"
+        if report is None:
+            if upstream.reports is None:
+                upstream.reports = False
+                log.warning(
+                    "upstream %s: its metrics (%s) %s; sending it at most max_concurrency "
+                    "(%d) at once", upstream.url, upstream.metrics_url, why, upstream.limit,
+                )  # fmt: skip
+            return
+        if not upstream.reports:
+            upstream.reports = True
+            log.info("upstream %s: room learned from %s", upstream.url, upstream.metrics_url)
+        before = upstream.limit
+        # Counted when the page came: what was sent while it was on its way
+        # is not in it, and is not taken for another client's.
+        upstream.room.report(*report, upstream.in_flight)
+        if upstream.limit > before and upstream.in_flight < upstream.limit:
+            self._notify()
+
+
+_MAX_METRICS_BYTES = 8 << 20
+"""The most of a metrics page read (vLLM's is tens of kilobytes)."""
 
 
 class _Call(BackendStream):

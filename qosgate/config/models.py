@@ -446,12 +446,32 @@ class SimBackendConfig(StrictModel):
 class UpstreamConfig(StrictModel):
     url: str
     """Base URL of an OpenAI-compatible server (…/v1)."""
-    max_concurrency: Count = 64
-    """Requests in flight to this upstream at once."""
+    max_concurrency: Count | None = None
+    """The most requests in flight to this upstream at once: an upper bound on
+    the room learned from its metrics (`learn_room`), or, for an upstream that
+    reports none, the whole limit. Unset: 1024 over learned room, 64 without."""
     api_key_env: str | None = None
     """Environment variable with the upstream's key."""
     weight: Factor = 1.0
     """Relative share of traffic."""
+    learn_room: bool = True
+    """Learn how many requests the upstream can run at once from the running and
+    waiting requests and KV usage its Prometheus metrics report (vLLM's), and
+    send no more, so that a backlog waits in the gateway, in tier order,
+    instead of in the upstream's own queue. False: `max_concurrency` alone."""
+    metrics_url: str | None = None
+    """Where its Prometheus metrics are (default: `url` with a trailing /v1
+    replaced by /metrics, where vLLM's OpenAI server serves them)."""
+    kv_high_water: _number(float, gt=0, le=1) = 0.9  # type: ignore[valid-type]
+    """KV-cache usage (0-1) at or above which its room is held at what it runs
+    (`learn_room`): an engine that runs out of KV cache preempts."""
+    priority: Literal["auto", "on", "off"] = "auto"
+    """Forward each request's engine priority (the tier's, lower first) as the
+    request's `priority` field, as vLLM started with `--scheduling-policy
+    priority` takes it. auto: send it until the upstream refuses a request
+    for it once (which is retried at once without it), then not to that
+    upstream; on: always; off: never. Priority 0 is vLLM's default and is
+    not sent."""
 
 
 class OpenAIBackendConfig(StrictModel):
@@ -464,6 +484,10 @@ class OpenAIBackendConfig(StrictModel):
     """Prefer the same upstream per tenant or per X-Session-Id."""
     health_interval_s: Seconds = 5.0
     """Seconds between health checks."""
+    metrics_interval_s: Seconds = 0.25
+    """Seconds between reads of each upstream's metrics, for the room it has
+    (`learn_room`): between reads, the gateway counts what it sent and what
+    finished itself."""
     timeout_s: Seconds = 600.0
     """Upstream request timeout: the most one request may take, start to end."""
     read_timeout_s: Seconds = 60.0

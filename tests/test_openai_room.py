@@ -1,0 +1,372 @@
+"""The openai backend's room per upstream, learned from the engine's metrics
+(vLLM's running and waiting requests, KV usage), and the tier's priority
+forwarded as `priority`: against stub upstreams on loopback ports
+(upstream_support.EngineUpstream serves /metrics as vLLM does)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+import pytest
+from http_support import ALICE_KEY, BOB_KEY, MODEL, live_app
+from upstream_support import EngineUpstream, FakeUpstream
+
+from qosgate.backends.base import BackendRejected, BackendUnavailable, GenerationJob
+from qosgate.backends.openai import OpenAIBackend, _engine_report, _Room
+from qosgate.config.models import OpenAIBackendConfig
+
+# A guard against a hang, never a wait: every await below ends on an event.
+LIMIT_S = 10.0
+
+VLLM_PAGE = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 30.0
+vllm:num_requests_running{engine="1",model_name="tiny"} 2.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="tiny"} 0.0
+# TYPE vllm:num_requests_waiting_by_reason gauge
+vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny",reason="capacity"} 3.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="tiny"} 0.5
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="0.3",model_name="tiny"} 1.0
+vllm:e2e_request_latency_seconds_count{engine="0",model_name="tiny"} 1.0
+"""
+
+
+def test_a_vllm_page_reads_as_its_engines_summed():
+    assert _engine_report(VLLM_PAGE) == (32, 3, 0.5)
+    # vLLM before 0.10 named KV usage for the GPU; a page without it is still read.
+    old = VLLM_PAGE.replace("kv_cache_usage_perc", "gpu_cache_usage_perc")
+    assert _engine_report(old) == (32, 3, 0.5)
+    no_kv = "\n".join(line for line in VLLM_PAGE.splitlines() if "kv_cache" not in line)
+    assert _engine_report(no_kv) == (32, 3, None)
+
+
+@pytest.mark.parametrize("page", [
+    "",
+    "# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 3.5\n",
+    "vllm:num_requests_running 3\n",  # no waiting: not what the rule needs
+    "<html>not found</html>",
+    "vllm:num_requests_running{ 3\nvllm:num_requests_waiting 1\n",
+])  # fmt: skip
+def test_a_page_without_both_counts_reads_as_none(page):
+    assert _engine_report(page) is None
+
+
+def test_the_room_grows_until_requests_wait_then_holds_there():
+    room = _Room(bound=1024, high_water=0.9)
+    assert room.limit == 4
+    # Nothing waits while the gateway uses its room: it grows by half.
+    room.report(running=4, waiting=0, kv=0.1, in_flight=4)
+    assert room.limit == 6
+    room.report(running=6, waiting=0, kv=0.1, in_flight=6)
+    assert room.limit == 9
+    # One waits beyond the most the engine ever ran (8, first seen now): the
+    # room drops by it, and may still grow by half...
+    room.report(running=8, waiting=1, kv=0.1, in_flight=9)
+    assert room.limit == 8
+    room.report(running=8, waiting=0, kv=0.1, in_flight=8)
+    assert room.limit == 12
+    # ... until requests wait again at that same peak: the engine's limit.
+    room.report(running=8, waiting=4, kv=0.1, in_flight=12)
+    assert room.limit == 8
+    # From then on, a 32nd (at least one) a report while nothing waits.
+    room.report(running=8, waiting=0, kv=0.1, in_flight=8)
+    assert room.limit == 9
+    # Not using its room: no growth.
+    room.report(running=3, waiting=0, kv=0.1, in_flight=3)
+    assert room.limit == 9
+    # Waiting while fewer than the engine's most run: it is admitting a
+    # burst a step at a time, not full. Nothing changes.
+    room.report(running=4, waiting=3, kv=0.1, in_flight=9)
+    assert room.limit == 9
+    # Requests the engine finished, still streaming through its API server,
+    # count in the gateway's room, not the engine's: the room covers them.
+    room.report(running=8, waiting=0, kv=0.1, in_flight=9)
+    room.report(running=8, waiting=0, kv=0.1, in_flight=10)
+    assert room.limit == 11
+    # KV at the high-water mark holds it at what does not wait.
+    room.report(running=5, waiting=0, kv=0.95, in_flight=5)
+    assert room.limit == 5
+
+
+def test_another_clients_requests_take_room_and_the_bound_holds():
+    room = _Room(bound=1024, high_water=0.9)
+    room.report(running=8, waiting=2, kv=0.1, in_flight=4)
+    # 10 there, 4 of them the gateway's: the engine runs 8, 6 are others'.
+    assert room.limit == 2
+    capped = _Room(bound=3, high_water=0.9)
+    assert capped.limit == 3
+    for _ in range(5):
+        capped.report(running=3, waiting=0, kv=0.0, in_flight=3)
+    assert capped.limit == 3
+
+
+# -- the whole gateway in front of an engine ---------------------------------------
+
+
+async def stream(http: aiohttp.ClientSession, url: str, key: str, prompt: str) -> str:
+    async with http.post(
+        url + "/v1/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={"model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": True},
+    ) as response:
+        assert response.status == 200, await response.text()
+        return await response.text()
+
+
+@pytest.mark.parametrize("learn", [True, False])
+async def test_the_backlog_waits_in_the_gateway_and_interactive_overtakes_batch(learn):
+    """An engine with 4 slots, 20 batch requests, then one interactive. With
+    the room learned, the engine's queue holds only the learning overshoot
+    (2), nothing more is sent while it does, and the interactive request is
+    the next to start after it; with a fixed cap above the engine's slots
+    (learn_room false), every batch request waits in the engine's
+    first-come queue, ahead of it."""
+    engine = EngineUpstream(slots=4, models=(MODEL,))
+    await engine.start()
+    backend = OpenAIBackend(OpenAIBackendConfig(
+        upstreams=[{"url": engine.url, "learn_room": learn}],
+        health_interval_s=3600.0, metrics_interval_s=3600.0,
+    ))  # fmt: skip
+    report = backend._read_all_metrics  # one metrics read, when the test says
+    try:
+        async with asyncio.timeout(LIMIT_S), live_app(backend=backend) as live, \
+                aiohttp.ClientSession() as http:  # fmt: skip
+            batch = [asyncio.create_task(stream(http, live.url, BOB_KEY, f"batch {i}"))
+                     for i in range(20)]  # fmt: skip
+            if learn:
+                # The first room: 4 (the engine's slots, by chance).
+                await engine.until(lambda: len(engine.started) == 4)
+                # Nothing waits and the room is used: it grows by half...
+                await report()
+                await engine.until(lambda: len(engine.queue) == 2)
+                # ... and two wait: the room is what runs, and nothing is
+                # sent while they wait.
+                await report()
+                assert backend.capacity().free_slots == 0
+            else:
+                await engine.until(lambda: len(engine.started) + len(engine.queue) == 20)
+            live.gateway.submitted.clear()
+            interactive = asyncio.create_task(stream(http, live.url, ALICE_KEY, "interactive"))
+            await live.gateway.submitted.wait()
+            assert engine.turns is not None
+            if learn:
+                # Three finish: the two that waited run, and one slot is free,
+                # but the last report still shows them waiting.
+                for _ in range(3):
+                    engine.turns.release()
+                await engine.until(lambda: len(engine.started) == 6 and engine.running == 3)
+                assert backend.capacity().free_slots == 0
+                await report()  # nothing waits: the gateway sends its best
+                await engine.until(lambda: len(engine.started) == 7)
+                for _ in range(18):
+                    engine.turns.release()
+            else:
+                for _ in range(21):
+                    engine.turns.release()
+            await asyncio.gather(interactive, *batch)
+    finally:
+        await engine.stop()
+    order = [body["prompt"] for body in engine.started]
+    assert len(order) == 21
+    if learn:
+        assert engine.max_waiting == 2
+        # The 4 that ran, the 2 the engine held, then interactive: ahead of 14 batch.
+        assert order.index("interactive") == 6
+    else:
+        assert engine.max_waiting == 16
+        assert order.index("interactive") == 20
+    # The batch tier's priority went with its requests (the stub takes it);
+    # interactive's is 0, vLLM's default, and is not sent.
+    priorities = {body["prompt"]: body.get("priority") for body in engine.started}
+    assert priorities["interactive"] is None
+    assert {priorities[f"batch {i}"] for i in range(20)} == {2}
+
+
+async def test_the_engines_queue_stays_near_empty_under_a_steady_backlog():
+    """Requests that finish on their own while the metrics are read on the
+    timer: the engine never holds more than the learning overshoot waiting,
+    every request completes, and the room learned is the engine's slots."""
+    engine = EngineUpstream(slots=4, models=(MODEL,))
+    engine.turns = None
+    await engine.start()
+    backend = OpenAIBackend(OpenAIBackendConfig(
+        upstreams=[{"url": engine.url}], health_interval_s=3600.0, metrics_interval_s=0.005,
+    ))  # fmt: skip
+    try:
+        async with asyncio.timeout(LIMIT_S), live_app(backend=backend) as live, \
+                aiohttp.ClientSession() as http:  # fmt: skip
+            done = await asyncio.gather(*(stream(http, live.url, BOB_KEY, f"b{i}")
+                                          for i in range(200)))  # fmt: skip
+    finally:
+        await engine.stop()
+    assert len(done) == len(engine.started) == 200
+    assert engine.max_waiting <= 3, engine.max_waiting
+
+
+async def test_an_upstream_without_metrics_gets_the_cap_and_says_so_once(caplog):
+    up = FakeUpstream("plain")
+    await up.start()
+    caplog.set_level(logging.WARNING, "qosgate.backends.openai")
+    configs: list[dict[str, Any]] = [{"url": up.url}, {"url": up.url, "max_concurrency": 7}]
+    backends = [OpenAIBackend(OpenAIBackendConfig(
+        upstreams=[c], health_interval_s=3600.0, metrics_interval_s=3600.0,
+    )) for c in configs]  # fmt: skip
+    try:
+        for backend in backends:
+            await backend.start()
+            await backend._read_all_metrics()  # a later read: no second line
+        assert [b.capacity().free_slots for b in backends] == [64, 7]
+    finally:
+        for backend in backends:
+            await backend.close()
+        await up.stop()
+    lines = [r.getMessage() for r in caplog.records if "metrics" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert "answered 404" in lines[0] and "at most max_concurrency (64)" in lines[0]
+
+
+# -- priority ---------------------------------------------------------------------
+
+
+class NoPriorityUpstream(FakeUpstream):
+    """vLLM with FCFS scheduling, as the issue describes it: a non-zero
+    `priority` is a 400."""
+
+    def refusal(self, path: str, body: dict[str, Any]) -> tuple[int, Any] | None:
+        if body.get("priority"):
+            return 400, {"error": {"message": "Priority scheduling is not enabled.",
+                                   "type": "BadRequestError", "param": None, "code": 400}}
+        if body.get("prompt") == "bad":
+            return 400, {"error": {"message": "bad prompt", "type": "BadRequestError",
+                                   "param": "prompt", "code": 400}}  # fmt: skip
+        return None
+
+
+_ids = iter(range(1_000_000))
+
+
+def job(priority: int, prompt: str = "hello") -> GenerationJob:
+    return GenerationJob(
+        request_id=f"p{next(_ids)}", endpoint="completions",
+        body={"model": "m", "prompt": prompt, "stream": True},
+        prompt_tokens=2, max_tokens=4, priority=priority,
+    )  # fmt: skip
+
+
+async def run(backend: OpenAIBackend, j: GenerationJob) -> str:
+    return "".join([c.text async for c in backend.generate(j)])
+
+
+@pytest.fixture
+async def upstreams():
+    made: list[tuple[FakeUpstream, OpenAIBackend]] = []
+
+    async def make(kind: type[FakeUpstream], **upstream: Any) -> tuple[FakeUpstream, OpenAIBackend]:
+        up = kind("u")
+        await up.start()
+        backend = OpenAIBackend(OpenAIBackendConfig(
+            upstreams=[{"url": up.url, **upstream}], health_interval_s=3600.0,
+            metrics_interval_s=3600.0,
+        ))  # fmt: skip
+        await backend.start()
+        made.append((up, backend))
+        return up, backend
+
+    yield make
+    for up, backend in made:
+        await backend.close()
+        await up.stop()
+
+
+def sent(up: FakeUpstream) -> list[Any]:
+    return [r["body"].get("priority") for r in up.requests]
+
+
+async def test_auto_retries_once_without_a_refused_priority_and_remembers(upstreams, caplog):
+    up, backend = await upstreams(NoPriorityUpstream)
+    caplog.set_level(logging.WARNING, "qosgate.backends.openai")
+    assert await run(backend, job(2)) == "u says hi"
+    assert sent(up) == [2, None]
+    assert await run(backend, job(3)) == "u says hi"
+    assert sent(up) == [2, None, None]
+    assert sum("refused a request's priority" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_auto_keeps_a_400_that_is_not_the_priority(upstreams):
+    up, backend = await upstreams(NoPriorityUpstream)
+    with pytest.raises(BackendRejected, match="bad prompt"):
+        await run(backend, job(2, "bad"))
+    # Asked again without it, refused the same: the priority is not to blame,
+    # and is still sent.
+    assert sent(up) == [2, None]
+    assert await run(backend, job(2)) == "u says hi"
+    assert sent(up) == [2, None, 2, None]
+
+
+async def test_auto_remembers_an_upstream_that_takes_it(upstreams):
+    up, backend = await upstreams(NoPriorityUpstream)
+    up.refusal = lambda path, body: (  # type: ignore[method-assign]
+        (400, {"error": {"message": "bad prompt"}}) if body.get("prompt") == "bad" else None
+    )
+    assert await run(backend, job(5)) == "u says hi"
+    with pytest.raises(BackendRejected):
+        await run(backend, job(5, "bad"))
+    # Known to take it: a refusal is the request's own, not asked twice.
+    assert sent(up) == [5, 5]
+    assert await run(backend, job(0)) == "u says hi"
+    assert sent(up) == [5, 5, None]
+
+
+async def test_on_sends_it_always_and_off_never(upstreams):
+    up, backend = await upstreams(NoPriorityUpstream, priority="on")
+    with pytest.raises(BackendRejected, match="Priority scheduling"):
+        await run(backend, job(2))
+    assert sent(up) == [2]
+    up, backend = await upstreams(NoPriorityUpstream, priority="off")
+    assert await run(backend, job(2)) == "u says hi"
+    assert sent(up) == [None]
+
+
+@pytest.mark.parametrize("bound", [None, 3])
+async def test_a_request_handed_over_before_the_room_shrank_is_still_sent(bound):
+    """The dispatcher hands over what capacity() allowed; an engine report in
+    between that shrinks the room must not fail it, but the upstream's
+    `max_concurrency` still holds."""
+    engine = EngineUpstream(slots=2)
+    await engine.start()
+    upstream: dict[str, Any] = {"url": engine.url}
+    if bound is not None:
+        upstream["max_concurrency"] = bound
+    backend = OpenAIBackend(OpenAIBackendConfig(
+        upstreams=[upstream], health_interval_s=3600.0, metrics_interval_s=3600.0,
+    ))  # fmt: skip
+    await backend.start()
+    try:
+        async with asyncio.timeout(LIMIT_S):
+            first = [asyncio.create_task(run(backend, job(0))) for _ in range(3)]
+            await engine.until(lambda: len(engine.started) == 2 and len(engine.queue) == 1)
+            assert backend.capacity().free_slots == (1 if bound is None else 0)
+            await backend._read_all_metrics()  # one waits: the room is the 2 that run
+            assert backend.capacity().free_slots == 0
+            late = backend.generate(job(0))
+            assert engine.turns is not None
+            for _ in range(4):
+                engine.turns.release()
+            if bound is None:
+                assert "".join([c.text async for c in late]) == "engine says hi"
+            else:
+                with pytest.raises(BackendUnavailable):
+                    await late.__anext__()
+            await asyncio.gather(*first)
+    finally:
+        await backend.close()
+        await engine.stop()
