@@ -126,26 +126,23 @@ class _Room:
     has finished may still be streaming through its API server. So the limit
     is on the gateway's own count, moved by what each report shows:
 
-    - Nothing waits while the gateway uses its room: it grows, by half until
-      the engine has been seen full, then by a 32nd (at least one).
+    - Nothing waits, the gateway uses its room, and the engine holds at least
+      three quarters of it (what was sent has reached it: an API server that
+      lags shows less): it grows, by half until the engine has been seen
+      full, then by a 32nd (at least one).
     - Requests wait beyond the most the engine has ever run at once (`peak`,
-      which its limit is at least): it drops by that excess. The engine is
-      seen full when that happens with no new peak. Requests that wait while
-      fewer run are the engine admitting a burst a step at a time (its
-      prefill budget), not a limit: nothing changes.
+      which its limit is at least): it drops by that excess, so nothing more
+      is sent until as many have finished, and the engine is seen full.
+      Requests that wait while fewer run are the engine taking in a burst a
+      step at a time (its prefill budget), not its limit: nothing changes.
     - KV usage at the high-water mark: it drops to what does not wait, so
       that the engine does not preempt.
-
-    And while the last report shows anything waiting there (`held`), nothing
-    more is sent: what is sent then would queue behind what waits, where
-    first come is first served, instead of waiting in the gateway, where a
-    more important request can still pass it.
 
     Between reports the gateway's own count is exact: a request that ends
     frees its slot at once. Another client's requests count in the engine's
     figures, so they shrink the room as the gateway's would."""
 
-    __slots__ = ("bound", "held", "high_water", "limit", "peak", "seen_full")
+    __slots__ = ("bound", "high_water", "limit", "peak", "seen_full")
 
     def __init__(self, bound: int, high_water: float) -> None:
         self.bound = bound
@@ -153,13 +150,10 @@ class _Room:
         self.limit = min(bound, _SLOW_START)
         self.peak = 0
         self.seen_full = False
-        self.held = False
 
     def report(self, running: int, waiting: int, kv: float | None, in_flight: int) -> None:
         """An engine report, read while the gateway had `in_flight` there."""
-        new_peak = running > self.peak
         self.peak = max(self.peak, running)
-        self.held = waiting > 0
         if kv is not None and kv >= self.high_water:
             self.limit = min(self.limit, max(1, in_flight - waiting))
             self.seen_full = True
@@ -167,10 +161,8 @@ class _Room:
             excess = running + waiting - self.peak
             if excess > 0:
                 self.limit = max(1, in_flight - excess)
-                # A first burst can wait before the engine has taken in all it
-                # can run: only waiting at a peak seen before marks its limit.
-                self.seen_full = self.seen_full or not new_peak
-        elif in_flight >= self.limit - 1:
+                self.seen_full = True
+        elif in_flight >= self.limit - 1 and running >= self.limit * 3 // 4:
             self.limit += max(1, self.limit // (32 if self.seen_full else 2))
         self.limit = min(self.limit, self.bound)
 
@@ -201,7 +193,7 @@ class _Upstream:
         # a fallback that could flood a small engine's queue.
         if self.reports is False:
             return self.cfg.max_concurrency or _UNREPORTED_LIMIT
-        return 0 if self.room.held else self.room.limit
+        return self.room.limit
 
     def has_room(self) -> bool:
         return self.healthy and self.in_flight < self.limit
@@ -474,7 +466,7 @@ class OpenAIBackend(Backend):
             # rather than fail.
             over = [u for u in self._upstreams if u.healthy and u.reports is not False
                     and u.in_flight < u.room.bound]  # fmt: skip
-            return min(over, key=lambda u: u.in_flight - u.room.limit, default=None)
+            return min(over, key=lambda u: u.in_flight - u.limit, default=None)
         count = len(self._upstreams)
         rr = self._rr
         best = min(candidates, key=lambda u: (u.in_flight, -u.weight, (u.index - rr) % count))
@@ -790,11 +782,9 @@ class OpenAIBackend(Backend):
             if self._metrics_timer is not None:
                 self._metrics_timer.cancel()
             if not self._closed and self._loop is not None:
-                # An upstream held by its waiting requests is read again
-                # sooner: they are usually taken in within a few steps.
-                held = any(u.reports and u.room.held for u in self._upstreams)
-                interval = self._cfg.metrics_interval_s / (4 if held else 1)
-                self._metrics_timer = self._loop.call_later(interval, self._metrics_tick)
+                self._metrics_timer = self._loop.call_later(
+                    self._cfg.metrics_interval_s, self._metrics_tick
+                )
 
     async def _read_metrics(self, upstream: _Upstream) -> None:
         assert self._session is not None
