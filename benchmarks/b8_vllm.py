@@ -68,6 +68,16 @@ def wait_until_ready(url: str, proc: subprocess.Popen, log: Path) -> None:
     raise RuntimeError(f"{url} not ready after {START_LIMIT_S:.0f} s")
 
 
+def model_folder(given: str | None, tmp: Path) -> str:
+    """`given`, or the tiny test model written into `tmp`."""
+    if given is not None:
+        return given
+    from tests.vllm_engine.make_tiny_model import write
+
+    write(tmp / "tiny-model")
+    return str(tmp / "tiny-model")
+
+
 def free_port() -> int:
     import socket
 
@@ -159,8 +169,8 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
         "overload_totals": {k: result["overload"]["totals"].get(k) for k in
                             ("requests", "completed", "rejected", "errors", "lost",
                              "throughput_rps", "output_tokens_per_s")},
-        "tiers": {name: {k: t.get(k) for k in ("requests", "completed", "rejected", "errors",
-                                                 "ttft_p50_s", "ttft_p99_s", "e2e_p99_s")}
+        "tiers": {name: {k: t.get(k) for k in ("requests", "completed", "rejected", "expired",
+                                                 "errors", "ttft_p50_s", "ttft_p99_s", "e2e_p99_s")}
                   for name, t in tiers.items()},
     }
 
@@ -174,12 +184,7 @@ def main() -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="qosgate-b8-") as tmp_name:
         tmp = Path(tmp_name)
-        model = args.model
-        if model is None:
-            from tests.vllm_engine.make_tiny_model import write
-
-            model = str(tmp / "tiny-model")
-            write(Path(model))
+        model = model_folder(args.model, tmp)
         print("B8: the engine alone (vLLM's OpenAI server, FCFS)", file=sys.stderr, flush=True)
         proc, url, direct_cmd = start_direct(model, tmp)
         try:
@@ -206,11 +211,7 @@ def main() -> int:
           f"direct {1000 * (d['interactive_ttft_p99_s'] or 0):.0f} ms, "
           f"qosgate {1000 * (q['interactive_ttft_p99_s'] or 0):.0f} ms: "
           f"{ttft_ratio if ttft_ratio is None else round(ttft_ratio, 3)}x")
-    for name, s in (("direct", d), ("qosgate", q)):
-        for tier, t in s["tiers"].items():
-            print(f"    {name:8} {tier:12} requests {t['requests']:>4} completed {t['completed']:>4}"
-                  f" rejected {t['rejected']:>4} errors {t['errors']:>3}"
-                  f" ttft p50 {_ms(t['ttft_p50_s'])} p99 {_ms(t['ttft_p99_s'])}")
+    print_tiers(("direct", d), ("qosgate", q))
     ok_tp = tp_ratio is not None and tp_ratio >= TARGET_THROUGHPUT
     ok_ttft = ttft_ratio is not None and ttft_ratio <= TARGET_TTFT_RATIO
     print(f"\n  {'PASS' if ok_tp else 'FAIL'}  throughput >= {TARGET_THROUGHPUT}x direct")
@@ -235,6 +236,16 @@ def main() -> int:
     Path(args.json).write_text(json.dumps(out, indent=2, default=str))
     print(f"\nwrote {args.json}")
     return 0
+
+
+def print_tiers(*summaries: tuple[str, dict[str, Any]]) -> None:
+    """Each tier's line of each (name, `summary`)."""
+    for name, s in summaries:
+        for tier, t in s["tiers"].items():
+            print(f"    {name:8} {tier:12} requests {t['requests']:>5} completed "
+                  f"{t['completed']:>5} rejected {t['rejected']:>5} expired "
+                  f"{t.get('expired') or 0:>4} errors {t['errors']:>3}"
+                  f" ttft p50 {_ms(t['ttft_p50_s'])} p99 {_ms(t['ttft_p99_s'])}")
 
 
 def _ms(value: float | None) -> str:

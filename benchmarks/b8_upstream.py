@@ -1,0 +1,178 @@
+"""B8 upstream: qosgate's openai backend in front of a vLLM server it does not own.
+
+    make test-vllm   # once: builds .venv-vllm with vLLM's CPU build
+    .venv-vllm/bin/python benchmarks/b8_upstream.py [--seqs 32 128] [--json ...]
+
+For each `max_num_seqs` the server is started with (B8 upstream in benchmarks/RESULTS.md):
+
+1. `vllm serve` (vLLM's OpenAI server, its default FCFS scheduling) of the
+   tiny model of tests/vllm_engine, started once and used both ways;
+2. direct: a closed loop of `max_num_seqs` users measures its capacity, then
+   open-loop Poisson arrivals at twice that (benchmarks/b8_overload.yaml, the
+   same three tiers and shares as B8) go to it alone;
+3. qosgate: `qosgate serve` with the `openai` backend in front of that same
+   server, the upstream given by its URL alone (every upstream setting at its
+   default: no `max_concurrency`, room learned from /metrics), gets the same
+   arrivals (same seed).
+
+Target: interactive TTFT p99 under 2x overload through qosgate at most 0.05x
+the server's alone, whatever `max_num_seqs`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+from b8_vllm import (  # noqa: E402
+    _ms, bench, free_port, model_folder, print_tiers, stop, summary, wait_until_ready,
+)
+
+ENGINE = {"max_model_len": 512, "dtype": "bfloat16"}
+TARGET_TTFT_RATIO = 0.05
+OVERLOAD_S = 30
+
+
+def start_server(model: str, seqs: int, tmp: Path) -> tuple[subprocess.Popen, str, str]:
+    port = free_port()
+    log = tmp / f"vllm-{seqs}.log"
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", str(ENGINE["max_model_len"]), "--max-num-seqs", str(seqs),
+            "--dtype", ENGINE["dtype"], "--enforce-eager", "--disable-uvicorn-access-log"]
+    proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT)
+    base = f"http://127.0.0.1:{port}"
+    wait_until_ready(base + "/health", proc, log)
+    return proc, base + "/v1", " ".join(shlex.quote(a) for a in argv[1:])
+
+
+def start_qosgate(upstream: str, tmp: Path, seqs: int) -> tuple[subprocess.Popen, str, Path]:
+    policy = yaml.safe_load((HERE / "b8_policy.yaml").read_text())
+    policy["backend"] = {"kind": "openai", "upstreams": [{"url": upstream}]}
+    path = tmp / f"b8u_policy_{seqs}.yaml"
+    path.write_text(yaml.safe_dump(policy, sort_keys=False))
+    port = free_port()
+    log = tmp / f"qosgate-{seqs}.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qosgate.cli", "serve", "--config", str(path),
+         "--host", "127.0.0.1", "--port", str(port)],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    wait_until_ready(base + "/readyz", proc, log)
+    return proc, base + "/v1", log
+
+
+_written = itertools.count()
+
+
+def scenario(tmp: Path, name: str, **changes: Any) -> Path:
+    data = yaml.safe_load((HERE / f"b8_{name}.yaml").read_text())
+    for key, value in changes.items():
+        section, _, field = key.partition("__")
+        if field:
+            data[section][field] = value
+        else:
+            data[section] = value
+    path = tmp / f"b8u_{name}_{next(_written)}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def run_seqs(model: str, seqs: int, tmp: Path) -> dict[str, Any]:
+    print(f"B8 upstream: vllm serve, max_num_seqs {seqs}", file=sys.stderr, flush=True)
+    proc, url, server_cmd = start_server(model, seqs, tmp)
+    try:
+        tp = bench(url, scenario(tmp, "throughput", sweep={"concurrency": [seqs],
+                                                             "requests": 16 * seqs}),
+                   tmp / f"direct-tp-{seqs}.json", "direct")  # fmt: skip
+        row = tp["sweep"][0]
+        rate = round(2.0 * row["throughput_rps"], 3)
+        overload = scenario(tmp, "overload", arrivals__rate_rps=rate, duration_s=OVERLOAD_S)
+        direct = bench(url, overload, tmp / f"direct-ov-{seqs}.json", "direct")
+        print(f"B8 upstream: qosgate in front of it ({rate} req/s)", file=sys.stderr, flush=True)
+        gate, gate_url, gate_log = start_qosgate(url, tmp, seqs)
+        try:
+            gated = bench(gate_url, overload, tmp / f"qosgate-ov-{seqs}.json", "qosgate")
+        finally:
+            stop(gate)
+        log_lines = [line for line in gate_log.read_text(errors="replace").splitlines()
+                     if "upstream" in line][:20]  # fmt: skip
+    finally:
+        stop(proc)
+    d = summary({"throughput": row, "overload": direct, "rate_rps": rate})
+    q = summary({"throughput": row, "overload": gated, "rate_rps": rate})
+    ratio = (q["interactive_ttft_p99_s"] / d["interactive_ttft_p99_s"]
+             if q["interactive_ttft_p99_s"] and d["interactive_ttft_p99_s"] else None)  # fmt: skip
+    return {"max_num_seqs": seqs, "server": server_cmd, "direct": d, "qosgate": q,
+            "interactive_ttft_p99_ratio": ratio, "gateway_log": log_lines,
+            "raw": {"direct": direct, "qosgate": gated}}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="model folder (default: write the tiny test model)")
+    parser.add_argument("--seqs", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--json", default=str(HERE / "results" / "b8_upstream.json"))
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    started = time.monotonic()
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="qosgate-b8u-") as tmp_name:
+        tmp = Path(tmp_name)
+        model = model_folder(args.model, tmp)
+        for seqs in args.seqs:
+            runs.append(run_seqs(model, seqs, tmp))
+    print("\nB8 upstream: qosgate in front of vllm serve "
+          f"(CPU build, tiny model; {os.cpu_count()} CPUs)\n")
+    ok = True
+    for run in runs:
+        d, q, ratio = run["direct"], run["qosgate"], run["interactive_ttft_p99_ratio"]
+        passed = ratio is not None and ratio <= TARGET_TTFT_RATIO
+        ok = ok and passed
+        print(f"  max_num_seqs {run['max_num_seqs']}: capacity {d['throughput_rps']:.2f} req/s, "
+              f"2x overload {d['overload_rate_rps']:.2f} req/s: interactive TTFT p99 alone "
+              f"{_ms(d['interactive_ttft_p99_s'])} ms, through qosgate "
+              f"{_ms(q['interactive_ttft_p99_s'])} ms: "
+              f"{ratio if ratio is None else round(ratio, 4)}x "
+              f"{'PASS' if passed else 'FAIL'}")
+        print_tiers(("alone", d), ("qosgate", q))
+    print(f"\n  {'PASS' if ok else 'FAIL'}  interactive TTFT p99 <= {TARGET_TTFT_RATIO}x the "
+          "server alone under 2x overload, at every max_num_seqs")
+    out = {
+        "benchmark": "B8 upstream",
+        "command": " ".join(shlex.quote(a) for a in
+                            [".venv-vllm/bin/python", "benchmarks/b8_upstream.py", *sys.argv[1:]]),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "engine_args": ENGINE,
+        "overload_s": OVERLOAD_S,
+        "wall_s": time.monotonic() - started,
+        "runs": runs,
+        "target": ok,
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=2, default=str))
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
