@@ -1,0 +1,88 @@
+"""benchmarks/b3_http.py's plumbing, without the long run: B3's policy and mix
+become a gateway policy and a bench scenario that validate, with their
+durations stretched by the speed factor, and the sweep's rules judge bench
+reports, a missing policy being an error."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+from qosgate.bench.scenario import BenchScenario
+from qosgate.config.models import PolicyConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+_SPEC = importlib.util.spec_from_file_location("b3_http", ROOT / "benchmarks" / "b3_http.py")
+http = importlib.util.module_from_spec(_SPEC)
+sys.modules[_SPEC.name] = http
+_SPEC.loader.exec_module(http)
+sweep = http.sweep
+BASE = http.load_scenario(sweep.SCENARIO)
+ARGS = argparse.Namespace(speed=0.1, duration=45.0, warmup=5.0, timeout=45.0)
+
+
+def bench_report(interactive=1.0, standard=1.0, goodput=1.0, throughput=300.0) -> dict:
+    """The slice of a `qosgate bench` report the rules read: the client sees
+    no queue wait, so served_wait_max_s is None as the bench writes it."""
+    tier = {"served_wait_max_s": None}
+    return {
+        "tiers": {"interactive": {**tier, "ttft_slo_attainment": interactive},
+                  "standard": {**tier, "ttft_slo_attainment": standard},
+                  "batch": {**tier, "ttft_slo_attainment": None}},
+        "totals": {"goodput_rps": goodput, "throughput_tokens_per_s": throughput, "lost": 0},
+    }  # fmt: skip
+
+
+def table(policies=sweep.POLICIES, loads=(1.0, 2.0), **qos) -> dict:
+    return {
+        sweep.Cell(http.MIX, http.ARRIVALS, load): {
+            "capacity_rps": 1.6, "rate_rps": 1.6 * load, "interactive_demand": 0.1 * load,
+            "bounds": {},
+            "policies": {p: bench_report(**qos) if p == "qos" else bench_report()
+                         for p in policies},
+        }
+        for load in loads
+    }  # fmt: skip
+
+
+def test_the_gateway_policy_is_b3s_stretched_by_the_speed():
+    policy = PolicyConfig.model_validate(http.serve_policy(BASE, "strict", 0.1))
+    assert policy.scheduler.policy == "strict"
+    assert policy.backend.speed == 0.1
+    assert policy.tiers["interactive"].ttft_slo_ms == 5000
+    assert policy.tiers["standard"].max_queue_wait_ms == 15000
+    assert policy.scheduler.aging.interval_ms == 20000
+    assert [t.id for t in policy.tenants] == [t.id for t in BASE.policy.tenants]
+    assert all(len(t.api_keys) == 1 for t in policy.tenants)
+
+
+def test_the_bench_scenario_sends_b3s_mix_with_stretched_slos():
+    scenario = BenchScenario.model_validate(http.bench_scenario(BASE, 3.2, ARGS, 3))
+    assert scenario.arrivals.rate_rps == 3.2
+    assert [c.tenant_id for c in scenario.classes] == [c.tenant for c in BASE.classes]
+    assert scenario.tiers["interactive"].ttft_slo_ms == 5000
+    assert scenario.tiers["batch"].e2e_slo_ms == 600000
+    assert scenario.lengths == BASE.lengths
+
+
+def test_good_figures_pass_and_a_bad_one_fails():
+    status, checks = http.judge(table())
+    assert status == 0
+    # per cell: demand rule, 2 x vs strict, throughput, 3 x lost, plus goodput at 1x and 2x;
+    # no stated bound (the client cannot see queue waits)
+    assert len(checks) == 2 * 7 + 2
+    assert http.judge(table(interactive=0.9))[0] == 1
+
+
+def test_a_policy_not_run_is_an_error():
+    assert http.judge(table(policies=("qos", "fcfs")))[0] == 2
+
+
+def test_no_baseline_load_is_an_error():
+    assert http.judge(table(loads=(2.0, 4.0)))[0] == 2
+
+
+def test_an_unknown_policy_on_the_command_line_is_an_error():
+    assert http.main(["--policies", "qos,lifo"]) == 2
