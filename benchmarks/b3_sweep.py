@@ -52,7 +52,7 @@ DURATION_S = 600.0
 WARMUP_S = 60.0
 DRAIN_S = 120.0
 
-# The rules of issue 22, item 6.
+# The pass rules.
 BASELINE_LOAD = 1.0
 INTERACTIVE_DEMAND_LIMIT = 0.8
 INTERACTIVE_FLOOR = {"poisson": 0.99, "gamma2": 0.99, "gamma4": 0.95}
