@@ -209,6 +209,7 @@ async def test_queued_request_expires_at_its_deadline() -> None:
         async for _ in stream:
             pass
     assert info.value.status == 504 and info.value.outcome is Outcome.EXPIRED
+    assert "queued longer than tier 'fast' allows (1 ms)" in str(info.value)
     assert stream.request.outcome is Outcome.EXPIRED
     assert stream.request.id not in {job.request_id for job in fake.jobs}
     fake.finish(blocker.stream.request.id)

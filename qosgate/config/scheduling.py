@@ -18,8 +18,7 @@ def _tier(name: str, tier: TierConfig) -> TierParams:
         max_batch_tokens=tier.batch.max_batch_tokens,
         preemptible=tier.preemptible,
         min_share=tier.share,
-        expire_after_s=tier.expiry_ms / 1000.0
-        if tier.expiry_ms is not None and tier.on_timeout == "delay" else None,
+        deadline_s=None if tier.expiry_ms is None else tier.expiry_ms / 1000.0,
     )
 
 

@@ -20,7 +20,7 @@ class TierParams:
     """Queue budget in seconds (None: none, so it never expires or ages)."""
     delays: bool
     """`on_timeout: delay`: past its budget it waits on (and ages among the
-    other `delay` tiers) until `expire_after_s`, instead of expiring."""
+    other `delay` tiers) until `deadline_s`, instead of expiring."""
     max_len: int = 1 << 62
     max_wait_s: float = 0.0
     max_batch_size: int = 1 << 30
@@ -29,17 +29,13 @@ class TierParams:
     min_share: float = 0.0
     """Fraction of the tokens released to the backend that the tier is
     guaranteed while it has work queued, whatever more important tiers ask."""
-    expire_after_s: float | None = None
-    """`delay` tiers: queue wait at which a request stops waiting and expires
-    (None: it waits until it is served)."""
+    deadline_s: float | None = None
+    """Queue wait after which a queued request of this tier expires (None:
+    never): the budget of a `reject` tier, a `delay` tier's expire_after_ms
+    (config.models.TierConfig.expiry_ms)."""
     age_floor: int = 0
     """The most important level ageing may lift the tier to
     (with_age_floors sets it from the other tiers)."""
-
-    @property
-    def deadline_s(self) -> float | None:
-        """Queue wait after which a queued request of this tier expires."""
-        return self.expire_after_s if self.delays else self.budget_s
 
 
 def with_age_floors(tiers: Mapping[str, TierParams]) -> dict[str, TierParams]:

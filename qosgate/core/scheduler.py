@@ -280,7 +280,6 @@ class Scheduler:
         wakeup: float | None = None
         blocked: TierQueue | None = None
         budget = self._prefill_budget
-        prefilling = self._prefilling
         held: list[TierQueue] = []  # tiers held back this round for the prefill budget
 
         while free_slots > 0:
@@ -313,8 +312,8 @@ class Scheduler:
                 break
             req = best.peek()
             assert req is not None
-            if (below_top and budget is not None and prefilling > 0
-                    and prefilling + req.prompt_tokens > budget):
+            if (below_top and budget is not None and self._prefilling > 0
+                    and self._prefilling + req.prompt_tokens > budget):
                 # The backend's prefill queue is as long as a top-level
                 # request may wait behind; this waits for a first token.
                 held.append(best)
@@ -341,7 +340,6 @@ class Scheduler:
                 open_batches[best.name] = batch
             best.pop()
             self._dispatch(best, req, now)
-            prefilling += req.prompt_tokens
             if self._shares:
                 for queue in self._queue_list:
                     if len(queue):

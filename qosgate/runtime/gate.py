@@ -461,9 +461,10 @@ class Gateway:
         for req in plan.expired:
             stream = streams[req.id]
             if req.outcome is Outcome.EXPIRED:
-                budget_ms = self._policy.tiers[req.tier].expiry_ms
+                assert req.deadline is not None  # only requests with one expire
+                allowed_ms = (req.deadline - req.arrival) * 1000.0
                 stream.ended_in_queue(Expired(
-                    f"queued longer than tier {req.tier!r} allows ({budget_ms:.0f} ms)"
+                    f"queued longer than tier {req.tier!r} allows ({allowed_ms:.0f} ms)"
                 ))  # fmt: skip
             else:
                 # The core ended it backend_error: the wait was the backend's
