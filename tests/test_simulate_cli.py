@@ -282,3 +282,16 @@ def test_qos_protects_interactive_ttft_under_overload(tmp_path: Path) -> None:
     fcfs = runs["fcfs"]["tiers"]["interactive"]
     assert qos["ttft_p99_s"] < fcfs["ttft_p99_s"]
     assert qos["ttft_slo_attainment"] > fcfs["ttft_slo_attainment"]
+
+
+@pytest.mark.parametrize("field", ["policy", "trace"])
+def test_a_missing_referenced_file_is_named_relative_to_the_scenario(tmp_path: Path, field: str) -> None:
+    from pydantic import ValidationError
+
+    from qosgate.sim.scenario import Scenario, scenario_base_dir
+
+    data: dict = {"name": "x", "duration_s": 1, "policy": {"tiers": {"t": {"priority": 0}}}}
+    data[field] = "missing.file"
+    with scenario_base_dir(tmp_path), pytest.raises(ValidationError) as error:
+        Scenario.model_validate(data)
+    assert f"{field} file {str(tmp_path / 'missing.file')!r} not found" in str(error.value)

@@ -196,10 +196,17 @@ class Backend:
         """Free sequence slots and KV tokens right now."""
         raise NotImplementedError
 
+    _listener: Callable[[], None] | None = None
+
     def set_capacity_listener(self, listener: Callable[[], None]) -> None:
         """`listener` is called (from the event loop) whenever capacity may have
         grown: a request finished or aborted, the backend became ready."""
-        raise NotImplementedError
+        self._listener = listener
+
+    def _notify(self) -> None:
+        """Capacity may have grown: tell the listener."""
+        if self._listener is not None:
+            self._listener()
 
     def set_start_listener(self, listener: Callable[[str, float], None]) -> None:
         """For a backend that queues what it takes (the fleet's):

@@ -326,7 +326,6 @@ class OpenAIBackend(Backend):
         self._health_task: asyncio.Task[None] | None = None
         self._metrics_timer: asyncio.TimerHandle | None = None
         self._metrics_task: asyncio.Task[None] | None = None
-        self._listener: Callable[[], None] | None = None
         # Weak, so that a stream its caller dropped unread can be collected
         # and give its slot back (_Call.__del__).
         self._calls: weakref.WeakValueDictionary[str, _Call] = weakref.WeakValueDictionary()
@@ -418,14 +417,9 @@ class OpenAIBackend(Backend):
             free_slots=free, free_kv_tokens=UNKNOWN_KV_TOKENS, kv_capacity_tokens=None
         )
 
-    def set_capacity_listener(self, listener: Callable[[], None]) -> None:
-        self._listener = listener
-
     def _notify(self) -> None:
-        if self._listener is None:
-            return
         try:
-            self._listener()
+            super()._notify()
         except Exception:
             # A failing listener must not turn a finished request into a failed one.
             log.exception("capacity listener failed")

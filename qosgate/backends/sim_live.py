@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import math
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,7 +77,6 @@ class SimBackend(Backend):
         self.engine = SimEngine.from_config(cfg)
         self._speed = cfg.speed
         self._live: dict[str, _Live] = {}
-        self._listener: Callable[[], None] | None = None
         self._work = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._ready = False
@@ -111,9 +110,6 @@ class SimBackend(Backend):
     def capacity(self) -> BackendCapacity:
         cap = self.engine.capacity()
         return BackendCapacity(cap.free_slots, cap.free_kv_tokens, cap.kv_capacity_tokens)
-
-    def set_capacity_listener(self, listener: Callable[[], None]) -> None:
-        self._listener = listener
 
     def count_prompt_tokens(self, endpoint: str, body: dict[str, Any]) -> int:
         return estimate_prompt_tokens(endpoint, body)
@@ -216,10 +212,6 @@ class SimBackend(Backend):
             live.queue.put_nowait(chunk)
         if finished:
             self._notify()
-
-    def _notify(self) -> None:
-        if self._listener is not None:
-            self._listener()
 
     def _on_task_done(self, task: asyncio.Task) -> None:
         if task.cancelled():

@@ -36,7 +36,7 @@ import dataclasses
 import logging
 import math
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from qosgate.backends import support
@@ -119,7 +119,6 @@ class VllmBackend(Backend):
         self._start_error: BaseException | None = None
         self._dead = False
         self._closed = False
-        self._listener: Callable[[], None] = lambda: None
         self._runs: dict[str, _Run] = {}
         self._rendered: collections.OrderedDict[
             int, tuple[dict[str, Any], dict[str, Any] | BackendRejected]
@@ -199,7 +198,7 @@ class VllmBackend(Backend):
             "vLLM engine ready: %s, %d sequences, %d KV tokens, context %d",
             self.cfg.model, self._max_seqs, self._kv_tokens, self.max_model_len,
         )  # fmt: skip
-        self._listener()
+        self._notify()
 
     def _watch_engine(self, engine: Any) -> None:
         """Learn of the engine's death when it happens, not at the next request:
@@ -262,9 +261,6 @@ class VllmBackend(Backend):
             self._kv_tokens,
         )
 
-    def set_capacity_listener(self, listener: Callable[[], None]) -> None:
-        self._listener = listener
-
     def gone(self) -> BackendUnavailable | None:
         """Set only when the engine failed its first start: a dead or wedged
         engine is being restarted, so queued requests wait for it."""
@@ -293,7 +289,7 @@ class VllmBackend(Backend):
                 # The local half of an abort ends the run's output stream at
                 # once, whether or not the EngineCore still listens.
                 self._abort_in_engine(engine, request_id)
-        self._listener()
+        self._notify()
         self._restarting = asyncio.get_running_loop().create_task(
             self._restart(engine), name="qosgate-vllm-restart"
         )
@@ -540,7 +536,7 @@ class VllmBackend(Backend):
             if self._runs.pop(request_id, None) is not None:
                 if not self._runs:
                     self._stop_watchdog()
-                self._listener()
+                self._notify()
 
     def abort(self, request_id: str) -> None:
         run = self._runs.get(request_id)

@@ -156,7 +156,6 @@ class FleetBackend(Backend):
         self._replies = Subscription(self.store, self.reply_channel, what="reply channel")
         self._reader: asyncio.Task[None] | None = None
         self._ready = False
-        self._listener: Callable[[], None] | None = None
         self._start_listener: Callable[[str, float], None] | None = None
         # Cancellations in flight, so that close() can wait for them.
         self._chores: set[asyncio.Task[Any]] = set()
@@ -179,8 +178,7 @@ class FleetBackend(Backend):
 
     def _set_ready(self, ready: bool) -> None:
         self._ready = ready
-        if self._listener is not None:
-            self._listener()
+        self._notify()
 
     async def close(self) -> None:
         self._ready = False
@@ -200,9 +198,6 @@ class FleetBackend(Backend):
 
     def capacity(self) -> BackendCapacity:
         return _UNBOUNDED
-
-    def set_capacity_listener(self, listener: Callable[[], None]) -> None:
-        self._listener = listener
 
     def set_start_listener(self, listener: Callable[[str, float], None]) -> None:
         """`listener(tier, waited_s)` is called when an engine node starts a

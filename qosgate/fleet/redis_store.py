@@ -103,10 +103,10 @@ class RedisWorkQueue(WorkQueue):
         key_prefix: str = "qosgate:",
         socket_timeout_s: float = 0.5,
         client: aioredis.Redis | None = None,
-        done_retention_s: float = 86_400.0,
-        affinity_ttl_s: float = 600.0,
+        **retention: float,
     ) -> None:
-        super().__init__(tiers, done_retention_s=done_retention_s, affinity_ttl_s=affinity_ttl_s)
+        """`retention`: WorkQueue's done_retention_s and affinity_ttl_s."""
+        super().__init__(tiers, **retention)
         if client is None:
             # One retry on a fresh connection, so that a pooled connection the
             # server dropped (a restart) is not taken for an outage, as the

@@ -203,14 +203,9 @@ class MemoryWorkQueue(WorkQueue):
 
     name = "memory"
 
-    def __init__(
-        self,
-        tiers: FleetTiers,
-        *,
-        done_retention_s: float = 86_400.0,
-        affinity_ttl_s: float = 600.0,
-    ) -> None:
-        super().__init__(tiers, done_retention_s=done_retention_s, affinity_ttl_s=affinity_ttl_s)
+    def __init__(self, tiers: FleetTiers, **retention: float) -> None:
+        """`retention`: WorkQueue's done_retention_s and affinity_ttl_s."""
+        super().__init__(tiers, **retention)
         # Sorted lists of (arrival, id, item): the same order as a Redis
         # sorted set scored by arrival, whose ties go by member. Lists, not
         # heaps, because a claim may step past items held back for others.

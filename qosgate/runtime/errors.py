@@ -53,28 +53,14 @@ class GatewayError(Exception):
 class QueueFull(GatewayError):
     """The tier's queue holds `max_queue_len` requests already."""
 
-    status = 429
-    outcome = Outcome.REJECTED_QUEUE_FULL
-    code = "queue_full"
-    type = "rate_limit_error"
-
 
 class QuotaExceeded(GatewayError):
     """The tenant's quota cannot hold the request now (Retry-After: when it
     will), or ever (no Retry-After: the request alone is larger)."""
 
-    status = 429
-    outcome = Outcome.REJECTED_QUOTA
-    code = "rate_limit_exceeded"
-    type = "rate_limit_error"
-
 
 class QuotaStoreUnavailable(GatewayError):
     """The quota store is unreachable and the gateway fails closed."""
-
-    status = 503
-    outcome = Outcome.REJECTED_QUOTA
-    code = "quota_store_unavailable"
 
 
 class QuotaLeaseLost(QuotaStoreUnavailable):
@@ -82,50 +68,28 @@ class QuotaLeaseLost(QuotaStoreUnavailable):
     could renew it, and the gateway fails closed: the request is cut (charged
     what ran), so that none runs without a live lease."""
 
-    outcome = Outcome.CANCELLED
-    code = "quota_lease_lost"
-
 
 class Overloaded(GatewayError):
     """Admission predicted a queue wait beyond the tier's budget."""
-
-    status = 503
-    outcome = Outcome.REJECTED_OVERLOAD
-    code = "overloaded"
 
 
 class Expired(GatewayError):
     """The request was still queued at its tier's deadline (its queue budget, or a
     delay tier's expire_after_ms)."""
 
-    status = 504
-    outcome = Outcome.EXPIRED
-    code = "queue_timeout"
-
 
 class BackendFailed(GatewayError):
     """The backend failed the request."""
 
-    status = 502
-    outcome = Outcome.BACKEND_ERROR
-    code = "backend_error"
-
 
 class BackendUnavailableError(GatewayError):
     """The backend is down or not ready; worth retrying later."""
-
-    status = 503
-    outcome = Outcome.BACKEND_ERROR
-    code = "backend_unavailable"
 
 
 class GatewayClosing(BackendUnavailableError):
     """The gateway shut down under the request. The client is told 503 like for
     a backend that is down (another replica can serve it), but nothing failed:
     the gateway cancelled the request, and the outcome says so."""
-
-    outcome = Outcome.CANCELLED
-    code = "shutting_down"
 
     def __init__(self) -> None:
         super().__init__("the gateway is shutting down", retry_after_s=1.0)
@@ -166,53 +130,58 @@ class WorkQueueError(BackendUnavailableError):
 class BadRequest(GatewayError):
     """The request can never be served as given; `param` names the field."""
 
-    status = 400
-    outcome = Outcome.BAD_REQUEST
-    code = "invalid_request"
-    type = "invalid_request_error"
-
 
 class ContextLengthExceeded(BadRequest):
     """400: the prompt, or the prompt and the asked output, exceed the model's
     context (OpenAI's code for it)."""
 
-    code = "context_length_exceeded"
-
 
 class Unauthorized(GatewayError):
-    status = 401
-    outcome = Outcome.UNAUTHORIZED
-    code = "invalid_api_key"
-    type = "authentication_error"
+    """Credentials missing or not valid (an API key, the admin token)."""
 
 
 class AuthThrottled(GatewayError):
     """The client's address failed authentication too often: refused unchecked
     until its allowance refills (Retry-After), so keys cannot be guessed fast."""
 
-    status = 429
-    outcome = Outcome.UNAUTHORIZED
-    code = "too_many_authentication_failures"
-    type = "rate_limit_error"
-
 
 class RequestTimeout(GatewayError):
     """The request body did not arrive within `server.body_timeout_s`."""
 
-    status = 408
-    outcome = Outcome.BAD_REQUEST
-    code = "request_timeout"
-    type = "invalid_request_error"
-
 
 class PayloadTooLarge(GatewayError):
-    status = 413
-    outcome = Outcome.BAD_REQUEST
-    code = "request_too_large"
-    type = "invalid_request_error"
+    """The request body is over `server.max_body_bytes`."""
 
 
 class PolicyRejected(BadRequest):
     """A reload that was refused; the running policy stays."""
 
-    code = "policy_rejected"
+
+def _give_rows(table: dict[type[GatewayError], tuple[int, Outcome, str, str]]) -> None:
+    """Give each error class its row: (status, outcome, code, type)."""
+    for cls, (status, outcome, code, type_) in table.items():
+        cls.status, cls.outcome, cls.code, cls.type = status, outcome, code, type_
+
+
+_INVALID, _RATE_LIMITED, _SERVER = "invalid_request_error", "rate_limit_error", "server_error"
+
+# The one table: each way a request can end without completing, its HTTP
+# status, its outcome, and OpenAI's `error.code` and `error.type` for it.
+_give_rows({
+    QueueFull: (429, Outcome.REJECTED_QUEUE_FULL, "queue_full", _RATE_LIMITED),
+    QuotaExceeded: (429, Outcome.REJECTED_QUOTA, "rate_limit_exceeded", _RATE_LIMITED),
+    QuotaStoreUnavailable: (503, Outcome.REJECTED_QUOTA, "quota_store_unavailable", _SERVER),
+    QuotaLeaseLost: (503, Outcome.CANCELLED, "quota_lease_lost", _SERVER),
+    Overloaded: (503, Outcome.REJECTED_OVERLOAD, "overloaded", _SERVER),
+    Expired: (504, Outcome.EXPIRED, "queue_timeout", _SERVER),
+    BackendFailed: (502, Outcome.BACKEND_ERROR, "backend_error", _SERVER),
+    BackendUnavailableError: (503, Outcome.BACKEND_ERROR, "backend_unavailable", _SERVER),
+    GatewayClosing: (503, Outcome.CANCELLED, "shutting_down", _SERVER),
+    BadRequest: (400, Outcome.BAD_REQUEST, "invalid_request", _INVALID),
+    ContextLengthExceeded: (400, Outcome.BAD_REQUEST, "context_length_exceeded", _INVALID),
+    Unauthorized: (401, Outcome.UNAUTHORIZED, "invalid_api_key", "authentication_error"),
+    AuthThrottled: (429, Outcome.UNAUTHORIZED, "too_many_authentication_failures", _RATE_LIMITED),
+    RequestTimeout: (408, Outcome.BAD_REQUEST, "request_timeout", _INVALID),
+    PayloadTooLarge: (413, Outcome.BAD_REQUEST, "request_too_large", _INVALID),
+    PolicyRejected: (400, Outcome.BAD_REQUEST, "policy_rejected", _INVALID),
+})  # fmt: skip

@@ -55,31 +55,26 @@ def scenario_base_dir(path: str | Path) -> Iterator[None]:
         _BASE_DIR.reset(token)
 
 
-def _resolve(value: str, info: ValidationInfo) -> Path:
+def _existing_file(value: str, info: ValidationInfo, what: str) -> Path:
     path = Path(value).expanduser()
-    if path.is_absolute():
-        return path
-    context = info.context if isinstance(info.context, dict) else {}
-    base = context.get("base_dir") or _BASE_DIR.get() or Path.cwd()
-    return Path(base) / path
+    if not path.is_absolute():
+        context = info.context if isinstance(info.context, dict) else {}
+        path = Path(context.get("base_dir") or _BASE_DIR.get() or Path.cwd()) / path
+    if not path.is_file():
+        raise ValueError(f"{what} file {str(path)!r} not found")
+    return path
 
 
 def _policy_ref(value: Any, info: ValidationInfo) -> Any:
     if not isinstance(value, str):
         return value
-    path = _resolve(value, info)
-    if not path.is_file():
-        raise ValueError(f"policy file {str(path)!r} not found")
-    return load_model(PolicyConfig, path)
+    return load_model(PolicyConfig, _existing_file(value, info, "policy"))
 
 
 def _trace_ref(value: Any, info: ValidationInfo) -> Any:
     if not isinstance(value, str):
         return value
-    path = _resolve(value, info)
-    if not path.is_file():
-        raise ValueError(f"trace file {str(path)!r} not found")
-    return str(path)
+    return str(_existing_file(value, info, "trace"))
 
 
 class LengthDist(StrictModel):
