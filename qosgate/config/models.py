@@ -241,6 +241,13 @@ class TierConfig(StrictModel):
         return self
 
     @property
+    def objectives_s(self) -> tuple[float | None, float | None]:
+        """(TTFT objective, end-to-end objective) in seconds, as
+        Request.met_objective takes them."""
+        return (None if self.ttft_slo_ms is None else self.ttft_slo_ms / 1000.0,
+                None if self.e2e_slo_ms is None else self.e2e_slo_ms / 1000.0)
+
+    @property
     def expiry_ms(self) -> float | None:
         """Queue wait at which a queued request expires (None: never)."""
         if self.on_timeout == "reject":

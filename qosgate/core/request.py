@@ -20,6 +20,9 @@ class Outcome(enum.StrEnum):
     UNAUTHORIZED = "unauthorized"
 
 
+_ROUNDING_S = 1e-9
+
+
 class RequestState(enum.Enum):
     NEW = "new"
     QUEUED = "queued"
@@ -75,3 +78,21 @@ class Request:
         if self.first_token_at is None:
             return None
         return self.first_token_at - self.arrival
+
+    def met_objective(self, ttft_slo_s: float | None, e2e_slo_s: float | None) -> bool | None:
+        """Whether this request met its tier's objective: its time to first
+        token if the tier has a TTFT objective, else its end-to-end latency if
+        it has one; None when the tier has neither. Only a completed request
+        can meet one. A completed answer with no token came whole at its end,
+        so its first token is its end. Within a nanosecond counts as met, so
+        that a latency computed from two clock readings is not failed by float
+        rounding at the boundary."""
+        if self.outcome is not Outcome.COMPLETED:
+            return False if ttft_slo_s is not None or e2e_slo_s is not None else None
+        end = self.finished_at
+        if ttft_slo_s is not None:
+            first = self.first_token_at if self.first_token_at is not None else end
+            return first is not None and first - self.arrival <= ttft_slo_s + _ROUNDING_S
+        if e2e_slo_s is not None:
+            return end is not None and end - self.arrival <= e2e_slo_s + _ROUNDING_S
+        return None

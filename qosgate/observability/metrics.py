@@ -249,12 +249,8 @@ class GatewayMetrics:
         cfg = self._tiers.get(tier)
         if cfg is None:
             return
-        if cfg.ttft_slo_ms is not None:
-            ttft = (req.first_token_at or req.finished_at) - req.arrival
-            met = ttft * 1000 <= cfg.ttft_slo_ms
-        elif cfg.e2e_slo_ms is not None:
-            met = e2e * 1000 <= cfg.e2e_slo_ms
-        else:
+        met = req.met_objective(*cfg.objectives_s)
+        if met is None:
             return
         self._child(self.slo_attained if met else self.slo_missed, tier).inc()
 

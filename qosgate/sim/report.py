@@ -27,26 +27,12 @@ _EPS = 1e-9
 
 
 def met_slo(request: Request, tier: TierConfig | None) -> bool:
-    """Whether a request met its tier's objective: TTFT if the tier has one, else
-    end-to-end latency if it has one, else simply completing."""
-    if request.outcome is not Outcome.COMPLETED:
-        return False
+    """Whether a request met its tier's objective (Request.met_objective); a
+    tier with none is met by completing."""
     if tier is None:
-        return True
-    if tier.ttft_slo_ms is not None:
-        ttft = request.ttft
-        return ttft is not None and ttft <= tier.ttft_slo_ms / 1000.0 + _EPS
-    if tier.e2e_slo_ms is not None:
-        return (
-            request.finished_at is not None
-            and request.finished_at - request.arrival <= tier.e2e_slo_ms / 1000.0 + _EPS
-        )
-    return True
-
-
-def _met_ttft(request: Request, slo_s: float) -> bool:
-    ttft = request.ttft
-    return request.outcome is Outcome.COMPLETED and ttft is not None and ttft <= slo_s + _EPS
+        return request.outcome is Outcome.COMPLETED
+    met = request.met_objective(*tier.objectives_s)
+    return request.outcome is Outcome.COMPLETED if met is None else met
 
 
 def _queue_wait(request: Request) -> float | None:
@@ -71,8 +57,8 @@ def _tier_stats(
 
     ttft_attainment: float | None = None
     if tier is not None and tier.ttft_slo_ms is not None and judged > 0:
-        slo_s = tier.ttft_slo_ms / 1000.0
-        ttft_attainment = sum(1 for r in requests if _met_ttft(r, slo_s)) / judged
+        ttft_slo_s = tier.objectives_s[0]
+        ttft_attainment = sum(1 for r in requests if r.met_objective(ttft_slo_s, None)) / judged
 
     ttfts = sorted(r.first_token_at - r.arrival for r in requests if r.first_token_at is not None)
     waits = sorted(w for w in map(_queue_wait, requests) if w is not None)
