@@ -606,6 +606,39 @@ def test_prefill_budget_is_given_back_by_ends_without_a_first_token():
     assert sched.schedule(0.1, ROOMY).dispatch == [second]
 
 
+def test_work_held_for_the_prefill_budget_leaves_the_top_tier_its_room():
+    # 1,000 tokens/s: a newcomer that had to wait for a slot of its own
+    # (600 tokens of work) would wait 0.6 s, past interactive's 0.5 s.
+    sched = Scheduler(scheduling_policy(policy(scheduler={"prefill_budget_tokens": 500})),
+                      drain_rate_hint=1000.0)
+    first, held = req("standard", prompt=400), req("standard", prompt=400)
+    sched.submit(first, 0.0)
+    sched.submit(held, 0.0)
+    assert sched.schedule(0.0, ROOMY).dispatch == [first]  # `held` waits for a first token
+    # The backend has free slots: the top tier is not held, and takes one at once.
+    top = req("interactive", at=0.1, prompt=500)
+    assert sched.submit(top, 0.1).admitted
+    assert sched.schedule(0.1, ROOMY).dispatch == [top]
+
+
+def test_time_held_for_the_prefill_budget_does_not_teach_the_drain_rate():
+    # While work waits for a first token, the backend runs below what it can
+    # do; its few completions then say nothing about its rate.
+    sched = Scheduler(scheduling_policy(policy(scheduler={"prefill_budget_tokens": 500})),
+                      drain_rate_hint=1000.0)
+    first, held = req("batch", prompt=400), req("batch", prompt=400)
+    sched.submit(first, 0.0)
+    sched.submit(held, 0.0)
+    assert sched.schedule(0.0, ROOMY).dispatch == [first]
+    small = req("interactive", at=0.0, prompt=10, max_tokens=10)
+    sched.submit(small, 0.0)
+    assert sched.schedule(0.0, ROOMY).dispatch == [small]
+    sched.on_first_token(small.id, 1.0)
+    sched.finish(small.id, 30.0, Outcome.COMPLETED, 10)  # 20 tokens in 30 s
+    sched.schedule(30.0, ROOMY)
+    assert sched.drain.rate == pytest.approx(1000.0)
+
+
 def test_an_owed_share_takes_a_reserved_slot_under_a_flood_from_the_top():
     sched = Scheduler(scheduling_policy(policy(scheduler={"reserve": {"slots": 2}})),
                       drain_rate_hint=10**9)

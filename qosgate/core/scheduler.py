@@ -171,8 +171,11 @@ class Scheduler:
         # Time teaches the drain rate something only while the backend works
         # on our requests and more are waiting: with nothing running (an idle
         # or down backend) no completion can be expected, and counting that
-        # time would drive the estimate to zero.
-        return bool(self._running) and (self._saturated or bool(self._queued))
+        # time would drive the estimate to zero. Work held back for the prefill
+        # budget waits on the gateway, not on the backend, which then runs
+        # below what it can do.
+        return bool(self._running) and (
+            self._saturated or (bool(self._queued) and not self._held_for_prefill))
 
     def _advance(self, now: float) -> None:
         self.drain.advance(now, self._draining())
@@ -208,7 +211,10 @@ class Scheduler:
             # On a saturated backend the newcomer also waits for a slot of its
             # own, unless capacity is held in reserve for its level.
             reserved = queue.priority == self._top_level and self._reserve_slots > 0
-            room = self._room_slots
+            # Below the top level, while the prefill budget holds work back, the
+            # free room does not take a newcomer at once.
+            held = self._held_for_prefill and queue.priority > self._top_level
+            room = 0 if held else self._room_slots
             predicted = predicted_wait(
                 queue.priority, req.work, self._queue_list, now,
                 own_slot=self._saturated and not reserved,
@@ -359,8 +365,10 @@ class Scheduler:
         if self._preemption and backend_ready and (blocked is not None or free_slots <= 0):
             self._preempt(now, blocked, plan)
 
+        # Work held for the prefill budget waits for a first token, not for a
+        # slot: the backend still has room for top-level work.
         self._held_for_prefill = bool(held)
-        self._saturated = free_slots <= 0 or blocked is not None or bool(held)
+        self._saturated = free_slots <= 0 or blocked is not None
         self._room_slots = 0 if self._saturated else free_slots
         self._room_kv = 0 if self._saturated else free_kv
         # What the coming interval is: saturated only if work is still waiting
