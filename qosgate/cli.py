@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--label", default="run",
                        help="name of this run under `policies` in the JSON (default: run)")
     bench.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
+    bench.add_argument("--record", dest="record_path", default=None,
+                       help="write the requests as a JSONL trace `qosgate simulate` replays")
     bench.add_argument("--quiet", action="store_true", help="no progress output")
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API with a policy")

@@ -158,6 +158,27 @@ class ServerConfig(StrictModel):
     its requests get 429 without being checked (0: no limit)."""
 
 
+MAX_TRACE_FILES = 1000
+"""Rotated trace files kept beside the current one, at most."""
+
+
+class TraceConfig(StrictModel):
+    """A JSONL trace of the requests, one line per request when it ends, in the
+    format `qosgate simulate` replays (docs/SIMULATE.md): arrival, tenant, tier,
+    token counts and outcome; never prompt or output text."""
+
+    path: Annotated[str, Field(min_length=1, max_length=4096)]
+    """The current trace file. Rotated files are PATH.1 (newest) to PATH.<keep>."""
+    rotate_bytes: _number(int, ge=4096, le=1 << 40) = 64 << 20  # type: ignore[valid-type]
+    """Size at which the current file is rotated (its last line may cross it)."""
+    keep: _number(int, ge=0, le=MAX_TRACE_FILES) = 5  # type: ignore[valid-type]
+    """Rotated files kept; older ones are deleted (0: the current file only)."""
+    flush_interval_s: _number(float, ge=0.01, le=60) = 1.0  # type: ignore[valid-type]
+    """How often the buffered lines are written (and at shutdown)."""
+    max_buffered: _number(int, ge=1, le=10**7) = 100_000  # type: ignore[valid-type]
+    """Lines held between two flushes at most; beyond it they are dropped and counted."""
+
+
 class ObservabilityConfig(StrictModel):
     """Logs and metrics."""
 
@@ -171,6 +192,8 @@ class ObservabilityConfig(StrictModel):
     metrics_tenant_labels: bool = True
     """Label per-tenant metrics with the tenant; off: one `all` series, for
     fleets with very many tenants."""
+    trace: TraceConfig | None = None
+    """Write a request trace `qosgate simulate` can replay (None: off)."""
 
 
 class BatchWindow(StrictModel):
