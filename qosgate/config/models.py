@@ -177,7 +177,8 @@ class TraceConfig(StrictModel):
     token counts and outcome; never prompt or output text."""
 
     path: Annotated[str, Field(min_length=1, max_length=4096)]
-    """The current trace file. Rotated files are PATH.1 (newest) to PATH.<keep>."""
+    """The current trace file (relative to the working directory). Rotated
+    files are PATH.1 (newest) to PATH.<keep>."""
     rotate_bytes: _number(int, ge=4096, le=1 << 40) = 64 << 20  # type: ignore[valid-type]
     """Size at which the current file is rotated (its last line may cross it)."""
     keep: _number(int, ge=0, le=MAX_TRACE_FILES) = 5  # type: ignore[valid-type]
