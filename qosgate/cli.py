@@ -1,4 +1,4 @@
-"""`qosgate serve | validate | schema | simulate | bench | demo`."""
+"""`qosgate serve | validate | schema | simulate | bench | calibrate | demo`."""
 
 from __future__ import annotations
 
@@ -58,7 +58,37 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--label", default="run",
                        help="name of this run under `policies` in the JSON (default: run)")
     bench.add_argument("--seed", type=int, default=None, help="override the scenario's seed")
+    bench.add_argument("--record", dest="record_path", default=None,
+                       help="write the requests as a JSONL trace `qosgate simulate` replays")
     bench.add_argument("--quiet", action="store_true", help="no progress output")
+
+    calibrate = sub.add_parser(
+        "calibrate", help="fit a simulator profile to an OpenAI-compatible engine (real clock)"
+    )
+    calibrate.add_argument("url", help="API base URL, e.g. http://127.0.0.1:8000/v1")
+    calibrate.add_argument("--model", required=True, help="model name to request")
+    calibrate.add_argument("--api-key", default=None, help="bearer key (default: none)")
+    calibrate.add_argument("--out", required=True, help="write the profile YAML here")
+    calibrate.add_argument("--plot", dest="plot_path", default=None,
+                           help="write a PNG of measured against fitted here")
+    calibrate.add_argument("--name", default=None,
+                           help="the profile's name (default: calibrated-<model>)")
+    calibrate.add_argument("--quick", action="store_true",
+                           help="a short sweep (under a minute on a fast engine), for tests")
+    calibrate.add_argument("--max-num-seqs", type=int, default=None,
+                           help="the engine's max_num_seqs, for the profile (default: 256)")
+    calibrate.add_argument("--max-num-batched-tokens", type=int, default=None,
+                           help="the engine's tokens per step (default: 2048); prefill "
+                           "prompts stay within it")
+    calibrate.add_argument("--kv-capacity-tokens", type=int, default=None,
+                           help="KV-cache size in tokens (default: from vLLM's /metrics)")
+    calibrate.add_argument("--metrics-url", default=None,
+                           help="the server's Prometheus metrics (default: /metrics on URL's host)")
+    calibrate.add_argument("--no-metrics", action="store_true", help="do not read /metrics")
+    calibrate.add_argument("--no-ignore-eos", action="store_true",
+                           help="do not send ignore_eos (for servers that refuse it; outputs "
+                           "may then end early)")
+    calibrate.add_argument("--quiet", action="store_true", help="no progress output")
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API with a policy")
     serve.add_argument("--config", required=True, help="policy YAML")
@@ -107,6 +137,10 @@ def _run(args: argparse.Namespace) -> int:
         from qosgate.bench.commands import bench_command
 
         return bench_command(args)
+    if args.command == "calibrate":
+        from qosgate.calibrate.commands import calibrate_command
+
+        return calibrate_command(args)
     if args.command in ("serve", "demo"):
         return _serve_command(args, demo=args.command == "demo")
     raise AssertionError(args.command)

@@ -1,18 +1,41 @@
 """The simulated GPUs' cost profiles: data, read by config validation (a
 policy names a profile) and by the simulated engine (which runs one).
 
+A profile is a YAML file of CostProfile's fields (docs/SIMULATE.md, "Profile
+files"). The built-in ones are such files, shipped in `qosgate/sim_profiles/`;
+wherever a profile is named, a path to a file of one's own works as well.
+
 Kept apart from the engine so that the config package imports no backend.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+MAX_COST_MS = 1e6
+"""Any one cost coefficient, in ms (per token, sequence or step)."""
+MAX_TOKENS = 10**9
 
 
+def _no_bool(value: object) -> object:
+    # YAML reads yes/no/true/false as booleans, which pydantic would count as 1 and 0.
+    if isinstance(value, bool):
+        raise ValueError(f"Input should be a number, not {str(value).lower()}")
+    return value
 
-@dataclass(frozen=True)
-class CostProfile:
+
+_Cost = Annotated[float, Field(ge=0, le=MAX_COST_MS, allow_inf_nan=False), BeforeValidator(_no_bool)]
+_Count = Annotated[int, Field(ge=1, le=MAX_TOKENS), BeforeValidator(_no_bool)]
+
+
+class CostProfile(BaseModel):
     """One simulated GPU + model: the step cost model and the engine's limits.
 
     A step costs, in ms, `t0 + c_p*P + c_q*sum(l_i^2) + c_d*D**decode_exponent
@@ -21,25 +44,35 @@ class CostProfile:
     context tokens.
     """
 
-    name: str
-    description: str
-    t0_ms: float
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    """What reports call it."""
+    description: str = ""
+    t0_ms: _Cost
     """Fixed cost of a step (weights streamed once, kernel launches)."""
-    c_p: float
+    c_p: _Cost
     """ms per prefill token."""
-    c_q: float
+    c_q: _Cost
     """ms per squared prefill-chunk token (attention within the chunk)."""
-    c_d: float
+    c_d: _Cost
     """ms per decoding sequence (per D**decode_exponent)."""
-    c_kv: float
+    c_kv: _Cost
     """ms per context token read by the decoding sequences."""
-    kv_capacity_tokens: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    decode_exponent: float = 1.0
+    kv_capacity_tokens: _Count
+    """KV-cache size in tokens."""
+    max_num_seqs: _Count
+    """Sequences running at once."""
+    max_num_batched_tokens: _Count
+    """Tokens per engine step."""
+    decode_exponent: Annotated[
+        float, Field(gt=0, le=4, allow_inf_nan=False), BeforeValidator(_no_bool)
+    ] = 1.0
     """1.0 is the linear model above. Below 1, the per-sequence decode cost
     falls as the batch fills the GPU; only a profile whose table no linear
     model can fit sets it (see `a100-llama3-8b`)."""
+    enable_chunked_prefill: bool = True
+    """Whether the engine splits long prefills across steps."""
 
     def step_ms(
         self, prefill_chunks: Sequence[int], decode_seqs: int, decode_context_tokens: int
@@ -59,78 +92,84 @@ class CostProfile:
         )
 
 
-PROFILES: dict[str, CostProfile] = {
-    p.name: p
-    for p in (
-        CostProfile(
-            name="h100-llama3-8b",
-            description="Llama-3.1-8B, BF16, one H100 80GB (fitted from public simulator "
-            "calibrations)",
-            t0_ms=6.0,
-            c_p=0.025,
-            c_q=8e-7,
-            c_d=0.006,
-            c_kv=5.5e-5,
-            kv_capacity_tokens=467_000,
-            max_num_seqs=256,
-            max_num_batched_tokens=2048,
-        ),
-        # Fitted to the Hermes 3 70B / 4xA100 table of section 61.1 ("Batch Processing vs.
-        # Single Inference: Throughput Comparison") of the public text "Batch Processing
-        # and Concurrent Inference Optimization" (chapter 61); the rows are in
-        # benchmarks/b10_seed_tables.yaml, the fit's result in benchmarks/RESULTS.md (B10).
-        # Its latency column gives ~1,500 output tokens per request (tokens/s / batch *
-        # latency = 1,499 at batch 1, 1,509 at 4); the prompt is not stated, 512 is assumed,
-        # so decode context averages ~1,260 tokens. Prefill and KV-read costs are set from
-        # the hardware, not the table: 70B at ~50% of 4x312 TFLOPs (c_p), attention FLOPs
-        # (c_q), 320 KiB of KV per token over 4x2 TB/s at 70% (c_kv); with a fixed context,
-        # c_d and c_kv are indistinguishable to the table. t0 and c_d are the least-squares
-        # fit (on log tokens/s, engine in the loop) of benchmarks/b10_seed_tables.yaml's
-        # rows. KV: 4x80 GB x 0.9 - 141 GB weights - ~8 GB runtime, at 320 KiB/token.
-        CostProfile(
-            name="a100x4-hermes3-70b",
-            description="Hermes 3 70B (Llama-3.1-70B), BF16, tensor-parallel on 4x A100 80GB",
-            t0_ms=22.81,
-            c_p=0.22,
-            c_q=2e-6,
-            c_d=0.8769,
-            c_kv=6e-5,
-            kv_capacity_tokens=420_000,
-            max_num_seqs=256,
-            max_num_batched_tokens=2048,
-        ),
-        # Fitted to "A100 80GB: ~30 tokens/s at batch 1, ~300 at 16, ~900 at 64" for
-        # Llama-3-8B in the public text "Setting up dynamic batching for LLM" (section "Why
-        # batching is critical for LLM"). The text gives no lengths: 512-token prompts and
-        # 256-token outputs are assumed (decode context ~640). No linear step model fits it
-        # within 10%: the step times it implies (33.3, 53.3, 71.1 ms) rise 1.33 ms per
-        # sequence from 1 to 16 and 0.37 from 16 to 64, and with per-token time t0/B + x the
-        # 16->64 gain needs t0 >= 38 ms while batch 1 needs t0 <= 37 ms. So the decode term
-        # is c_d * D**decode_exponent. t0 = 10 ms is 16 GB of weights read at ~1.6 TB/s;
-        # with it fixed (t0 and the decode term trade off freely over three rows), c_d and
-        # the exponent are the least-squares fit (log tokens/s, engine in the loop). c_p,
-        # c_q, c_kv are the H100 profile's scaled to the A100 (3.2x less compute, 1.7x less
-        # bandwidth); KV as for the H100 profile (same 80 GB).
-        CostProfile(
-            name="a100-llama3-8b",
-            description="Llama-3-8B, BF16, one A100 80GB",
-            t0_ms=10.0,
-            c_p=0.08,
-            c_q=2.5e-6,
-            c_d=23.49,
-            c_kv=9.4e-5,
-            kv_capacity_tokens=467_000,
-            max_num_seqs=256,
-            max_num_batched_tokens=2048,
-            decode_exponent=0.1784,
-        ),
+def is_profile_path(reference: str) -> bool:
+    """A profile reference is a file when it looks like a path; else a built-in's name."""
+    return "/" in reference or reference.endswith((".yaml", ".yml"))
+
+
+def _issues(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(part) for part in error['loc']) or '(top level)'}: {error['msg']}"
+        for error in exc.errors()
     )
-}
 
 
-def get_profile(name: str) -> CostProfile:
+def load_profile_file(path: str | Path) -> CostProfile:
+    """A profile file, validated. Raises ValueError naming the file and each
+    bad field."""
     try:
-        return PROFILES[name]
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"profile file {str(path)!r} not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"profile file {str(path)!r}: cannot read it ({exc})") from None
+    try:
+        data: Any = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"profile file {str(path)!r}: invalid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"profile file {str(path)!r}: must be a mapping of CostProfile's fields")
+    try:
+        return CostProfile.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(f"profile file {str(path)!r}: {_issues(exc)}") from None
+
+
+def _builtins() -> dict[str, CostProfile]:
+    folder = resources.files("qosgate") / "sim_profiles"
+    found = {}
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".yaml"):
+            profile = load_profile_file(Path(str(entry)))
+            found[profile.name] = profile
+    return found
+
+
+PROFILES: dict[str, CostProfile] = _builtins()
+"""The built-in profiles by name: the files of qosgate/sim_profiles/."""
+
+
+def resolve_profile(reference: str, base_dir: str | Path | None = None) -> str:
+    """The canonical reference of a profile: a built-in's name as it is, a
+    file's path made absolute (relative to `base_dir`, else the working
+    directory). The file is read and validated now; ValueError says what is
+    wrong."""
+    if not is_profile_path(reference):
+        get_profile(reference)
+        return reference
+    path = Path(reference).expanduser()
+    if not path.is_absolute():
+        path = Path(base_dir or Path.cwd()) / path
+    resolved = str(path.resolve())
+    get_profile(resolved)
+    return resolved
+
+
+def get_profile(reference: str) -> CostProfile:
+    """A built-in profile by name, or a profile file by path (read once)."""
+    if is_profile_path(reference):
+        return _profile_file(reference)
+    try:
+        return PROFILES[reference]
     except KeyError:
         known = ", ".join(sorted(PROFILES))
-        raise ValueError(f"unknown sim profile {name!r} (known: {known})") from None
+        raise ValueError(
+            f"unknown profile {reference!r} (known: {known}; or the path of a profile file)"
+        ) from None
+
+
+@functools.lru_cache(maxsize=64)
+def _profile_file(path: str) -> CostProfile:
+    # Cached, so that every engine of one process runs the same object and a
+    # file edited under a running gateway changes nothing until a restart.
+    return load_profile_file(path)

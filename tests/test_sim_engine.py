@@ -423,7 +423,7 @@ def test_seed_tables_spec_is_strict() -> None:
         SeedTablesSpec.model_validate(
             {"kind": "seed_tables", "name": "x", "tables": [], "extra": 1}
         )
-    with pytest.raises(ValueError, match="unknown sim profile"):
+    with pytest.raises(ValueError, match="unknown profile .nope."):
         SeedTablesSpec.model_validate(
             {
                 "kind": "seed_tables",

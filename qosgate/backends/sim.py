@@ -107,7 +107,7 @@ class SimEngine:
         *,
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
-        enable_chunked_prefill: bool = True,
+        enable_chunked_prefill: bool | None = None,
         kv_capacity_tokens: int | None = None,
         scheduling_policy: Literal["fcfs", "priority"] = "fcfs",
     ) -> None:
@@ -115,7 +115,10 @@ class SimEngine:
         self.max_num_seqs = max_num_seqs or profile.max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens or profile.max_num_batched_tokens
         self.kv_capacity_tokens = kv_capacity_tokens or profile.kv_capacity_tokens
-        self.enable_chunked_prefill = enable_chunked_prefill
+        self.enable_chunked_prefill = (
+            profile.enable_chunked_prefill if enable_chunked_prefill is None
+            else enable_chunked_prefill
+        )  # fmt: skip
         if scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', not {scheduling_policy!r}"

@@ -97,7 +97,8 @@ def job_config(scenario: BenchScenario, urls: str | list[str], keys: list[str | 
 
 
 def run_open(pool: Any, scenario: BenchScenario, cfg: dict[str, Any], seed: int,
-             client_workers: int) -> tuple[dict[str, Any], list]:
+             client_workers: int) -> tuple[dict[str, Any], list, list[int]]:
+    """The report, the records, and the max_tokens asked of each (by request id)."""
     from qosgate.bench.plan import plan_open
     from qosgate.bench.pool import split_open
     from qosgate.bench.report import build_bench_report, records_from
@@ -110,11 +111,14 @@ def run_open(pool: Any, scenario: BenchScenario, cfg: dict[str, Any], seed: int,
         records, scenario, window=(scenario.warmup_s, scenario.duration_s), planned=len(specs),
         failures=job.failures, client_cpu_s=job.client_cpu_s,
     )
-    return report, records
+    return report, records, [spec[4] for spec in specs]
 
 
 def run_sweep(pool: Any, scenario: BenchScenario, cfg: dict[str, Any], seed: int,
-              client_workers: int, progress: Any = None) -> dict[str, Any]:
+              client_workers: int, progress: Any = None,
+              asked: list[tuple[Any, int]] | None = None) -> dict[str, Any]:
+    """The pooled report with its `sweep` rows; `asked`, when given, gets each
+    record (on the pooled clock) with the max_tokens it asked for."""
     from qosgate.bench.plan import sweep_pool
     from qosgate.bench.pool import split_users
     from qosgate.bench.report import build_bench_report, level_window, records_from, sweep_row
@@ -150,7 +154,11 @@ def run_sweep(pool: Any, scenario: BenchScenario, cfg: dict[str, Any], seed: int
         cpu += job.client_cpu_s
         planned = None if planned is None or level_planned is None else planned + level_planned
         last = max((r.end for r in records), default=0.0)
-        pooled.extend(r.shifted(offset) for r in records)
+        shifted = [r.shifted(offset) for r in records]
+        pooled.extend(shifted)
+        if asked is not None:
+            # A level's users cycle through its pool: request n is pool[n % size].
+            asked.extend((r, spec_pool[r.rid % len(spec_pool)][4]) for r in shifted)
         offset += last
     combined = build_bench_report(
         pooled, scenario, window=level_window(pooled), planned=planned, failures=failures,
@@ -166,7 +174,7 @@ def run_sweep(pool: Any, scenario: BenchScenario, cfg: dict[str, Any], seed: int
 
 def bench_command(args: argparse.Namespace) -> int:
     from qosgate.bench.pool import PoolError, WorkerPool
-    from qosgate.bench.report import format_bench, plot_open, plot_sweep
+    from qosgate.bench.report import format_bench, plot_open, plot_sweep, write_trace
     from qosgate.bench.scenario import load_bench_scenario
     from qosgate.config.loader import ConfigError
 
@@ -213,18 +221,20 @@ def bench_command(args: argparse.Namespace) -> int:
                   f"{row['throughput_rps']:.1f} req/s", file=sys.stderr, flush=True)
 
     records = None
+    asked: list[tuple[Any, int]] = []
     try:
         with WorkerPool(workers) as pool:
             if scenario.mode == "open":
                 if not args.quiet:
                     print(f"qosgate bench: {scenario.name}: open loop for {scenario.duration_s:g} s "
                           f"against {url} ({workers} client processes)", file=sys.stderr, flush=True)
-                report, records = run_open(pool, scenario, cfg, seed, workers)
+                report, records, asks = run_open(pool, scenario, cfg, seed, workers)
+                asked = [(r, asks[r.rid]) for r in records]
             else:
                 if not args.quiet:
                     print(f"qosgate bench: {scenario.name}: sweep against {url} "
                           f"({workers} client processes)", file=sys.stderr, flush=True)
-                report = run_sweep(pool, scenario, cfg, seed, workers, progress)
+                report = run_sweep(pool, scenario, cfg, seed, workers, progress, asked)
     except PoolError as exc:
         print(f"qosgate bench: {exc}", file=sys.stderr)
         return 1
@@ -234,6 +244,14 @@ def bench_command(args: argparse.Namespace) -> int:
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(result, indent=2))
         print(f"wrote {args.json_path}")
+    if args.record_path:
+        try:
+            write_trace(args.record_path, asked, scenario)
+        except OSError as exc:
+            print(f"qosgate bench: --record: cannot write {args.record_path}: {exc}",
+                  file=sys.stderr)
+            return 1
+        print(f"wrote {args.record_path}")
     if args.plot_path:
         if scenario.mode == "sweep":
             plot_sweep(result, args.plot_path)

@@ -23,6 +23,7 @@ from qosgate.bench.scenario import BenchScenario
 from qosgate.config.models import PolicyConfig
 from qosgate.core.request import Outcome, Request, RequestState
 from qosgate.observability.stats import percentile
+from qosgate.observability.trace import trace_line
 from qosgate.sim.report import build_policy_report, fmt_cell, format_table, pyplot, save_figure
 
 _OUTCOMES = {
@@ -111,6 +112,23 @@ def _as_request(record: Record, scenario: BenchScenario) -> Request:
     request.finished_at = record.end
     request.output_tokens = record.output_tokens
     return request
+
+
+def write_trace(path: str | Path, asked: Iterable[tuple[Record, int]], scenario: BenchScenario) -> None:
+    """The requests as the client sent them, in the trace format `qosgate
+    simulate` replays (the gateway's own trace's): when each was sent, its
+    class's tenant and tier, the lengths asked and produced, and the outcome
+    seen. `asked` pairs each record with its max_tokens."""
+    rows = sorted(asked, key=lambda pair: (pair[0].sent, pair[0].rid))
+    with Path(path).open("w", encoding="utf-8") as handle:
+        for record, max_tokens in rows:
+            cls_ = scenario.classes[record.cls]
+            handle.write(trace_line(
+                t=record.sent, tenant=cls_.tenant_id, tier=cls_.tier,
+                prompt_tokens=max(1, record.prompt_tokens), max_tokens=max_tokens,
+                output_tokens=record.output_tokens,
+                outcome=_OUTCOMES.get(record.outcome, Outcome.BACKEND_ERROR).value,
+            ))  # fmt: skip
 
 
 def _latency_stats(records: Sequence[Record]) -> dict[str, Any]:

@@ -95,14 +95,20 @@ def load_model(model_cls: type[M], path_or_text: str | os.PathLike[str]) -> M:
         raise _file_error(source, "file not found") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise _file_error(source, f"cannot read file: {exc}") from None
-    return load_model_text(model_cls, text, source)
+    # Paths written in a file (a profile file, say) are relative to that file.
+    return load_model_text(model_cls, text, source, base_dir=Path(source).resolve().parent)
 
 
-def load_model_text(model_cls: type[M], text: str, source: str = "<string>") -> M:
-    """Validate YAML text against `model_cls`; raise ConfigError listing every issue."""
+def load_model_text(
+    model_cls: type[M], text: str, source: str = "<string>", *, base_dir: Path | None = None
+) -> M:
+    """Validate YAML text against `model_cls`; raise ConfigError listing every
+    issue. Relative paths in it resolve against `base_dir` (default: the
+    working directory)."""
     data, lines = _parse(text, source)
+    context = {"base_dir": base_dir} if base_dir is not None else None
     try:
-        return model_cls.model_validate(data)
+        return model_cls.model_validate(data, context=context)
     except ValidationError as exc:
         raise ConfigError(source, _validation_issues(exc, lines, model_cls)) from None
     except RecursionError:

@@ -10,9 +10,11 @@ import re
 import sys
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator,
+)  # fmt: skip
 
-from qosgate.profiles import PROFILES
+from qosgate.profiles import get_profile, resolve_profile
 
 # Unbounded; the scenario files of `qosgate simulate` and `qosgate bench` use them.
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -124,6 +126,13 @@ def check_tier_names(value: dict[str, Any]) -> dict[str, Any]:
 _KEY_REF = re.compile(r"^(sha256:[0-9a-f]{64}|env:[A-Za-z_][A-Za-z0-9_]*)$")
 
 
+def profile_reference(value: str, info: ValidationInfo) -> str:
+    """A `profile` field: a built-in's name, or a profile file's path made
+    absolute against the file being loaded (validated now)."""
+    context = info.context if isinstance(info.context, dict) else {}
+    return resolve_profile(value, context.get("base_dir"))
+
+
 class StrictModel(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
@@ -158,6 +167,28 @@ class ServerConfig(StrictModel):
     its requests get 429 without being checked (0: no limit)."""
 
 
+MAX_TRACE_FILES = 1000
+"""Rotated trace files kept beside the current one, at most."""
+
+
+class TraceConfig(StrictModel):
+    """A JSONL trace of the requests, one line per request when it ends, in the
+    format `qosgate simulate` replays (docs/SIMULATE.md): arrival, tenant, tier,
+    token counts and outcome; never prompt or output text."""
+
+    path: Annotated[str, Field(min_length=1, max_length=4096)]
+    """The current trace file (relative to the working directory). Rotated
+    files are PATH.1 (newest) to PATH.<keep>."""
+    rotate_bytes: _number(int, ge=4096, le=1 << 40) = 64 << 20  # type: ignore[valid-type]
+    """Size at which the current file is rotated (its last line may cross it)."""
+    keep: _number(int, ge=0, le=MAX_TRACE_FILES) = 5  # type: ignore[valid-type]
+    """Rotated files kept; older ones are deleted (0: the current file only)."""
+    flush_interval_s: _number(float, ge=0.01, le=60) = 1.0  # type: ignore[valid-type]
+    """How often the buffered lines are written (and at shutdown)."""
+    max_buffered: _number(int, ge=1, le=10**7) = 100_000  # type: ignore[valid-type]
+    """Lines held between two flushes at most; beyond it they are dropped and counted."""
+
+
 class ObservabilityConfig(StrictModel):
     """Logs and metrics."""
 
@@ -171,6 +202,8 @@ class ObservabilityConfig(StrictModel):
     metrics_tenant_labels: bool = True
     """Label per-tenant metrics with the tenant; off: one `all` series, for
     fleets with very many tenants."""
+    trace: TraceConfig | None = None
+    """Write a request trace `qosgate simulate` can replay (None: off)."""
 
 
 class BatchWindow(StrictModel):
@@ -410,15 +443,17 @@ class QuotaStoreConfig(StrictModel):
 class SimBackendConfig(StrictModel):
     kind: Literal["sim"] = "sim"
     profile: str = "h100-llama3-8b"
-    """Cost-model profile of the simulated GPU."""
+    """Cost-model profile of the simulated GPU: a built-in's name, or the path
+    of a profile file (it has a `/` or ends in .yaml; relative to the file
+    that names it)."""
     speed: Factor = 1.0
     """Real-time speed factor (2.0 runs twice as fast as the modelled GPU)."""
     max_num_seqs: Count | None = None
     """Running sequences at once (default: the profile's)."""
     max_num_batched_tokens: Count | None = None
     """Tokens per engine step (default: the profile's)."""
-    enable_chunked_prefill: bool = True
-    """Split long prefills across steps."""
+    enable_chunked_prefill: bool | None = None
+    """Split long prefills across steps (default: the profile's)."""
     kv_capacity_tokens: Count | None = None
     """KV cache size in tokens (default: the profile's)."""
     scheduling_policy: Literal["fcfs", "priority"] = "priority"
@@ -426,16 +461,11 @@ class SimBackendConfig(StrictModel):
     model: str = "sim-llama3-8b"
     """Model name served."""
 
-    @field_validator("profile")
-    @classmethod
-    def _known_profile(cls, value: str) -> str:
-        if value not in PROFILES:
-            raise ValueError(f"unknown profile {value!r} (known: {', '.join(sorted(PROFILES))})")
-        return value
+    _known_profile = field_validator("profile")(profile_reference)
 
     @model_validator(mode="after")
     def _step_holds_every_sequence(self) -> SimBackendConfig:
-        profile = PROFILES[self.profile]
+        profile = get_profile(self.profile)
         seqs = self.max_num_seqs or profile.max_num_seqs
         budget = self.max_num_batched_tokens or profile.max_num_batched_tokens
         if budget < seqs:

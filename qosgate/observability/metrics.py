@@ -173,6 +173,11 @@ class GatewayMetrics:
             "Tokens the tenant's tightest token limit still allows (as of its last request)",
             ["tenant"], registry=r,
         )  # fmt: skip
+        self.trace_dropped = Counter(
+            f"{PREFIX}trace_dropped_lines",
+            "Request trace lines lost (the file could not be written, or the buffer was full)",
+            registry=r,
+        )
         self.recent_ttft: dict[str, collections.deque[float]] = collections.defaultdict(
             lambda: collections.deque(maxlen=RECENT)
         )

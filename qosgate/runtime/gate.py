@@ -114,6 +114,7 @@ class Gateway:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.observer.start(self._loop.time)
         self._backend.set_capacity_listener(self._wake)
         await self._backend.start()
         # Anything submitted before the backend was up can go now.
@@ -158,6 +159,8 @@ class Gateway:
             self._timer = None
         for stream in list(self._streams.values()):
             stream.end(GatewayClosing())
+        # Every request has ended, so the trace has its last lines.
+        self.observer.close()
         await self._backend.close()
         await self.quotas.close()
 
@@ -228,19 +231,29 @@ class Gateway:
         as its typed error (ContextLengthExceeded, QuotaExceeded,
         QuotaStoreUnavailable, and `submit`'s); the quota reserved is
         refunded when admission refuses the request."""
+        arrival = self._get_loop().time()
         try:
             shaped = shape(
                 ask, self._policy.tiers[ask.tier],
                 self._backend.count_prompt_tokens, self._backend.max_model_len,
             )  # fmt: skip
-            if self._policy.observability.log_prompts:
-                body = shaped.body
-                prompt = body.get("messages") if ask.endpoint == "chat" else body.get("prompt")
-                _prompt_log.info("prompt", endpoint=ask.endpoint, prompt=prompt)
+        except GatewayError as exc:
+            self.refused(ask.tier, exc.outcome)
+            raise
+        if self._policy.observability.log_prompts:
+            body = shaped.body
+            prompt = body.get("messages") if ask.endpoint == "chat" else body.get("prompt")
+            _prompt_log.info("prompt", endpoint=ask.endpoint, prompt=prompt)
+        try:
             tokens = shaped.prompt_tokens + shaped.max_tokens
             reservation = await self._reserve(ask, tokens, on_quota)
         except GatewayError as exc:
-            self.refused(ask.tier, exc.outcome)
+            # Counted, its lengths known: the trace keeps it as an arrival.
+            refused = Request(
+                ask.request_id, ask.tenant, ask.tier, shaped.prompt_tokens, shaped.max_tokens,
+                arrival, priority_offset=ask.priority_offset,
+            )  # fmt: skip
+            self.refused(ask.tier, exc.outcome, refused)
             raise
         return self.submit(
             request_id=ask.request_id, tenant=ask.tenant, tier=ask.tier, endpoint=ask.endpoint,
@@ -286,19 +299,19 @@ class Gateway:
         are caller bugs and raise ValueError. The gateway takes over
         `reservation` (the request's quota): it is refunded if the request is
         refused, and settled when it ends."""
-        if self.draining:
-            raise self._refuse(tier, reservation, GatewayClosing())
-        down = self._backend_down()
-        if down is not None:
-            # Gone for good (not starting): queueing would only make the
-            # client wait out its budget for the same answer.
-            raise self._refuse(tier, reservation, down)
         loop = self._get_loop()
         now = loop.time()
         req = Request(
             request_id, tenant, tier, prompt_tokens, max_tokens, now,
             priority_offset=priority_offset,
         )  # fmt: skip
+        if self.draining:
+            raise self._refuse(req, reservation, GatewayClosing())
+        down = self._backend_down()
+        if down is not None:
+            # Gone for good (not starting): queueing would only make the
+            # client wait out its budget for the same answer.
+            raise self._refuse(req, reservation, down)
         try:
             decision = self._scheduler.submit(req, now)
         except BaseException:
@@ -307,7 +320,7 @@ class Gateway:
         if not decision.admitted:
             error = QueueFull if decision.outcome is Outcome.REJECTED_QUEUE_FULL else Overloaded
             raise self._refuse(
-                tier, reservation, error(decision.reason, retry_after_s=decision.retry_after_s)
+                req, reservation, error(decision.reason, retry_after_s=decision.retry_after_s)
             )
         job = GenerationJob(
             request_id=request_id,
@@ -329,17 +342,18 @@ class Gateway:
         self._dispatch(now)
         return stream
 
-    def _refuse(self, tier: str, reservation: _Held, error: GatewayError) -> GatewayError:
+    def _refuse(self, req: Request, reservation: _Held, error: GatewayError) -> GatewayError:
         """Admission refused the request: its quota back, its outcome counted."""
         self._settle(reservation, 0, served=False)
-        self.refused(tier, error.outcome)
+        self.refused(req.tier, error.outcome, req)
         return error
 
-    def refused(self, tier: str, outcome: Outcome) -> None:
+    def refused(self, tier: str, outcome: Outcome, request: Request | None = None) -> None:
         """Count a request refused before it reached a queue: where every
         refusal is counted, `admit`'s and `submit`'s and those of the HTTP
-        layer before it has a request to admit (no key, a bad body)."""
-        self.observer.refused(tier, outcome)
+        layer before it has a request to admit (no key, a bad body).
+        `request`, once its prompt is counted, goes into the trace."""
+        self.observer.refused(tier, outcome, request)
 
     # -- the stream's host (StreamHost) --------------------------------------
 

@@ -14,7 +14,7 @@ from pydantic import Field, field_validator
 
 from qosgate.backends.sim import SimEngine
 from qosgate.profiles import CostProfile, get_profile
-from qosgate.config.models import PositiveInt, StrictModel
+from qosgate.config.models import PositiveInt, StrictModel, profile_reference
 
 TOLERANCE = 0.10
 
@@ -28,7 +28,8 @@ class SeedRow(StrictModel):
 
 class SeedTable(StrictModel):
     profile: str
-    """Simulated profile fitted to this table (see qosgate.profiles.PROFILES)."""
+    """Simulated profile fitted to this table: a built-in's name (qosgate/sim_profiles/)
+    or the path of a profile file, relative to this file."""
     prompt_tokens: PositiveInt
     """Prompt length of every sequence (what the fit assumed)."""
     output_tokens: PositiveInt
@@ -36,11 +37,7 @@ class SeedTable(StrictModel):
     rows: tuple[SeedRow, ...] = Field(min_length=1)
     """The table: throughput by batch size."""
 
-    @field_validator("profile")
-    @classmethod
-    def _known_profile(cls, name: str) -> str:
-        get_profile(name)
-        return name
+    _known_profile = field_validator("profile")(profile_reference)
 
 
 class SeedTablesSpec(StrictModel):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from qosgate.config.models import PolicyConfig, TierConfig
+from qosgate.core.request import Outcome
 from qosgate.sim.scenario import LengthDist, Scenario, TrafficClass
 
 
@@ -38,10 +39,6 @@ class Arrival:
 
 class TraceError(ValueError):
     """A trace file line that cannot be replayed; the message names the file and line."""
-
-
-def _tenant_tiers(policy: PolicyConfig) -> dict[str, TierConfig]:
-    return {tenant.id: policy.tiers[tenant.tier] for tenant in policy.tenants}
 
 
 def _tier_names(policy: PolicyConfig) -> dict[str, str]:
@@ -208,7 +205,8 @@ def capacity_workload(scenario: Scenario, policy: PolicyConfig, n: int, seed: in
     ]
 
 
-_TRACE_KEYS = {"t", "tenant", "prompt_tokens", "output_tokens", "max_tokens", "id"}
+_TRACE_KEYS = {"t", "tenant", "tier", "prompt_tokens", "output_tokens", "max_tokens", "outcome", "id"}
+_OUTCOMES = {outcome.value for outcome in Outcome}
 
 
 def _int_field(record: dict, key: str, minimum: int) -> int:
@@ -218,17 +216,41 @@ def _int_field(record: dict, key: str, minimum: int) -> int:
     return value
 
 
+def _record_tier(record: dict, tier_names: dict[str, str], policy: PolicyConfig) -> str:
+    """The tier a record's request is served in, as the gateway would pick it:
+    a policy tenant's own tier; for another tenant the record's tier (what a
+    trusted front gateway named), else the policy's default_tier."""
+    tenant = record["tenant"]
+    if not isinstance(tenant, str):
+        raise ValueError(f"tenant: must be a string, got {tenant!r}")
+    tier = record.get("tier")
+    if tier is not None and (not isinstance(tier, str) or tier not in policy.tiers):
+        raise ValueError(f"tier: unknown tier {tier!r} (policy tiers: {', '.join(sorted(policy.tiers))})")
+    if tenant in tier_names:
+        return tier_names[tenant]
+    if tier is not None:
+        return tier
+    if policy.default_tier is not None:
+        return policy.default_tier
+    raise ValueError(
+        f"tenant: unknown tenant {tenant!r} with no tier, and the policy has no default_tier "
+        f"(policy tenants: {', '.join(sorted(tier_names)) or 'none'})"
+    )
+
+
 def load_trace(path: str | Path, policy: PolicyConfig) -> list[Arrival]:
     """Read a JSONL trace: one object per line with t (seconds since start),
-    tenant, prompt_tokens, output_tokens, and optionally max_tokens and id.
+    tenant, prompt_tokens, output_tokens, and optionally tier, max_tokens,
+    outcome and id (the gateway's trace writes all but id).
 
     Blank lines are skipped. A missing max_tokens is what the gateway gives a
     request without one (the tier's default_max_tokens, else its cap); asks
-    above the cap are clamped and output_tokens is cut to max_tokens.
+    above the cap are clamped and output_tokens is cut to max_tokens. A record
+    whose outcome is not `completed` never showed its full length, so it
+    replays as producing its max_tokens.
     Raises TraceError naming the line of the first bad record.
     """
     path = Path(path)
-    tenants = _tenant_tiers(policy)
     tier_names = _tier_names(policy)
     arrivals: list[Arrival] = []
     seen: dict[str, int] = {}
@@ -253,18 +275,24 @@ def load_trace(path: str | Path, policy: PolicyConfig) -> list[Arrival]:
                 if not numeric or not (t >= 0 and math.isfinite(t)):
                     raise ValueError(f"t: must be a finite number >= 0, got {t!r}")
                 tenant = record["tenant"]
-                if tenant not in tenants:
+                tier_name = _record_tier(record, tier_names, policy)
+                tier = policy.tiers[tier_name]
+                outcome = record.get("outcome")
+                if outcome is not None and outcome not in _OUTCOMES:
                     raise ValueError(
-                        f"tenant: unknown tenant {tenant!r} "
-                        f"(policy tenants: {', '.join(sorted(tenants)) or 'none'})"
+                        f"outcome: unknown outcome {outcome!r} (known: {', '.join(sorted(_OUTCOMES))})"
                     )
-                tier = tenants[tenant]
                 prompt = _int_field(record, "prompt_tokens", 1)
-                output = _int_field(record, "output_tokens", 1)
+                # A request that ended early may have produced nothing.
+                output = _int_field(record, "output_tokens", 1 if outcome is None else 0)
                 if "max_tokens" in record and record["max_tokens"] is not None:
                     ask = min(_int_field(record, "max_tokens", 1), tier.max_tokens)
                 else:
                     ask = tier.default_max_tokens or tier.max_tokens
+                if outcome is not None and outcome != Outcome.COMPLETED:
+                    output = ask
+                # An engine produces at least one token.
+                output = max(1, output)
                 rid = record.get("id")
                 if rid is None:
                     rid = f"line{lineno}"
@@ -276,7 +304,7 @@ def load_trace(path: str | Path, policy: PolicyConfig) -> list[Arrival]:
             except ValueError as exc:  # json.JSONDecodeError is a ValueError too
                 raise TraceError(f"{path}:{lineno}: {exc}") from None
             arrivals.append(
-                Arrival(rid, float(t), tenant, tier_names[tenant], prompt, min(output, ask), ask)
+                Arrival(rid, float(t), tenant, tier_name, prompt, min(output, ask), ask)
             )
     arrivals.sort(key=lambda a: a.t)
     return arrivals

@@ -1,0 +1,357 @@
+"""`qosgate calibrate URL --model M --out PROFILE.yaml`: fit a simulator
+profile to an OpenAI-compatible engine (docs/CALIBRATE.md).
+
+A short designed sweep: lone requests of several prompt lengths (prefill),
+then batches of concurrent streams over prompt lengths x batch sizes x
+output lengths (decode). Prompts are token ids, so their lengths are exact
+on any server that takes them (vLLM, and qosgate in front of anything).
+The server's Prometheus /metrics, where it has vLLM's, give the KV-cache
+size and show the batch really ran together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import datetime
+import itertools
+import random
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from qosgate.bench.client import COMPLETED, Job
+from qosgate.bench.commands import BenchUsageError, api_base
+from qosgate.calibrate.fit import DecodeSample, PrefillSample, Regression, fit_decode, fit_prefill
+from qosgate.profiles import CostProfile
+
+TIMEOUT_S = 600.0
+TOKEN_IDS = (1000, 20000)
+"""Prompt token ids are drawn from here: ordinary ids in any vocabulary of
+more than 20k, different for every request so that no prefix cache helps."""
+
+
+@dataclass(frozen=True)
+class Sweep:
+    prefill_tokens: tuple[int, ...]
+    prefill_repeats: int
+    batch_sizes: tuple[int, ...]
+    prompt_tokens: tuple[int, ...]
+    output_tokens: tuple[int, ...]
+
+
+FULL = Sweep(
+    prefill_tokens=(32, 128, 256, 512, 768, 1024, 1536, 2048), prefill_repeats=3,
+    batch_sizes=(1, 8, 32, 96), prompt_tokens=(256, 2048), output_tokens=(64, 192),
+)  # fmt: skip
+QUICK = Sweep(
+    prefill_tokens=(64, 512, 1024, 1536, 2048), prefill_repeats=2,
+    batch_sizes=(1, 8, 24), prompt_tokens=(128, 1024), output_tokens=(40,),
+)  # fmt: skip
+
+
+class _TokenIdJob(Job):
+    """The load generator's request, with a prompt of token ids."""
+
+    def prompt(self, rid: int, tokens: int) -> list[int]:  # type: ignore[override]
+        rng = random.Random(f"calibrate/{rid}")
+        return [rng.randrange(*TOKEN_IDS) for _ in range(tokens)]
+
+
+class CalibrationFailed(RuntimeError):
+    """A request of the sweep failed, or the measurements cannot be fitted."""
+
+
+@dataclass
+class Measured:
+    prefill: list[PrefillSample]
+    decode: list[DecodeSample]
+    running_max: int | None = None
+    """Most requests the server's metrics showed running at once."""
+
+
+def _job(base: str, model: str, api_key: str | None, ignore_eos: bool,
+         session: aiohttp.ClientSession) -> _TokenIdJob:  # fmt: skip
+    cfg = {
+        "urls": [base], "endpoint": "completions", "model": model, "stream": True,
+        "timeout_s": TIMEOUT_S, "extra_body": {"ignore_eos": True} if ignore_eos else {},
+        "keys": [api_key], "priority": [None],
+    }  # fmt: skip
+    return _TokenIdJob(cfg, session, "")
+
+
+async def _metrics(session: aiohttp.ClientSession, url: str | None) -> dict[str, Any]:
+    """What the server's Prometheus text says: vLLM's running count and KV size."""
+    if url is None:
+        return {}
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as response:
+            if response.status != 200:
+                return {}
+            text = await response.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return {}
+    found: dict[str, Any] = {}
+    try:
+        families = list(text_string_to_metric_families(text))
+    except ValueError:
+        return {}
+    for family in families:
+        for sample in family.samples:
+            if sample.name == "vllm:num_requests_running":
+                found["running"] = found.get("running", 0) + int(sample.value)
+            elif sample.name == "vllm:cache_config_info":
+                blocks = sample.labels.get("num_gpu_blocks")
+                size = sample.labels.get("block_size")
+                if blocks and size and blocks.isdigit() and size.isdigit():
+                    found["kv_capacity_tokens"] = int(blocks) * int(size)
+    return found
+
+
+async def _run(job: _TokenIdJob, specs: list[tuple]) -> list[tuple]:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    records = await asyncio.gather(*(job.one(spec, start, 0.0) for spec in specs))
+    for record in records:
+        if record[6] != COMPLETED:
+            status, error = record[5], record[7] or record[8]
+            raise CalibrationFailed(
+                f"a request of {record[9]} prompt tokens failed (HTTP {status}, {error})"
+            )
+    return records
+
+
+async def measure(
+    base: str, model: str, api_key: str | None, sweep: Sweep, *, budget_tokens: int,
+    ignore_eos: bool = True, metrics_url: str | None = None,
+    progress: Callable[[str], None] = lambda line: None,
+) -> Measured:  # fmt: skip
+    """Run the sweep against the server; the samples the fit takes."""
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        job = _job(base, model, api_key, ignore_eos, session)
+        rid = 0
+        # A first request warms the server up (and fails fast on a wrong URL or key).
+        await _run(job, [(rid, 0.0, 0, 16, 2)])
+        measured = Measured([], [])
+        lengths = [p for p in sweep.prefill_tokens if p <= budget_tokens]
+        for n, tokens in enumerate(lengths, start=1):
+            ttfts = []
+            for _ in range(sweep.prefill_repeats):
+                rid += 1
+                (record,) = await _run(job, [(rid, 0.0, 0, tokens, 1)])
+                ttfts.append((record[3] - record[2]) * 1000.0)
+                measured.prefill.append(PrefillSample(tokens, ttfts[-1]))
+            progress(f"prefill {n}/{len(lengths)}: {tokens} tokens: "
+                     f"first token {statistics.median(ttfts):.1f} ms")
+        points = [(b, p, o) for p in sweep.prompt_tokens for o in sweep.output_tokens
+                  for b in sweep.batch_sizes]  # fmt: skip
+        for n, (batch, prompt, output) in enumerate(points, start=1):
+            output = decode_output_tokens(batch, prompt, output, budget_tokens)
+            specs = [(rid + 1 + i, 0.0, 0, prompt, output) for i in range(batch)]
+            rid += batch
+            sampled = asyncio.create_task(_sample_running(session, metrics_url, output))
+            records = await _run(job, specs)
+            running = await sampled
+            if running is not None:
+                measured.running_max = max(measured.running_max or 0, running)
+            samples = _decode_samples(records, batch, prompt)
+            measured.decode.extend(samples)
+            step = statistics.median(s.step_ms for s in samples) if samples else float("nan")
+            progress(f"decode {n}/{len(points)}: {batch} streams x {prompt}-token prompts x "
+                     f"{output} tokens: step {step:.1f} ms")
+        return measured
+
+
+async def _sample_running(session: aiohttp.ClientSession, url: str | None,
+                          output: int) -> int | None:  # fmt: skip
+    """The server's running count once the batch is under way (vLLM's metrics)."""
+    if url is None:
+        return None
+    # Roughly mid-batch for the servers this is for (tens of ms a step).
+    await asyncio.sleep(min(5.0, 0.01 * output))
+    return (await _metrics(session, url)).get("running")
+
+
+DECODE_BINS = 4
+"""Samples per batch: the time all its streams decode together, in this many runs."""
+
+
+def _decode_samples(records: list[tuple], batch: int, prompt: int) -> list[DecodeSample]:
+    """From the last stream's first token (every prefill done) to the first
+    stream's last token (none finished yet), the whole batch decodes and a
+    gap between two tokens is one step. That time is cut into runs: per run,
+    the median gap over its streams (a client's timing jitters by
+    milliseconds; the median of many gaps does not), at the context the
+    batch had in the run's middle."""
+    times = []
+    for record in records:
+        first, itl = record[3], record[11]
+        if first is None or not itl:
+            return []
+        times.append(list(itertools.accumulate(itl, initial=first)))
+    start = max(t[0] for t in times)
+    end = min(t[-1] for t in times)
+    if len(times) < batch or end <= start:
+        return []
+    edges = [start + (end - start) * n / DECODE_BINS for n in range(DECODE_BINS + 1)]
+    samples = []
+    for low, high in itertools.pairwise(edges):
+        gaps = [b - a for t in times for a, b in itertools.pairwise(t) if a >= start and low < b <= high]
+        if gaps:
+            middle = (low + high) / 2
+            context = sum(prompt + bisect.bisect_right(t, middle) for t in times)
+            samples.append(DecodeSample(batch, float(context), statistics.median(gaps) * 1000.0))
+    return samples
+
+
+def decode_output_tokens(batch: int, prompt: int, output: int, budget_tokens: int) -> int:
+    """Long enough that the batch decodes together for at least `output` / 2
+    steps: its prefills take about batch x prompt / budget steps, during which
+    the first streams already decode."""
+    spread = -(-batch * prompt // budget_tokens)
+    return max(output, 2 * spread + output // 2)
+
+
+def fitted_profile(
+    measured: Measured, *, name: str, description: str, kv_capacity_tokens: int,
+    max_num_seqs: int, max_num_batched_tokens: int,
+) -> tuple[CostProfile, Regression, Regression]:  # fmt: skip
+    decode = fit_decode(measured.decode)
+    prefill = fit_prefill(measured.prefill)
+    profile = CostProfile(
+        name=name, description=description, t0_ms=decode.value("t0_ms"),
+        c_p=prefill.value("c_p"), c_q=prefill.value("c_q"), c_d=decode.value("c_d"),
+        c_kv=decode.value("c_kv"), kv_capacity_tokens=kv_capacity_tokens,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+    )  # fmt: skip
+    return profile, decode, prefill
+
+
+def residual_report(decode: Regression, prefill: Regression, t0_ms: float) -> list[str]:
+    """Each term with its standard error, and each regression's residuals."""
+    lines = [f"decode steps ({decode.samples} samples): rms residual {decode.rms_ms:.3f} ms"]
+    lines += [f"  {t.name:<12} {t.value:.6g} +/- {t.stderr:.2g}" for t in decode.terms]
+    lines.append(f"prefill ({prefill.samples} samples): rms residual {prefill.rms_ms:.3f} ms")
+    lines += [f"  {t.name:<12} {t.value:.6g} +/- {t.stderr:.2g}" for t in prefill.terms]
+    overhead = prefill.value("intercept_ms") - t0_ms
+    lines.append(f"  request overhead outside the engine (intercept - t0): {overhead:.3f} ms")
+    return lines
+
+
+def write_profile(path: str | Path, profile: CostProfile, notes: list[str]) -> None:
+    header = "".join(f"# {line}\n" for line in notes)
+    body = yaml.safe_dump(profile.model_dump(), sort_keys=False)
+    Path(path).write_text(header + body, encoding="utf-8")
+
+
+def plot_fit(path: str | Path, measured: Measured, profile: CostProfile, overhead_ms: float) -> None:
+    from qosgate.sim.report import pyplot, save_figure
+
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    measured_steps = [s.step_ms for s in measured.decode]
+    fitted_steps = [profile.step_ms([], s.seqs, int(s.context_tokens)) for s in measured.decode]
+    left.scatter(fitted_steps, measured_steps, s=8, c=[s.seqs for s in measured.decode],
+                 cmap="viridis")
+    top = max(measured_steps + fitted_steps)
+    left.plot([0, top], [0, top], color="grey", linewidth=1)
+    left.set_xlabel("fitted step (ms)")
+    left.set_ylabel("measured step (ms)")
+    left.set_title("decode: time between tokens (colour: batch size)")
+    tokens = [s.prompt_tokens for s in measured.prefill]
+    right.scatter(tokens, [s.ttft_ms for s in measured.prefill], s=10, label="measured")
+    grid = sorted(set(tokens))
+    right.plot(grid, [profile.step_ms([p], 0, 0) + overhead_ms for p in grid], color="C1",
+               label="fitted + overhead")
+    right.set_xlabel("prompt tokens")
+    right.set_ylabel("time to first token (ms)")
+    right.set_title("prefill: a lone request")
+    right.legend()
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def _metrics_url(base: str) -> str:
+    parts = urlsplit(base)
+    return f"{parts.scheme}://{parts.netloc}/metrics"
+
+
+def _profile_name(model: str) -> str:
+    return "calibrated-" + (re.sub(r"[^A-Za-z0-9_.-]+", "-", model).strip("-") or "model")
+
+
+def calibrate_command(args: argparse.Namespace) -> int:
+    try:
+        base = api_base(args.url)
+        for flag in ("max_num_seqs", "max_num_batched_tokens", "kv_capacity_tokens"):
+            value = getattr(args, flag)
+            if value is not None and value < 1:
+                raise BenchUsageError(f"--{flag.replace('_', '-')}: must be at least 1, got {value}")
+    except BenchUsageError as exc:
+        print(f"qosgate calibrate: {exc}", file=sys.stderr)
+        return 2
+    sweep = QUICK if args.quick else FULL
+    budget = args.max_num_batched_tokens or 2048
+    metrics_url = None if args.no_metrics else (args.metrics_url or _metrics_url(base))
+
+    def progress(line: str) -> None:
+        if not args.quiet:
+            print(f"qosgate calibrate: {line}", file=sys.stderr, flush=True)
+
+    async def run() -> tuple[Measured, dict[str, Any]]:
+        measured = await measure(
+            base, args.model, args.api_key, sweep, budget_tokens=budget,
+            ignore_eos=not args.no_ignore_eos, metrics_url=metrics_url, progress=progress,
+        )  # fmt: skip
+        async with aiohttp.ClientSession() as session:
+            return measured, await _metrics(session, metrics_url)
+
+    progress(f"{'quick' if args.quick else 'full'} sweep against {base} (model {args.model})")
+    try:
+        measured, server = asyncio.run(run())
+        kv = args.kv_capacity_tokens or server.get("kv_capacity_tokens")
+        if kv is None:
+            raise CalibrationFailed(
+                "the server's metrics do not give its KV-cache size (vllm:cache_config_info); "
+                "pass --kv-capacity-tokens"
+            )
+        when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+        profile, decode, prefill = fitted_profile(
+            measured, name=args.name or _profile_name(args.model),
+            description=f"{args.model} at {base}, fitted by qosgate calibrate on {when}",
+            kv_capacity_tokens=kv, max_num_seqs=args.max_num_seqs or 256,
+            max_num_batched_tokens=budget,
+        )  # fmt: skip
+    except (CalibrationFailed, ValueError, aiohttp.ClientError, OSError) as exc:
+        print(f"qosgate calibrate: {exc}", file=sys.stderr)
+        return 1
+    report = residual_report(decode, prefill, profile.t0_ms)
+    if measured.running_max is not None:
+        report.append(f"the server's metrics showed up to {measured.running_max} requests running "
+                      f"at once (largest batch: {max(sweep.batch_sizes)})")
+    print("\n".join(report))
+    notes = ["A simulated GPU's cost profile (docs/SIMULATE.md, \"Profile files\"),",
+             f"fitted by `qosgate calibrate` ({'quick' if args.quick else 'full'} sweep).",
+             *report]  # fmt: skip
+    try:
+        write_profile(args.out, profile, notes)
+        print(f"wrote {args.out}")
+        if args.plot_path:
+            overhead = prefill.value("intercept_ms") - profile.t0_ms
+            plot_fit(args.plot_path, measured, profile, overhead)
+            print(f"wrote {args.plot_path}")
+    except OSError as exc:
+        print(f"qosgate calibrate: {exc}", file=sys.stderr)
+        return 1
+    return 0
