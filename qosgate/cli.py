@@ -167,6 +167,7 @@ def _serve_command(args: argparse.Namespace, *, demo: bool) -> int:
     from qosgate.backends import BackendNotImplemented
     from qosgate.backends.base import BackendError
     from qosgate.config.loader import ConfigError, load_policy
+    from qosgate.config.secrets import SecretError
     from qosgate.http.identity import KeyRingError
     from qosgate.http.server import serve
     from qosgate.wiring import with_fleet_role
@@ -206,7 +207,7 @@ def _serve_command(args: argparse.Namespace, *, demo: bool) -> int:
                 policy, args.host, args.port, on_ready=on_ready, policy_path=args.config,
                 environ=environ, freeze_startup=True,
             ))
-    except (BackendNotImplemented, KeyRingError) as exc:
+    except (BackendNotImplemented, KeyRingError, SecretError) as exc:
         print(f"qosgate: {exc}", file=sys.stderr)
         return 2
     except BackendError as exc:

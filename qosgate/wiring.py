@@ -22,6 +22,7 @@ from aiohttp import web
 from qosgate.backends import build_backend
 from qosgate.backends.base import Backend
 from qosgate.config.models import PolicyConfig
+from qosgate.config.secrets import SecretError
 from qosgate.http.identity import KeyRing, KeyRingError
 from qosgate.quotas import QuotaGuard
 from qosgate.runtime.errors import PolicyRejected
@@ -108,7 +109,7 @@ class LivePolicy:
             policy = load_policy(self.policy_path)
             keyring = KeyRing.from_policy(policy, self.environ)
             self.gateway.reload(policy)
-        except (ConfigError, KeyRingError, PolicyReloadRefused) as exc:
+        except (ConfigError, KeyRingError, SecretError, PolicyReloadRefused) as exc:
             raise PolicyRejected(f"reload refused, the running policy stays: {exc}") from None
         # Nothing awaited since the gateway took it: no request sees half of each.
         self.policy = policy

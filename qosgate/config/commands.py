@@ -7,6 +7,7 @@ import sys
 from collections import Counter
 
 from qosgate.config.loader import ConfigError, load_policy
+from qosgate.config.secrets import redact_url
 from qosgate.config.models import (
     OpenAIBackendConfig,
     PolicyConfig,
@@ -130,7 +131,7 @@ def _backend(policy: PolicyConfig) -> str:
     if isinstance(backend, SimBackendConfig):
         return f"sim  profile {backend.profile}  model {backend.model}  speed {backend.speed:g}x"
     if isinstance(backend, OpenAIBackendConfig):
-        urls = ", ".join(upstream.url for upstream in backend.upstreams)
+        urls = ", ".join(redact_url(upstream.url) for upstream in backend.upstreams)
         return f"openai  {len(backend.upstreams)} upstream(s): {urls}  affinity {backend.affinity}"
     if isinstance(backend, VllmBackendConfig):
         return f"vllm  model {backend.model}"
@@ -192,7 +193,7 @@ def _quota_store(policy: PolicyConfig) -> str:
     store = policy.quota_store
     if store.kind == "memory":
         return "store memory (this process only)"
-    return f"store redis {store.url}  on_error {store.on_error}"
+    return f"store redis {redact_url(store.url)}  on_error {store.on_error}"
 
 
 def _quota_lines(policy: PolicyConfig) -> list[str]:

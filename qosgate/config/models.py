@@ -6,6 +6,7 @@ error that names the field rather than a setting silently ignored.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import sys
 from typing import Annotated, Any, Literal
@@ -145,9 +146,11 @@ class ServerConfig(StrictModel):
     max_body_bytes: BodyBytes = 1 << 20
     """Largest request body accepted; larger bodies get 413."""
     admin_token_env: str | None = "QOSGATE_ADMIN_TOKEN"
-    """Environment variable holding the token for /admin endpoints (unset: admin disabled)."""
+    """Environment variable holding the token for /admin endpoints, or
+    `<VARIABLE>_FILE` naming a file that holds it (neither set: admin disabled)."""
     trusted_header_secret_env: str | None = None
-    """Environment variable holding the shared secret that makes X-Tenant-Id trusted."""
+    """Environment variable holding the shared secret that makes X-Tenant-Id
+    trusted, or `<VARIABLE>_FILE` naming a file that holds it."""
     shutdown_grace_s: SecondsOrZero = 25.0
     """After SIGTERM, how long running requests may go on before they are ended
     (queued ones get 503 at once). Below Kubernetes' default 30 s termination
@@ -164,7 +167,29 @@ class ServerConfig(StrictModel):
     reader cannot hold a backend slot."""
     auth_failures_per_minute: CountOrZero = 30
     """Failed authentications one client address may make per minute before
-    its requests get 429 without being checked (0: no limit)."""
+    its requests get 429 without being checked (0: no limit). Requests that
+    carry the front gateway's secret are never counted nor held back."""
+    trusted_proxies: Annotated[tuple[str, ...], Field(max_length=1024)] = ()
+    """Addresses or networks (CIDR) of the proxies and load balancers in
+    front: from a connection of one of them, the client's address is the
+    nearest untrusted one in X-Forwarded-For. It is the address the
+    failed-authentication limit counts and the logs show; failures reported
+    by a trusted proxy itself, naming no client, are not counted."""
+    metrics_token_env: str | None = None
+    """Environment variable holding a bearer token that /metrics then
+    requires (unset: /metrics is open)."""
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _proxy_networks(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for entry in value:
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"{entry[:100]!r} is not an IP address or network (10.0.0.0/8, fd00::/8)"
+                ) from None
+        return value
 
 
 MAX_TRACE_FILES = 1000
@@ -422,7 +447,10 @@ class QuotaStoreConfig(StrictModel):
     kind: Literal["memory", "redis"] = "memory"
     """memory: one process; redis: replicas share one budget."""
     url: str = "redis://127.0.0.1:6379/0"
-    """Redis URL (kind: redis)."""
+    """Redis URL (kind: redis), without its password: see password_env."""
+    password_env: str | None = None
+    """Environment variable holding the Redis password (or `<VARIABLE>_FILE`
+    naming a file that holds it); a password in the URL takes precedence."""
     key_prefix: str = "qosgate:"
     """Namespace for Redis keys."""
     on_error: Literal["fail_open", "fail_closed"] = "fail_open"
@@ -585,6 +613,9 @@ class FleetConfig(StrictModel):
     run the `backend` and pull the most urgent work when it has room."""
     url: str = "redis://127.0.0.1:6379/0"
     """Redis URL of the shared queue (it may be the quota store's)."""
+    password_env: str | None = None
+    """Environment variable holding the Redis password (or `<VARIABLE>_FILE`
+    naming a file that holds it); a password in the URL takes precedence."""
     key_prefix: str = "qosgate:"
     """Namespace of the fleet's keys and channels; every member must agree."""
     node_id: str | None = None

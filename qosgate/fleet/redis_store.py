@@ -103,9 +103,11 @@ class RedisWorkQueue(WorkQueue):
         key_prefix: str = "qosgate:",
         socket_timeout_s: float = 0.5,
         client: aioredis.Redis | None = None,
+        password: str | None = None,
         **retention: float,
     ) -> None:
-        """`retention`: WorkQueue's done_retention_s and affinity_ttl_s."""
+        """`password`: used where `url` carries none. `retention`: WorkQueue's
+        done_retention_s and affinity_ttl_s."""
         super().__init__(tiers, **retention)
         if client is None:
             # One retry on a fresh connection, so that a pooled connection the
@@ -119,6 +121,8 @@ class RedisWorkQueue(WorkQueue):
                 socket_connect_timeout=socket_timeout_s,
                 retry=Retry(NoBackoff(), retries=1),
                 retry_on_error=[RedisConnectionError],
+                # A password in the URL wins over this one (redis-py's rule).
+                **({"password": password} if password else {}),
             )
         self._redis = client
         base = f"{{{key_prefix}}}fleet:"

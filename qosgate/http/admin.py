@@ -40,7 +40,13 @@ async def _fleet_levels(gateway: Gateway) -> dict[str, Any] | None:
 
 
 async def get_metrics(request: web.Request) -> web.Response:
-    gateway = request.app[STATE].gateway
+    state = request.app[STATE]
+    token = state.metrics_token
+    if token is not None:
+        authenticated(request, lambda: _check_bearer(
+            request, token, "/metrics needs the metrics token as a Bearer token."
+        ), state)  # fmt: skip
+    gateway = state.gateway
     metrics = gateway.observer.metrics
     metrics.fleet_levels = await _fleet_levels(gateway)
     registry = metrics.registry
@@ -60,6 +66,10 @@ def _check_admin_token(request: web.Request) -> None:
             "The admin endpoints are disabled: set the variable named by "
             "server.admin_token_env to a token to enable them."
         )
+    _check_bearer(request, token, "The admin endpoints need the admin token as a Bearer token.")
+
+
+def _check_bearer(request: web.Request, token: str, refusal: str) -> None:
     given = request.headers.get("Authorization", "")
     scheme, _, value = given.partition(" ")
     # Digests of equal length are compared, so not even the token's length
@@ -68,7 +78,7 @@ def _check_admin_token(request: web.Request) -> None:
         hashlib.sha256(value.strip().encode("utf-8", "surrogateescape")).digest(),
         hashlib.sha256(token.encode()).digest(),
     ):
-        raise Unauthorized("The admin endpoints need the admin token as a Bearer token.")
+        raise Unauthorized(refusal)
 
 
 async def admin_reload(request: web.Request) -> web.Response:

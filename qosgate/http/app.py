@@ -20,6 +20,7 @@ import structlog
 from aiohttp import web
 
 from qosgate.config.models import PolicyConfig
+from qosgate.config.secrets import read_secret
 from qosgate.core.request import Outcome
 from qosgate.runtime.errors import GatewayError, PayloadTooLarge, RequestTimeout
 from qosgate.runtime.gate import Gateway
@@ -27,11 +28,15 @@ from qosgate.wiring import LivePolicy
 
 from .admin import admin_quotas, admin_reload, admin_stats, dashboard_page, get_metrics
 from .completions import post_chat_completions, post_completions
-from .errors import INTERNAL_ERROR, MethodNotAllowed, RouteNotFound, error_payload, error_response
+from .clients import TrustedProxies
+from .errors import (
+    INTERNAL_ERROR, MalformedRequest, MethodNotAllowed, RouteNotFound, error_payload,
+    error_response,
+)  # fmt: skip
 from .identity import AuthFailureLimiter
 from .openapi import build_openapi
 from .state import (
-    ADMITTED, RATELIMIT, REQUEST_ID, REQUEST_ID_HEADER, STATE, TIER, AppState, identify,
+    ADMITTED, BAD_FORWARDING, RATELIMIT, REQUEST_ID, REQUEST_ID_HEADER, STATE, TIER, AppState, identify,
 )
 
 log = logging.getLogger("qosgate.http")
@@ -51,15 +56,19 @@ def build_app(
     if live is None:
         live = LivePolicy(gateway, policy, environ=environ, policy_path=policy_path)
     policy = live.policy
+    proxies = TrustedProxies(policy.server.trusted_proxies)
     app = web.Application(
         client_max_size=policy.server.max_body_bytes,
-        middlewares=[_error_middleware],
+        # The client's address first: everything after it (the limiter, the
+        # audit line) sees the client's, not the proxy's.
+        middlewares=[proxies.middleware, _error_middleware],
     )
     app[STATE] = AppState(
         gateway=gateway,
         live=live,
         started=int(time.time()),
-        admin_token=_admin_token(policy, live.environ),
+        admin_token=read_secret(policy.server.admin_token_env, live.environ),
+        metrics_token=read_secret(policy.server.metrics_token_env, live.environ),
         auth_failures=AuthFailureLimiter(policy.server.auth_failures_per_minute),
     )
     # Every response the tenant gets, streamed or not, error or not, carries
@@ -77,12 +86,6 @@ def build_app(
     app.router.add_get("/metrics", get_metrics)
     app.router.add_get("/openapi.json", _openapi)
     return app
-
-
-def _admin_token(policy: PolicyConfig, environ: Mapping[str, str]) -> str | None:
-    name = policy.server.admin_token_env
-    token = environ.get(name) if name else None
-    return token or None
 
 
 async def _before_headers(request: web.Request, response: web.StreamResponse) -> None:
@@ -111,6 +114,9 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(request_id=request_id)
     try:
+        bad_forwarding = request.get(BAD_FORWARDING)
+        if bad_forwarding is not None:
+            raise MalformedRequest(f"Invalid X-Forwarded-For from a trusted proxy: {bad_forwarding}.")
         response = await handler(request)
     except GatewayError as exc:
         _count_refusal(request, exc.outcome)

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from qosgate.config.models import PolicyConfig
+from qosgate.config.secrets import read_secret
 from qosgate.runtime.errors import BadRequest, Unauthorized
 
 log = logging.getLogger("qosgate.http.identity")
@@ -72,7 +73,7 @@ class KeyRing:
                     keys[ref.removeprefix("sha256:")] = tenant.id
                     continue
                 variable = ref.removeprefix("env:")
-                value = environ.get(variable)
+                value = read_secret(variable, environ)
                 if not value:
                     # The key just does not exist; the tenant's other keys still work.
                     log.warning("api key variable %s of tenant %s is unset", variable, tenant.id)
@@ -91,7 +92,7 @@ class KeyRing:
         secret_digest = None
         secret_env = policy.server.trusted_header_secret_env
         if secret_env:
-            secret = environ.get(secret_env)
+            secret = read_secret(secret_env, environ)
             if secret:
                 secret_digest = _digest(secret)
             else:
@@ -106,6 +107,15 @@ class KeyRing:
     @property
     def trusts_header(self) -> bool:
         return self._secret_digest is not None
+
+    def signed(self, headers: Mapping[str, str]) -> bool:
+        """Whether the request carries the front gateway's secret."""
+        presented = headers.get(SECRET_HEADER)
+        return (
+            self._secret_digest is not None
+            and presented is not None
+            and hmac.compare_digest(_digest(presented).encode(), self._secret_digest.encode())
+        )
 
     def identify(self, headers: Mapping[str, str]) -> Identity:
         """Raises Unauthorized (401) for bad credentials, BadRequest for a
@@ -132,14 +142,9 @@ class KeyRing:
         return Identity(tenant, self._tiers[tenant])
 
     def _from_header(self, headers: Mapping[str, str]) -> Identity:
-        presented = headers.get(SECRET_HEADER)
         # Without a configured secret nothing can vouch for the header; a
         # client sending it is trying to pick its own tenant.
-        if (
-            self._secret_digest is None
-            or presented is None
-            or not hmac.compare_digest(_digest(presented).encode(), self._secret_digest.encode())
-        ):
+        if not self.signed(headers):
             raise Unauthorized(f"{TENANT_HEADER} is only accepted from the trusted front gateway.")
         tenant = headers[TENANT_HEADER].strip()
         if not _TENANT_ID.match(tenant):

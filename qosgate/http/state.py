@@ -34,6 +34,13 @@ ADMITTED = _key("qosgate.admitted", bool)
 """Set once the request is handed to the runtime (`Gateway.admit`), which from
 then on counts its outcome, refused or not."""
 TIER = _key("qosgate.tier", str)
+BAD_FORWARDING = _key("qosgate.bad_forwarding", str)
+"""Set when a trusted proxy's X-Forwarded-For cannot be read: why (the
+request is then refused inside the error middleware, so that it is rendered
+and audited like any other refusal)."""
+VIA_PROXY = _key("qosgate.via_proxy", bool)
+"""True when the connection is a trusted proxy's and no client address could
+be found beyond it: `request.remote` is then the proxy itself."""
 REQUEST_ID_HEADER = "x-request-id"
 
 
@@ -46,6 +53,8 @@ class AppState:
     """Unix time the app was built (the `created` of /v1/models)."""
     admin_token: str | None = None
     """Bearer token of the /admin endpoints (None: they are disabled)."""
+    metrics_token: str | None = None
+    """Bearer token /metrics requires (None: it is open)."""
     auth_failures: AuthFailureLimiter = dataclasses.field(
         default_factory=lambda: AuthFailureLimiter(0)
     )
@@ -65,7 +74,15 @@ STATE = web.AppKey("qosgate.state", AppState)
 
 def authenticated(request: web.Request, check: Callable[[], _T], state: AppState) -> _T:
     """Runs `check` (which raises Unauthorized on bad credentials) unless the
-    client's address has failed too often already; counts its failures."""
+    client's address has failed too often already; counts its failures.
+
+    The address is the client's as read through the trusted proxies. Two
+    kinds of request are neither counted nor held back: those signed with
+    the front gateway's secret (its tenants share its address, and it has
+    proved who it is), and those a trusted proxy sends naming no client
+    (counting them would count every client behind it as one)."""
+    if request.get(VIA_PROXY) or state.keyring.signed(request.headers):
+        return check()
     limiter = state.auth_failures
     address = request.remote or "unknown"
     # Any steady clock will do, as long as the limiter only ever sees this

@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from qosgate.config.models import PolicyConfig, QuotaStoreConfig
+from qosgate.config.secrets import read_secret
 
 from .local import LocalLimiter, mark_settled, settle_deltas
 from .model import (
@@ -112,6 +113,7 @@ def build_store(cfg: QuotaStoreConfig) -> QuotaStore:
 
         return RedisQuotaStore(
             cfg.url,
+            password=read_secret(cfg.password_env),
             key_prefix=cfg.key_prefix,
             socket_timeout_s=cfg.timeout_ms / 1000,
             recovery_s=cfg.retry_interval_s,

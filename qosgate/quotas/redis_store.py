@@ -104,8 +104,9 @@ class RedisQuotaStore(QuotaStore):
         max_connections: int = 64,
         recovery_s: float = 0.25,
         client: aioredis.Redis | None = None,
+        password: str | None = None,
     ) -> None:
-        """`recovery_s`: after a gateway finds the store lost a tenant's data
+        """`password`: used where `url` carries none. `recovery_s`: after a gateway finds the store lost a tenant's data
         and carries its own back, how long the tenant's reservations wait for
         the other gateways to find it too (each does at its next call)."""
         self._prefix = key_prefix
@@ -128,6 +129,8 @@ class RedisQuotaStore(QuotaStore):
                 socket_connect_timeout=socket_timeout_s,
                 retry=Retry(NoBackoff(), retries=1),
                 retry_on_error=[RedisConnectionError],
+                # A password in the URL wins over this one (redis-py's rule).
+                **({"password": password} if password else {}),
             )
             client = aioredis.Redis(connection_pool=pool)
         self._redis = client
