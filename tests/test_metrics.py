@@ -116,9 +116,10 @@ async def test_every_design_metric_is_exported_and_moves_with_the_load():
                 assert r.status == 401
 
         after = await scrape(http, live.url)
-    assert value(after, "qosgate_requests_total", tier="interactive", outcome="completed") == 3
-    assert value(after, "qosgate_requests_total", tier="batch", outcome="completed") == 3
-    assert value(after, "qosgate_requests_total", tier="none", outcome="unauthorized") == 1
+    requests = "qosgate_requests_total"
+    assert value(after, requests, tier="interactive", tenant="alice", outcome="completed") == 3
+    assert value(after, requests, tier="batch", tenant="bob", outcome="completed") == 3
+    assert value(after, requests, tier="none", tenant="none", outcome="unauthorized") == 1
     assert value(after, "qosgate_queue_depth", tier="interactive") == 0
     assert value(after, "qosgate_backend_inflight") == 0
     for name in ("qosgate_queue_wait_seconds_count", "qosgate_ttft_seconds_count",

@@ -22,6 +22,7 @@ from aiohttp import web
 from qosgate.config.models import PolicyConfig
 from qosgate.config.secrets import read_secret
 from qosgate.core.request import Outcome
+from qosgate.observability import request_refused
 from qosgate.runtime.errors import GatewayError, PayloadTooLarge, RequestTimeout
 from qosgate.runtime.gate import Gateway
 from qosgate.wiring import LivePolicy
@@ -36,7 +37,8 @@ from .errors import (
 from .identity import AuthFailureLimiter
 from .openapi import build_openapi
 from .state import (
-    ADMITTED, BAD_FORWARDING, RATELIMIT, REQUEST_ID, REQUEST_ID_HEADER, STATE, TIER, AppState, identify,
+    ADMITTED, BAD_FORWARDING, CLIENT_REQUEST_ID, RATELIMIT, REQUEST_ID, REQUEST_ID_HEADER, STATE,
+    TENANT, TIER, AppState, identify, valid_client_request_id,
 )
 
 log = logging.getLogger("qosgate.http")
@@ -106,13 +108,21 @@ async def _before_headers(request: web.Request, response: web.StreamResponse) ->
 
 @web.middleware
 async def _error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    # 128 random bits, as a UUID4's hex but without building the UUID.
+    # 128 random bits, as a UUID4's hex but without building the UUID. It
+    # stays the gateway's own (quota reservations and the fleet's queue key
+    # on it, so it must be unique); a client's own id is kept beside it.
     request_id = os.urandom(16).hex()
     request[REQUEST_ID] = request_id
-    # Every line logged while this request is served carries its id (and,
+    client_id = valid_client_request_id(request.headers.get(REQUEST_ID_HEADER))
+    # Every line logged while this request is served carries its ids (and,
     # once known, its tenant and tier).
     structlog.contextvars.clear_contextvars()
-    structlog.contextvars.bind_contextvars(request_id=request_id)
+    if client_id is None:
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+    else:
+        request[CLIENT_REQUEST_ID] = client_id
+        structlog.contextvars.bind_contextvars(request_id=request_id, client_request_id=client_id)
+    reason: str | None = None
     try:
         bad_forwarding = request.get(BAD_FORWARDING)
         if bad_forwarding is not None:
@@ -121,6 +131,7 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
     except GatewayError as exc:
         _count_refusal(request, exc.outcome)
         response = error_response(exc)
+        reason = exc.code
         if isinstance(exc, RequestTimeout):
             # The rest of the body may still come; read as a next request it
             # would be garbage.
@@ -128,7 +139,7 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
     except web.HTTPException as exc:
         if exc.status >= 400:
             _count_refusal(request, Outcome.BAD_REQUEST)
-        response = _from_http_exception(request, exc)
+        response, reason = _from_http_exception(request, exc)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - any bug must still answer in OpenAI's shape
@@ -143,8 +154,15 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
             "".join(traceback.format_tb(exc.__traceback__)),
         )
         response = web.json_response(INTERNAL_ERROR, status=500)
+        reason = INTERNAL_ERROR["error"]["code"]
+    if reason is not None:
+        request_refused(
+            status=response.status, reason=reason, request_id=request_id,
+            client=request.remote, tenant=request.get(TENANT), tier=request.get(TIER),
+            client_request_id=client_id,
+        )  # fmt: skip
     if not response.prepared:
-        response.headers[REQUEST_ID_HEADER] = request_id
+        response.headers[REQUEST_ID_HEADER] = client_id or request_id
     return response
 
 
@@ -153,35 +171,37 @@ def _count_refusal(request: web.Request, outcome: Outcome) -> None:
     that did). Only the API's own paths count as requests."""
     if request.get(ADMITTED) or not request.path.startswith("/v1/"):
         return
-    request.app[STATE].gateway.refused(request.get(TIER, "none"), outcome)
+    gateway = request.app[STATE].gateway
+    gateway.refused(request.get(TIER, "none"), outcome, tenant=request.get(TENANT, "none"))
 
 
-def _from_http_exception(request: web.Request, exc: web.HTTPException) -> web.StreamResponse:
+def _from_http_exception(
+    request: web.Request, exc: web.HTTPException
+) -> tuple[web.StreamResponse, str]:
+    """The answer to an error aiohttp raised, and its code."""
     if exc.status < 400:
         raise exc
+    error: GatewayError | None = None
+    headers = None
     if isinstance(exc, web.HTTPNotFound):
-        return error_response(RouteNotFound(f"Unknown path: {request.path[:200]}"))
-    if isinstance(exc, web.HTTPMethodNotAllowed):
+        error = RouteNotFound(f"Unknown path: {request.path[:200]}")
+    elif isinstance(exc, web.HTTPMethodNotAllowed):
         # 405 must say what is allowed (RFC 9110).
-        return error_response(
-            MethodNotAllowed(
-                f"Method {request.method[:20]} is not allowed on {request.path[:200]}."
-            ),
-            headers={"Allow": exc.headers.get("Allow", "")},
+        error = MethodNotAllowed(
+            f"Method {request.method[:20]} is not allowed on {request.path[:200]}."
         )
-    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        headers = {"Allow": exc.headers.get("Allow", "")}
+    elif isinstance(exc, web.HTTPRequestEntityTooLarge):
         limit = request.app[STATE].policy.server.max_body_bytes
-        return error_response(PayloadTooLarge(f"Request body too large: at most {limit} bytes."))
+        error = PayloadTooLarge(f"Request body too large: at most {limit} bytes.")
+    if error is not None:
+        return error_response(error, headers=headers), error.code
     # Anything else aiohttp raises (a malformed body stream, ...): its status, our shape.
-    return web.json_response(
-        error_payload(
-            exc.reason,
-            "invalid_request_error" if exc.status < 500 else "server_error",
-            exc.reason.lower().replace(" ", "_"),
-            None,
-        ),
-        status=exc.status,
+    code = exc.reason.lower().replace(" ", "_")
+    payload = error_payload(
+        exc.reason, "invalid_request_error" if exc.status < 500 else "server_error", code, None
     )
+    return web.json_response(payload, status=exc.status), code
 
 
 # --------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from .errors import MalformedRequest, UnsupportedMediaType
 from .protocol import describe_parse_error
 from .ratelimit import ratelimit_headers
 from .render import Call, Tally, relay_choice_fields, response_body, usage_body
-from .state import ADMITTED, RATELIMIT, REQUEST_ID, STATE, TIER, AppState, identify
+from .state import ADMITTED, RATELIMIT, REQUEST_ID, STATE, AppState, identify
 from .streaming import Pace, stream_response
 from .validation import MAX_PRIORITY_OFFSET, Endpoint, parse_json, validate_body
 
@@ -72,7 +72,6 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     state = request.app[STATE]
     # Identity first: an unauthenticated client does not get its body parsed.
     identity = identify(request, state)
-    request[TIER] = identity.tier
     structlog.contextvars.bind_contextvars(tenant=identity.tenant, tier=identity.tier)
     raw = await _read_json(request, state)
     gateway = state.gateway

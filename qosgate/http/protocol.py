@@ -21,6 +21,7 @@ import re
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
+from qosgate.observability import request_refused
 from qosgate.runtime.errors import BadRequest, GatewayError
 
 from .errors import HeaderFieldsTooLarge, MalformedRequest, UriTooLong, error_response
@@ -101,10 +102,13 @@ class _Connection(web.RequestHandler):
             error = GatewayError("The server had an error processing your request.")
         else:
             error = _client_error(exc, self)
-            log.warning(
-                "refused a malformed request from %s with %d (request %s): %s",
-                request.remote, error.status, request_id, error.message,
+            # The peer's address: a head that could not be parsed cannot be
+            # trusted to name the client behind a proxy.
+            request_refused(
+                status=error.status, reason=error.code, request_id=request_id,
+                client=request.remote,
             )  # fmt: skip
+            log.debug("request %s: %s", request_id, error.message)
         response = error_response(error, {"x-request-id": request_id})
         # The parser lost its place in the byte stream: nothing after the
         # fault can be read as a next request.

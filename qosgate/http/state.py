@@ -5,6 +5,7 @@ authentication (which counts failures per client address).
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,10 @@ ADMITTED = _key("qosgate.admitted", bool)
 """Set once the request is handed to the runtime (`Gateway.admit`), which from
 then on counts its outcome, refused or not."""
 TIER = _key("qosgate.tier", str)
+TENANT = _key("qosgate.tenant", str)
+"""The tenant and tier, once the request's identity is known."""
+CLIENT_REQUEST_ID = _key("qosgate.client_request_id", str)
+"""The client's own X-Request-Id, when it is a valid one: echoed back."""
 BAD_FORWARDING = _key("qosgate.bad_forwarding", str)
 """Set when a trusted proxy's X-Forwarded-For cannot be read: why (the
 request is then refused inside the error middleware, so that it is rendered
@@ -42,6 +47,23 @@ VIA_PROXY = _key("qosgate.via_proxy", bool)
 """True when the connection is a trusted proxy's and no client address could
 be found beyond it: `request.remote` is then the proxy itself."""
 REQUEST_ID_HEADER = "x-request-id"
+
+
+_CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+"""A client's X-Request-Id kept and echoed: 1-128 visible ASCII characters
+(UUIDs, ULIDs, a proxy's ids). Anything else is replaced by the gateway's
+own, so no log line or header carries control characters or a long string."""
+
+
+def valid_client_request_id(value: str | None) -> str | None:
+    if value is None or not _CLIENT_REQUEST_ID.fullmatch(value):
+        return None
+    return value
+
+
+def echoed_request_id(request: web.Request) -> str:
+    """The x-request-id of the answer: the client's own, or the gateway's."""
+    return request.get(CLIENT_REQUEST_ID) or request[REQUEST_ID]
 
 
 @dataclass
@@ -103,4 +125,7 @@ def authenticated(request: web.Request, check: Callable[[], _T], state: AppState
 
 def identify(request: web.Request, state: AppState) -> Identity:
     keyring = state.keyring
-    return authenticated(request, lambda: keyring.identify(request.headers), state)
+    identity = authenticated(request, lambda: keyring.identify(request.headers), state)
+    request[TENANT] = identity.tenant
+    request[TIER] = identity.tier
+    return identity

@@ -25,7 +25,7 @@ from .errors import INTERNAL_ERROR, error_payload
 from .render import (
     DONE_EVENT, Call, Tally, chunk_event, sse_event, text_event_parts, usage_body, usage_event,
 )
-from .state import REQUEST_ID, REQUEST_ID_HEADER, AppState
+from .state import REQUEST_ID, REQUEST_ID_HEADER, AppState, echoed_request_id
 
 log = logging.getLogger("qosgate.http")
 
@@ -48,7 +48,7 @@ async def stream_response(
             "Cache-Control": "no-cache",
             # Proxies such as nginx would otherwise buffer the stream.
             "X-Accel-Buffering": "no",
-            REQUEST_ID_HEADER: request[REQUEST_ID],
+            REQUEST_ID_HEADER: echoed_request_id(request),
         }
     )
     tally = Tally()

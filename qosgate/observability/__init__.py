@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from qosgate.config.models import PolicyConfig
 from qosgate.core.request import Outcome, Request
 
-from .logging import configure_logging, request_finished
+from .logging import configure_logging, request_finished, request_refused
 from .metrics import GatewayMetrics
 from .trace import TraceWriter
 
@@ -39,10 +39,13 @@ class Observer:
         if self.trace is not None:
             self.trace.close()
 
-    def refused(self, tier: str, outcome: Outcome, request: Request | None = None) -> None:
+    def refused(
+        self, tier: str, outcome: Outcome, request: Request | None = None, tenant: str = "none"
+    ) -> None:
         """A request refused before it was queued; `request` when it was far
-        enough to have a tenant and counted lengths (it goes into the trace)."""
-        self.metrics.refused(tier, outcome)
+        enough to have a tenant and counted lengths (it goes into the trace);
+        `tenant` otherwise, once known."""
+        self.metrics.refused(tier, outcome, request.tenant if request is not None else tenant)
         if request is not None:
             self._trace(request, outcome, None)
 
@@ -76,4 +79,6 @@ class Observer:
         )  # fmt: skip
 
 
-__all__ = ["GatewayMetrics", "Observer", "configure_logging", "request_finished"]
+__all__ = [
+    "GatewayMetrics", "Observer", "configure_logging", "request_finished", "request_refused",
+]  # fmt: skip

@@ -19,6 +19,7 @@ import structlog
 from qosgate.core.request import Request
 
 request_log = structlog.get_logger("qosgate.requests")
+audit_log = structlog.get_logger("qosgate.audit")
 
 
 class _CurrentStderr:
@@ -90,6 +91,34 @@ def request_finished(req: Request, usage: tuple[int, int] | None) -> None:
         prompt_tokens=usage[0] if usage else 0,
         completion_tokens=usage[1] if usage else 0,
         preemptions=req.preemptions,
+    )
+
+
+def request_refused(
+    *,
+    status: int,
+    reason: str,
+    request_id: str,
+    client: str | None,
+    tenant: str | None = None,
+    tier: str | None = None,
+    client_request_id: str | None = None,
+) -> None:
+    """The one line per refused request (any error status the gateway
+    answers instead of output), so that a tenant's "you refused me" can be
+    answered: the status, the reason (the error's code, never its message,
+    which can quote the request), the tenant and tier once known, the
+    client's address as read through the trusted proxies, and the request's
+    ids. Written always, whatever `log_requests` says."""
+    audit_log.info(
+        "refused",
+        status=status,
+        reason=reason,
+        tenant=tenant,
+        tier=tier,
+        client=client,
+        request_id=request_id,
+        client_request_id=client_request_id,
     )
 
 

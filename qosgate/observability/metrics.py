@@ -7,8 +7,8 @@ batch released, a first token, a request's end); what is a level rather than
 an event (queue depth, oldest wait, backend in flight) is read from the
 gateway when Prometheus scrapes, so the hot path pays nothing for it.
 
-With `tenant_labels` off, the per-tenant series (`tokens_total`,
-`quota_remaining_tokens`) carry `tenant="all"`: a fleet with many thousand
+With `tenant_labels` off, the per-tenant series (`requests_total`,
+`tokens_total`, `quota_remaining_tokens`) carry `tenant="all"`: a fleet with many thousand
 tenants keeps a bounded number of series.
 """
 
@@ -138,8 +138,11 @@ class GatewayMetrics:
             return Histogram(f"{PREFIX}{name}", text, labels, buckets=buckets, registry=r)
 
         self.requests = Counter(
-            f"{PREFIX}requests", "Requests by tier and outcome", ["tier", "outcome"], registry=r
-        )
+            f"{PREFIX}requests",
+            "Requests by tier, tenant (`all` with tenant labels off; `none` refused before "
+            "it was known) and outcome",
+            ["tier", "tenant", "outcome"], registry=r,
+        )  # fmt: skip
         self.queue_wait = histogram(
             "queue_wait_seconds", "Time queued before dispatch", LATENCY_BUCKETS
         )
@@ -210,9 +213,9 @@ class GatewayMetrics:
 
     # -- events -------------------------------------------------------------------
 
-    def refused(self, tier: str, outcome: Outcome) -> None:
+    def refused(self, tier: str, outcome: Outcome, tenant: str = "none") -> None:
         """A request that never entered a queue (unknown key, bad body, quota...)."""
-        self._child(self.requests, tier, outcome.value).inc()
+        self._child(self.requests, tier, self._tenant(tenant), outcome.value).inc()
 
     def dispatched(self, req: Request, now: float) -> None:
         self._child(self.queue_wait, req.tier).observe(max(0.0, now - req.arrival))
@@ -237,7 +240,7 @@ class GatewayMetrics:
         tokens it used, when it ran."""
         assert req.outcome is not None and req.finished_at is not None
         tier = req.tier
-        self._child(self.requests, tier, req.outcome.value).inc()
+        self._child(self.requests, tier, self._tenant(req.tenant), req.outcome.value).inc()
         if charged is not None:
             prompt, completion = charged
             tenant = self._tenant(req.tenant)
@@ -267,10 +270,10 @@ def stats_view(metrics: GatewayMetrics) -> dict[str, Any]:
     """What the dashboard draws, from the same counters /metrics exports:
     requests by tier and outcome, SLO attained and missed, recent first-token
     times, recent batch sizes."""
-    requests: dict[str, dict[str, float]] = collections.defaultdict(dict)
+    requests: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for sample in metrics.requests.collect()[0].samples:
         if sample.name.endswith("_total"):
-            requests[sample.labels["tier"]][sample.labels["outcome"]] = sample.value
+            requests[sample.labels["tier"]][sample.labels["outcome"]] += sample.value
     slo: dict[str, dict[str, float]] = collections.defaultdict(dict)
     for key, counter in (("attained", metrics.slo_attained), ("missed", metrics.slo_missed)):
         for sample in counter.collect()[0].samples:

@@ -238,7 +238,7 @@ class Gateway:
                 self._backend.count_prompt_tokens, self._backend.max_model_len,
             )  # fmt: skip
         except GatewayError as exc:
-            self.refused(ask.tier, exc.outcome)
+            self.refused(ask.tier, exc.outcome, tenant=ask.tenant)
             raise
         if self._policy.observability.log_prompts:
             body = shaped.body
@@ -348,12 +348,15 @@ class Gateway:
         self.refused(req.tier, error.outcome, req)
         return error
 
-    def refused(self, tier: str, outcome: Outcome, request: Request | None = None) -> None:
+    def refused(
+        self, tier: str, outcome: Outcome, request: Request | None = None, *, tenant: str = "none"
+    ) -> None:
         """Count a request refused before it reached a queue: where every
         refusal is counted, `admit`'s and `submit`'s and those of the HTTP
         layer before it has a request to admit (no key, a bad body).
-        `request`, once its prompt is counted, goes into the trace."""
-        self.observer.refused(tier, outcome, request)
+        `request`, once its prompt is counted, goes into the trace; `tenant`,
+        without it, once known."""
+        self.observer.refused(tier, outcome, request, tenant)
 
     # -- the stream's host (StreamHost) --------------------------------------
 
