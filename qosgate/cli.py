@@ -169,6 +169,7 @@ def _serve_command(args: argparse.Namespace, *, demo: bool) -> int:
     from qosgate.config.loader import ConfigError, load_policy
     from qosgate.config.secrets import SecretError
     from qosgate.http.identity import KeyRingError
+    from qosgate.observability.otel import TracingUnavailable
     from qosgate.http.server import serve
     from qosgate.wiring import with_fleet_role
 
@@ -207,7 +208,7 @@ def _serve_command(args: argparse.Namespace, *, demo: bool) -> int:
                 policy, args.host, args.port, on_ready=on_ready, policy_path=args.config,
                 environ=environ, freeze_startup=True,
             ))
-    except (BackendNotImplemented, KeyRingError, SecretError) as exc:
+    except (BackendNotImplemented, KeyRingError, SecretError, TracingUnavailable) as exc:
         print(f"qosgate: {exc}", file=sys.stderr)
         return 2
     except BackendError as exc:

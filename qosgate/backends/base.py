@@ -68,6 +68,9 @@ class GenerationJob:
     """Tokens the scheduler expects the request to take (prompt + its
     estimate of the output): what a backend that queues work elsewhere (the
     fleet) counts toward the wait it predicts."""
+    trace: Mapping[str, str] | None = None
+    """The request's trace context as W3C headers (`traceparent`,
+    `tracestate`) when it is traced: a backend that calls out sends them on."""
 
     @property
     def streamed(self) -> bool:

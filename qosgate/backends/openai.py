@@ -540,6 +540,8 @@ class OpenAIBackend(Backend):
             "Accept": "text/event-stream",
             "Content-Type": "application/json",
             **upstream.headers,
+            # The trace goes on into the upstream (vLLM reads traceparent).
+            **(job.trace or {}),
         }
         response: aiohttp.ClientResponse | None = None
         finished = False

@@ -214,6 +214,24 @@ class TraceConfig(StrictModel):
     """Lines held between two flushes at most; beyond it they are dropped and counted."""
 
 
+class OtelConfig(StrictModel):
+    """OpenTelemetry tracing, exported over OTLP/HTTP (needs the `otel` extra:
+    `pip install 'qosgate[otel]'`). A span per request, joined to the
+    client's `traceparent`, with child spans for admission, queue wait, the
+    backend's time to first token and streaming; the trace context goes on
+    to the upstream servers and, in fleet mode, to the engine nodes."""
+
+    endpoint: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    """The OTLP/HTTP traces endpoint, e.g. http://collector:4318/v1/traces
+    (None: the exporter's OTEL_EXPORTER_OTLP_* environment variables, else
+    http://localhost:4318/v1/traces)."""
+    service_name: Annotated[str, Field(min_length=1, max_length=128)] = "qosgate"
+    """The `service.name` of the spans."""
+    sample_ratio: _number(float, ge=0, le=1) = 1.0  # type: ignore[valid-type]
+    """Share of the traces begun here that are kept; a client's `traceparent`
+    decides for its own (sampled or not)."""
+
+
 class ObservabilityConfig(StrictModel):
     """Logs and metrics."""
 
@@ -229,6 +247,8 @@ class ObservabilityConfig(StrictModel):
     fleets with very many tenants."""
     trace: TraceConfig | None = None
     """Write a request trace `qosgate simulate` can replay (None: off)."""
+    otel: OtelConfig | None = None
+    """OpenTelemetry tracing (None: off)."""
 
 
 class BatchWindow(StrictModel):

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
@@ -50,6 +51,7 @@ from qosgate.config.models import FleetConfig, PolicyConfig
 from qosgate.config.scheduling import scheduling_policy
 from qosgate.core.admission import DEFAULT_DRAIN_RATE, DrainRateEstimator
 from qosgate.core.ordering import may_preempt, preemption_victim
+from qosgate.observability.otel import Tracing
 from qosgate.quotas import QuotaStore, QuotaStoreError, build_store
 from qosgate.runtime.errors import WorkQueueError
 
@@ -106,6 +108,9 @@ class EngineNode:
 
     def __init__(self, policy: PolicyConfig, fleet: FleetConfig, backend: Backend) -> None:
         self.backend = backend
+        self.tracing = Tracing.from_config(policy.observability.otel)
+        """OpenTelemetry tracing: each run of a traced item is a span of the
+        trace its replica began (None: off)."""
         self.node = fleet.node_id or default_node_id()
         self.store = fleet_store(policy, fleet)
         rules = scheduling_policy(policy)
@@ -129,6 +134,8 @@ class EngineNode:
         self._wake_channel = self.store.wake_channel.encode()
         self._outbox = _Outbox(self.store.redis)
         self._runs: dict[str, asyncio.Task[None]] = {}
+        self._spans: dict[str, Any] = {}
+        """The span of each traced run, ended with the run."""
         self._leases: dict[str, Lease] = {}
         # The reply channel of each item held, and the channels seen with a
         # subscriber since the last renewal: a run whose gateway is gone is
@@ -221,6 +228,8 @@ class EngineNode:
         await self.store.close()
         if self._quotas is not None:
             await self._quotas.close()
+        if self.tracing is not None:
+            self.tracing.close()
 
     def status(self) -> dict[str, Any]:
         return {
@@ -384,6 +393,16 @@ class EngineNode:
             self._hold(item_id, self._complete(lease, None))
             return
         self._replies[item_id] = reply_to
+        span = None
+        if self.tracing is not None and job.trace:
+            span = self.tracing.start("engine run", job.trace, server=False)
+            span.set_attributes({
+                "qosgate.node": self.node, "qosgate.tenant": job.tenant, "qosgate.tier": job.tier,
+                "gen_ai.usage.input_tokens": job.prompt_tokens,
+            })  # fmt: skip
+            # The backend's own calls (an upstream) are children of this run.
+            job = dataclasses.replace(job, trace=self.tracing.headers(span))
+        self._spans[item_id] = span
         try:
             gen = self.backend.generate(job)
         except BackendUnavailable as exc:
@@ -404,6 +423,9 @@ class EngineNode:
             try:
                 await work
             finally:
+                span = self._spans.pop(item_id, None)
+                if span is not None:
+                    span.end()
                 self._runs.pop(item_id, None)
                 self._leases.pop(item_id, None)
                 self._replies.pop(item_id, None)

@@ -54,6 +54,7 @@ def encode_job(job: GenerationJob, reply_to: str) -> bytes:
             "tier": job.tier,
             "session": job.session,
             "reply_to": reply_to,
+            "trace": job.trace,
         }
     )
 
@@ -72,6 +73,8 @@ def decode_job(payload: bytes) -> tuple[GenerationJob, str]:
             tenant=data["tenant"],
             tier=data["tier"],
             session=data["session"],
+            # Absent from items queued by a replica of an earlier version.
+            trace=_trace_headers(data.get("trace")),
         )
         reply_to = data["reply_to"]
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
@@ -79,6 +82,21 @@ def decode_job(payload: bytes) -> tuple[GenerationJob, str]:
     if not isinstance(reply_to, str) or job.endpoint not in ("chat", "completions"):
         raise ValueError("malformed work item payload: reply_to or endpoint")
     return job, reply_to
+
+
+_MAX_TRACE_HEADER = 512
+
+
+def _trace_headers(value: Any) -> dict[str, str] | None:
+    """The W3C trace headers of an item, if it carries well-formed ones
+    (anything else only loses the item its trace, never the item)."""
+    if not isinstance(value, dict):
+        return None
+    headers = {
+        k: v for k, v in value.items()
+        if k in ("traceparent", "tracestate") and isinstance(v, str) and len(v) <= _MAX_TRACE_HEADER
+    }  # fmt: skip
+    return headers or None
 
 
 def chunk_event(request_id: str, token: int, chunk: Chunk) -> Event:

@@ -21,8 +21,9 @@ from aiohttp import web
 
 from qosgate.config.models import PolicyConfig
 from qosgate.config.secrets import read_secret
-from qosgate.core.request import Outcome
+from qosgate.core.request import Outcome, Request
 from qosgate.observability import request_refused
+from qosgate.observability.otel import Clock, Tracing
 from qosgate.runtime.errors import GatewayError, PayloadTooLarge, RequestTimeout
 from qosgate.runtime.gate import Gateway
 from qosgate.wiring import LivePolicy
@@ -37,8 +38,9 @@ from .errors import (
 from .identity import AuthFailureLimiter
 from .openapi import build_openapi
 from .state import (
-    ADMITTED, BAD_FORWARDING, CLIENT_REQUEST_ID, RATELIMIT, REQUEST_ID, REQUEST_ID_HEADER, STATE,
-    TENANT, TIER, AppState, identify, valid_client_request_id,
+    ADMITTED, BAD_FORWARDING, CLIENT_REQUEST_ID, OUTCOME, RATELIMIT, RECORD, REQUEST_ID,
+    REQUEST_ID_HEADER, STATE, TENANT, TIER, TRACE_HEADERS, AppState, identify,
+    valid_client_request_id,
 )
 
 log = logging.getLogger("qosgate.http")
@@ -59,11 +61,15 @@ def build_app(
         live = LivePolicy(gateway, policy, environ=environ, policy_path=policy_path)
     policy = live.policy
     proxies = TrustedProxies(policy.server.trusted_proxies)
+    # The client's address first: everything after it (the limiter, the
+    # audit line) sees the client's, not the proxy's. The tracing middleware
+    # only when tracing is on: off, it costs nothing.
+    middlewares: list[Any] = [proxies.middleware, _error_middleware]
+    tracing = gateway.observer.tracing
+    if tracing is not None:
+        middlewares.insert(1, _traced(tracing))
     app = web.Application(
-        client_max_size=policy.server.max_body_bytes,
-        # The client's address first: everything after it (the limiter, the
-        # audit line) sees the client's, not the proxy's.
-        middlewares=[proxies.middleware, _error_middleware],
+        client_max_size=policy.server.max_body_bytes, middlewares=middlewares
     )
     app[STATE] = AppState(
         gateway=gateway,
@@ -132,6 +138,7 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
         _count_refusal(request, exc.outcome)
         response = error_response(exc)
         reason = exc.code
+        request[OUTCOME] = exc.outcome.value
         if isinstance(exc, RequestTimeout):
             # The rest of the body may still come; read as a next request it
             # would be garbage.
@@ -155,6 +162,7 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
         )
         response = web.json_response(INTERNAL_ERROR, status=500)
         reason = INTERNAL_ERROR["error"]["code"]
+        request[OUTCOME] = Outcome.BACKEND_ERROR.value
     if reason is not None:
         request_refused(
             status=response.status, reason=reason, request_id=request_id,
@@ -164,6 +172,45 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
     if not response.prepared:
         response.headers[REQUEST_ID_HEADER] = client_id or request_id
     return response
+
+
+def _traced(tracing: Tracing) -> Any:
+    """The middleware that gives each API request its span (a child of the
+    client's `traceparent`), with its phases and attributes once it ends."""
+
+    @web.middleware
+    async def traced(request: web.Request, handler: Any) -> web.StreamResponse:
+        if not request.path.startswith("/v1/"):
+            return await handler(request)
+        clock = Clock(asyncio.get_running_loop().time())
+        start_ns = time.time_ns()
+        resource = request.match_info.route.resource
+        name = request.method + (f" {resource.canonical}" if resource is not None else "")
+        span = tracing.start(name, request.headers, server=True, start_ns=start_ns)
+        request[TRACE_HEADERS] = tracing.headers(span)
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        finally:
+            record = request.get(RECORD)
+            if isinstance(record, Request):
+                outcome = record.outcome.value if record.outcome is not None else "cancelled"
+                tracing.describe(
+                    span, tenant=record.tenant, tier=record.tier, outcome=outcome, status=status,
+                    prompt_tokens=record.prompt_tokens, output_tokens=record.output_tokens,
+                )  # fmt: skip
+                tracing.phases(span, record, clock, start_ns)
+            else:
+                outcome = request.get(OUTCOME, "completed" if status < 400 else "bad_request")
+                tracing.describe(
+                    span, tenant=request.get(TENANT), tier=request.get(TIER), outcome=outcome,
+                    status=status,
+                )  # fmt: skip
+            span.end()
+
+    return traced
 
 
 def _count_refusal(request: web.Request, outcome: Outcome) -> None:

@@ -24,7 +24,9 @@ from .errors import MalformedRequest, UnsupportedMediaType
 from .protocol import describe_parse_error
 from .ratelimit import ratelimit_headers
 from .render import Call, Tally, relay_choice_fields, response_body, usage_body
-from .state import ADMITTED, RATELIMIT, REQUEST_ID, STATE, AppState, identify
+from .state import (
+    ADMITTED, RATELIMIT, RECORD, REQUEST_ID, STATE, TRACE_HEADERS, AppState, identify,
+)  # fmt: skip
 from .streaming import Pace, stream_response
 from .validation import MAX_PRIORITY_OFFSET, Endpoint, parse_json, validate_body
 
@@ -91,6 +93,7 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
         min_tokens=parsed.min_tokens,
         priority_offset=min(parsed.priority or 0, MAX_PRIORITY_OFFSET),
         session=session[:_MAX_SESSION_LEN] if session else None,
+        trace=request.get(TRACE_HEADERS),
     )
     # Read before admit awaits the quota store: a reload meanwhile that removed
     # the tier must not fail a stream already admitted.
@@ -104,6 +107,7 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     # From here on the request is admitted: every path must end it (the
     # response functions close the stream on any way out but completion).
     stream = await gateway.admit(ask, on_quota=quota_checked)
+    request[RECORD] = stream.request
     call = Call(
         endpoint=endpoint,
         response_id=("chatcmpl-" if endpoint == "chat" else "cmpl-") + request_id,

@@ -37,6 +37,13 @@ then on counts its outcome, refused or not."""
 TIER = _key("qosgate.tier", str)
 TENANT = _key("qosgate.tenant", str)
 """The tenant and tier, once the request's identity is known."""
+OUTCOME = _key("qosgate.outcome", str)
+"""The outcome of a request refused with an error status (the admitted
+request's own is on its record)."""
+RECORD = _key("qosgate.record", object)
+"""The admitted request's record (`core.request.Request`)."""
+TRACE_HEADERS = _key("qosgate.trace_headers", dict)
+"""The request's trace context as W3C headers, when it is traced."""
 CLIENT_REQUEST_ID = _key("qosgate.client_request_id", str)
 """The client's own X-Request-Id, when it is a valid one: echoed back."""
 BAD_FORWARDING = _key("qosgate.bad_forwarding", str)

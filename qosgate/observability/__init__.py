@@ -15,6 +15,7 @@ from qosgate.core.request import Outcome, Request
 
 from .logging import configure_logging, request_finished, request_refused
 from .metrics import GatewayMetrics
+from .otel import Tracing
 from .trace import TraceWriter
 
 
@@ -28,6 +29,8 @@ class Observer:
             if obs.trace is not None else None
         )  # fmt: skip
         """The request trace (`observability.trace`), None when off."""
+        self.tracing = Tracing.from_config(obs.otel)
+        """OpenTelemetry tracing (`observability.otel`), None when off."""
 
     def start(self, clock: Callable[[], float]) -> None:
         """The gateway starts: the trace's times count from now, on `clock`."""
@@ -38,6 +41,8 @@ class Observer:
         """The gateway has ended every request: what the trace holds is written."""
         if self.trace is not None:
             self.trace.close()
+        if self.tracing is not None:
+            self.tracing.close()
 
     def refused(
         self, tier: str, outcome: Outcome, request: Request | None = None, tenant: str = "none"

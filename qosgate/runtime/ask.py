@@ -32,6 +32,8 @@ class Ask:
     min_tokens: int | None = None
     priority_offset: int = 0
     session: str | None = None
+    trace: Mapping[str, str] | None = None
+    """The trace context as W3C headers, when the request is traced."""
 
 
 @dataclass(frozen=True, slots=True)

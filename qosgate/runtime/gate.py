@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 import structlog
@@ -259,6 +259,7 @@ class Gateway:
             request_id=ask.request_id, tenant=ask.tenant, tier=ask.tier, endpoint=ask.endpoint,
             body=shaped.body, prompt_tokens=shaped.prompt_tokens, max_tokens=shaped.max_tokens,
             priority_offset=ask.priority_offset, session=ask.session, reservation=reservation,
+            trace=ask.trace,
         )  # fmt: skip
 
     async def _reserve(self, ask: Ask, tokens: int, on_quota: _OnQuota | None) -> _Held:
@@ -293,6 +294,7 @@ class Gateway:
         priority_offset: int = 0,
         session: str | None = None,
         reservation: Reservation | None = None,
+        trace: Mapping[str, str] | None = None,
     ) -> RequestStream:
         """Admit a request now or refuse it (QueueFull / Overloaded, the request
         then finished with that outcome). Unknown tier or a reused request id
@@ -333,6 +335,7 @@ class Gateway:
             tier=tier,
             session=session,
             work=req.work,
+            trace=trace,
         )
         stream = RequestStream(self, req, job, loop, reservation)
         self._streams[request_id] = stream
