@@ -1,7 +1,7 @@
 """B1 A/B: is a change to qosgate's request path cheaper? Two builds, one run.
 
     .venv/bin/python benchmarks/b1_ab.py --base HEAD~1 [--stream] [--concurrency 16]
-        [--requests 3000] [--rounds 4] [--json PATH]
+        [--requests 3000] [--rounds 4] [--trace] [--json PATH]
 
 B1 (benchmarks/b1_overhead.py) gives the figures; this answers a narrower
 question while working on them. This machine's speed drifts (the same build's
@@ -14,9 +14,12 @@ one process tree and against one instant upstream:
 - B: `qosgate serve` from this working tree, as it is (uncommitted changes
   included),
 - F: the floor proxy (benchmarks/b1_floor_proxy.py), as a yardstick,
+- with `--trace`, C: this working tree again with OpenTelemetry tracing on
+  (`observability.otel`, every request sampled, exported to a sink on the
+  upstream), for what tracing costs,
 
 and sends each the same closed-loop load in blocks ordered A B F F B A per
-round, so drift falls on all three alike. Per block it reads the server's
+round (A B C F F C B A with `--trace`), so drift falls on all alike. Per block it reads the server's
 CPU (schedstat, as B1 does) and the end-to-end p50; it prints each target's
 median over its blocks, B over A, and each over F, and B over A of the
 cheapest blocks as well: what other work on the host does can only add to a
@@ -50,6 +53,7 @@ from qosgate.bench.scenario import load_bench_scenario
 from qosgate.observability.stats import percentile
 
 ORDER = ("A", "B", "F", "F", "B", "A")
+TRACED_ORDER = ("A", "B", "C", "F", "F", "C", "B", "A")
 WARMUP = 300
 
 
@@ -62,10 +66,15 @@ def export(revision: str, into: Path) -> None:
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
 
 
-def start_build(source: Path, upstream_url: str, tmp: Path, name: str) -> tuple[Child, str]:
-    """`qosgate serve` with the qosgate package found under `source`."""
+def start_build(
+    source: Path, upstream_url: str, tmp: Path, name: str, *, traced: bool = False
+) -> tuple[Child, str]:
+    """`qosgate serve` with the qosgate package found under `source`; with
+    `traced`, its spans exported to the upstream's sink."""
     policy = yaml.safe_load((HERE / "b1_policy.yaml").read_text())
     policy["backend"]["upstreams"][0]["url"] = upstream_url
+    if traced:
+        policy["observability"] = {"otel": {"endpoint": upstream_url + "/traces"}}
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(policy, sort_keys=False))
     entry = (
@@ -106,6 +115,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "B": start_build(ROOT, upstream_url, tmp, "B"),
                 "F": start_floor(upstream_url, tmp, "F"),
             }
+            if args.trace:
+                servers["C"] = start_build(ROOT, upstream_url, tmp, "C", traced=True)
+            order = TRACED_ORDER if args.trace else ORDER
             children.extend(child for child, _ in servers.values())
             cfgs = {}
             for name, (_, url) in servers.items():
@@ -118,7 +130,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             with WorkerPool(1) as pool:
                 for name in servers:
                     failures += run_block(pool, cfgs[name], specs, args.concurrency, WARMUP)[2]
-                for name in ORDER * args.rounds:
+                for name in order * args.rounds:
                     child, _ = servers[name]
                     before = cpu_seconds(child.pid)
                     records, _, failed = run_block(
@@ -146,7 +158,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     a, b, f = (medians[n]["cpu_ms_per_request"] for n in "ABF")
     a_min, b_min = (medians[n]["cpu_ms_per_request_min"] for n in "AB")
+    traced = {}
+    if args.trace:
+        c, c_min = medians["C"]["cpu_ms_per_request"], medians["C"]["cpu_ms_per_request_min"]
+        traced = {"c_over_b_cpu": c / b, "c_over_b_cpu_min": c_min / b_min}
     return {
+        **traced,
         "base": args.base,
         "stream": args.stream,
         "concurrency": args.concurrency,
@@ -168,6 +185,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=3000,
                         help="requests per target, over all its blocks")
     parser.add_argument("--rounds", type=int, default=4, help="rounds of A B F F B A")
+    parser.add_argument("--trace", action="store_true",
+                        help="also run this tree with OpenTelemetry tracing on (C)")
     parser.add_argument("--json", dest="json_path", help="also write the result here")
     args = parser.parse_args()
     result = run(args)
@@ -175,6 +194,8 @@ def main() -> int:
     print(f"B1 A/B, {mode}, concurrency {args.concurrency}, {result['requests_per_block']} "
           f"requests a block, {args.rounds} rounds (medians over blocks)")
     labels = {"A": f"A {args.base}", "B": "B working tree", "F": "F floor proxy"}
+    if args.trace:
+        labels["C"] = "C working tree, traced"
     for name, label in labels.items():
         t = result["targets"][name]
         blocks = " ".join(f"{c:.3f}" for c in sorted(t["cpu_ms_per_request_blocks"]))
@@ -183,6 +204,9 @@ def main() -> int:
     print(f"  B / A CPU {result['b_over_a_cpu']:.3f} (of the cheapest blocks: "
           f"{result['b_over_a_cpu_min']:.3f});  A / F {result['a_over_floor_cpu']:.2f}x, "
           f"B / F {result['b_over_floor_cpu']:.2f}x")
+    if args.trace:
+        print(f"  C / B CPU {result['c_over_b_cpu']:.3f} (of the cheapest blocks: "
+              f"{result['c_over_b_cpu_min']:.3f})")
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(result, indent=2))

@@ -97,7 +97,14 @@ def build_app(delay_s: float) -> web.Application:
         await response.write_eof()
         return response
 
+    async def traces(request: web.Request) -> web.Response:
+        # An OTLP/HTTP collector that keeps nothing: where a traced gateway
+        # under test (b1_ab.py --trace) exports its spans.
+        await request.read()
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
     app = web.Application()
+    app.router.add_post("/v1/traces", traces)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", generate)
     app.router.add_post("/v1/completions", generate)

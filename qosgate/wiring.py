@@ -155,12 +155,17 @@ async def serve_engine(
     stop: asyncio.Event,
 ) -> None:
     """An engine node of the fleet (`fleet.role: engine`): the backend, fed
-    from the shared queue, and only /healthz, /readyz and /fleet over HTTP
-    (clients talk to the gateway replicas)."""
+    from the shared queue, and only /healthz, /readyz, /fleet and /metrics
+    over HTTP (clients talk to the gateway replicas)."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
     from qosgate.fleet.engine import EngineNode
+    from qosgate.observability.metrics import EngineNodeMetrics
 
     assert policy.fleet is not None
-    node = EngineNode(policy, policy.fleet, build_backend(policy.backend))
+    backend = build_backend(policy.backend)
+    node = EngineNode(policy, policy.fleet, backend)
+    metrics = EngineNodeMetrics(node.status, backend.engine_metrics)
 
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -174,10 +179,16 @@ async def serve_engine(
     async def status(_: web.Request) -> web.Response:
         return web.json_response(node.status())
 
+    async def get_metrics(_: web.Request) -> web.Response:
+        response = web.Response(body=generate_latest(metrics.registry))
+        response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
+        return response
+
     app = web.Application()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/fleet", status)
+    app.router.add_get("/metrics", get_metrics)
     runner = web.AppRunner(app, access_log=None)
     loop = asyncio.get_running_loop()
     handled: list[signal.Signals] = []

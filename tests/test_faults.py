@@ -96,8 +96,8 @@ class Watch(Observer):
         super().first_token(req, now)
         self.changed.set()
 
-    def finished(self, req: Request, usage: tuple[int, int] | None) -> None:
-        super().finished(req, usage)
+    def finished(self, req: Request, usage: tuple[int, int] | None, model: str = "") -> None:
+        super().finished(req, usage, model)
         self.ends[req.id] += 1
         self.usage[req.id] = usage
         self.changed.set()

@@ -131,8 +131,9 @@ async def test_every_design_metric_is_exported_and_moves_with_the_load():
     assert value(after, "qosgate_batch_size_count") >= 3
     assert value(after, "qosgate_batch_size_sum") == 6
     assert value(after, "qosgate_batch_wait_seconds_count") == value(after, "qosgate_batch_size_count")
-    assert value(after, "qosgate_tokens_total", tenant="alice", kind="completion") == 12
-    assert value(after, "qosgate_tokens_total", tenant="bob", kind="prompt") == 3 * 5
+    tokens = "qosgate_tokens_total"
+    assert value(after, tokens, tenant="alice", kind="completion", model=MODEL) == 12
+    assert value(after, tokens, tenant="bob", kind="prompt", model=MODEL) == 3 * 5
     remaining = value(after, "qosgate_quota_remaining_tokens", tenant="alice")
     assert 0 < remaining < 1_000_000
 

@@ -174,6 +174,11 @@ class Backend:
     restarts: int = 0
     """Times it restarted its engine (one that can, vllm, counts them)."""
 
+    engine_metrics: tuple[Any, str] | None = None
+    """Its engine's own Prometheus metrics, served on the gateway's /metrics:
+    (a prometheus_client registry, the prefix of the families to take from
+    it); None: the engine has none in this process."""
+
     async def start(self) -> None:
         """Bring the backend up (engine start, first health check)."""
 

@@ -184,6 +184,15 @@ class VllmBackend(Backend):
             return None
         return engine
 
+    @property
+    def engine_metrics(self) -> tuple[Any, str] | None:  # type: ignore[override]
+        """vLLM's own metrics (`vllm:*`, its v1 engine's PrometheusStatLogger),
+        which it registers in prometheus_client's default registry of this
+        process while it logs stats (its default)."""
+        from prometheus_client import REGISTRY
+
+        return (REGISTRY, "vllm:")
+
     def _adopt(self, engine: Any) -> None:
         self.engine = engine
         self._dead = False

@@ -60,14 +60,16 @@ def build_app(
     if live is None:
         live = LivePolicy(gateway, policy, environ=environ, policy_path=policy_path)
     policy = live.policy
-    proxies = TrustedProxies(policy.server.trusted_proxies)
-    # The client's address first: everything after it (the limiter, the
-    # audit line) sees the client's, not the proxy's. The tracing middleware
-    # only when tracing is on: off, it costs nothing.
-    middlewares: list[Any] = [proxies.middleware, _error_middleware]
+    # Each middleware only where it has work (off, it costs nothing): the
+    # client's address first, so everything after it (the limiter, the audit
+    # line) sees the client's, not the proxy's; then the request's span.
+    middlewares: list[Any] = []
+    if policy.server.trusted_proxies:
+        middlewares.append(TrustedProxies(policy.server.trusted_proxies).middleware)
     tracing = gateway.observer.tracing
     if tracing is not None:
-        middlewares.insert(1, _traced(tracing))
+        middlewares.append(_traced(tracing))
+    middlewares.append(_error_middleware)
     app = web.Application(
         client_max_size=policy.server.max_body_bytes, middlewares=middlewares
     )

@@ -63,9 +63,10 @@ class Observer:
     def first_token(self, req: Request, now: float) -> None:
         self.metrics.first_token(req, now)
 
-    def finished(self, req: Request, usage: tuple[int, int] | None) -> None:
+    def finished(self, req: Request, usage: tuple[int, int] | None, model: str = "") -> None:
+        """An admitted request ended; `model`: the served model it asked for."""
         assert req.outcome is not None
-        self.metrics.finished(req, usage)
+        self.metrics.finished(req, usage, model)
         self._trace(req, req.outcome, usage)
         if self.log_requests:
             try:

@@ -15,10 +15,14 @@ tenants keeps a bounded number of series.
 from __future__ import annotations
 
 import collections
+import importlib.metadata
+import platform
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry, Counter, Gauge, Histogram, Info, PlatformCollector, ProcessCollector,
+)  # fmt: skip
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -76,6 +80,20 @@ class _Levels(Collector):
             family = CounterMetricFamily(f"{PREFIX}{name}", text)
             family.add_metric([], quota_store.get(counter, 0))
             yield family
+        if "up" in quota_store:
+            for name, text, value in (
+                ("quota_store_up", "1 while the quota store answers (as of its last call), else 0",
+                 quota_store["up"]),
+                ("quota_store_failing_open",
+                 "1 while the quota store is down and this gateway admits on its own "
+                 "limiter (fail_open), else 0", quota_store["failing_open"]),
+                ("quota_store_last_error_timestamp_seconds",
+                 "Unix time of the last failed call to the quota store (0: none yet)",
+                 quota_store.get("last_error_unix") or 0),
+            ):  # fmt: skip
+                family = GaugeMetricFamily(f"{PREFIX}{name}", text)
+                family.add_metric([], float(value))
+                yield family
 
 
 _QUOTA_STORE_COUNTERS = (
@@ -90,6 +108,76 @@ _QUOTA_STORE_COUNTERS = (
     ("quota_leases_lost", "leases_lost",
      "Running requests whose concurrency lease ran out before it was renewed"),
 )  # fmt: skip
+
+
+class _Taken(Collector):
+    """The families of another registry whose names start with `prefix`
+    (an in-process engine's own metrics), as they stand when scraped."""
+
+    def __init__(self, registry: Any, prefix: str) -> None:
+        self._registry = registry
+        self._prefix = prefix
+
+    def collect(self) -> Iterator[Any]:
+        for family in self._registry.collect():
+            if family.name.startswith(self._prefix):
+                yield family
+
+
+def process_metrics(registry: CollectorRegistry) -> None:
+    """The process's own (CPU, memory, open files; Python's version) and
+    `qosgate_build_info` with qosgate's version, in `registry`."""
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    try:
+        version = importlib.metadata.version("qosgate")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    Info(f"{PREFIX}build", "The qosgate build", registry=registry).info(
+        {"version": version, "python": platform.python_version()}
+    )
+
+
+class EngineNodeMetrics:
+    """An engine node's /metrics (fleet mode): its runs and room as
+    `status()` reports them when scraped, the process, and its engine's own."""
+
+    def __init__(self, status: Callable[[], dict[str, Any]], engine: tuple[Any, str] | None) -> None:
+        self.registry = CollectorRegistry()
+        process_metrics(self.registry)
+        self.registry.register(_EngineNodeLevels(status))
+        if engine is not None:
+            self.registry.register(_Taken(*engine))
+
+
+class _EngineNodeLevels(Collector):
+    def __init__(self, status: Callable[[], dict[str, Any]]) -> None:
+        self._status = status
+
+    def collect(self) -> Iterator[Any]:
+        status = self._status()
+        node = [status["node"]]
+        kinds: tuple[tuple[Any, str, str], ...] = (
+            (GaugeMetricFamily, "running", "Fleet items this engine node is running"),
+            (GaugeMetricFamily, "free_slots", "Sequences its backend could still take"),
+            (GaugeMetricFamily, "drain_rate_tokens_per_s",
+             "Tokens per second its backend was measured to finish"),
+            (CounterMetricFamily, "completed", "Fleet items it ran to their end"),
+            (CounterMetricFamily, "preempted", "Runs it gave back to the queue for more urgent work"),
+            (CounterMetricFamily, "orphaned",
+             "Runs it stopped because the replica that queued them was gone"),
+        )  # fmt: skip
+        for kind, key, text in kinds:
+            family = kind(f"{PREFIX}engine_{key}", text, labels=["node"])
+            family.add_metric(node, status[key])
+            yield family
+        affinity = CounterMetricFamily(
+            f"{PREFIX}engine_claims", "Items it claimed, by affinity: home (its own session or "
+            "tenant), away (another node's) or new", labels=["node", "affinity"],
+        )  # fmt: skip
+        for kind, count in status["affinity"].items():
+            affinity.add_metric([*node, kind], count)
+        yield affinity
 
 
 class _FleetLevels(Collector):
@@ -168,8 +256,8 @@ class GatewayMetrics:
             "batch_wait_seconds", "How long a batch's oldest request waited", BATCH_WAIT_BUCKETS, ()
         )
         self.tokens = Counter(
-            f"{PREFIX}tokens", "Tokens served, by tenant and kind (prompt, completion)",
-            ["tenant", "kind"], registry=r,
+            f"{PREFIX}tokens", "Tokens served, by tenant, kind (prompt, completion) and model",
+            ["tenant", "kind", "model"], registry=r,
         )  # fmt: skip
         self.quota_remaining = Gauge(
             f"{PREFIX}quota_remaining_tokens",
@@ -192,6 +280,7 @@ class GatewayMetrics:
         """The fleet's shared queue as last read (`queued` per tier, `running`),
         set before each scrape in fleet mode; None otherwise."""
         self.registry.register(_FleetLevels(self))
+        process_metrics(self.registry)
 
     def set_tiers(self, policy: PolicyConfig) -> None:
         """The SLOs of a reloaded policy."""
@@ -200,6 +289,10 @@ class GatewayMetrics:
     def watch(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         """Read the queue and backend levels from `snapshot` at scrape time."""
         self.registry.register(_Levels(snapshot))
+
+    def include(self, engine: tuple[Any, str]) -> None:
+        """Serve an in-process engine's own metrics too (`Backend.engine_metrics`)."""
+        self.registry.register(_Taken(*engine))
 
     def _tenant(self, tenant: str) -> str:
         return tenant if self.tenant_labels else "all"
@@ -235,17 +328,17 @@ class GatewayMetrics:
         self._child(self.ttft, req.tier).observe(ttft)
         self.recent_ttft[req.tier].append(ttft)
 
-    def finished(self, req: Request, charged: tuple[int, int] | None) -> None:
+    def finished(self, req: Request, charged: tuple[int, int] | None, model: str = "") -> None:
         """A request that was admitted has ended. `charged`: (prompt, completion)
-        tokens it used, when it ran."""
+        tokens it used, when it ran; `model`: the served model it asked for."""
         assert req.outcome is not None and req.finished_at is not None
         tier = req.tier
         self._child(self.requests, tier, self._tenant(req.tenant), req.outcome.value).inc()
         if charged is not None:
             prompt, completion = charged
             tenant = self._tenant(req.tenant)
-            self._child(self.tokens, tenant, "prompt").inc(prompt)
-            self._child(self.tokens, tenant, "completion").inc(completion)
+            self._child(self.tokens, tenant, "prompt", model).inc(prompt)
+            self._child(self.tokens, tenant, "completion", model).inc(completion)
         if req.outcome is not Outcome.COMPLETED:
             return
         e2e = req.finished_at - req.arrival

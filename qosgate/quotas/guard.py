@@ -87,6 +87,8 @@ class GuardCounters:
     carried: int = 0
     """Times this gateway carried a tenant's admissions into the store: after
     an outage (what it admitted alone) or a data loss (all it held)."""
+    last_error_unix: float | None = None
+    """When a call to the store last failed (Unix time), or None."""
 
 
 class QuotaStoreDown(Exception):
@@ -178,6 +180,12 @@ class QuotaGuard:
     @property
     def store_down(self) -> bool:
         return self._down_until is not None
+
+    @property
+    def failing_open(self) -> bool:
+        """The store is down and requests are admitted on this gateway's own
+        limiter (fail_open): each gateway's admissions add up alone."""
+        return self.store_down and self._cfg.on_error == "fail_open"
 
     async def usage(self, tenant: str) -> tuple[LimitState, ...]:
         """Each of the tenant's limits as it stands (read-only). From the local
@@ -523,6 +531,7 @@ class QuotaGuard:
 
     def _failed(self, now: float, exc: QuotaStoreError) -> None:
         self.counters.store_errors += 1
+        self.counters.last_error_unix = time.time()
         if self._down_until is None:
             log.warning(
                 "quota store unreachable (%s); %s", exc,

@@ -89,6 +89,8 @@ class Gateway:
         self.observer = observer if observer is not None else Observer(policy)
         """Metrics and the request log, fed at each event of a request."""
         self.observer.metrics.watch(self.snapshot)
+        if backend.engine_metrics is not None:
+            self.observer.metrics.include(backend.engine_metrics)
         # A backend that queues what it takes (the fleet's) reports when the
         # waiting there ends.
         backend.set_start_listener(self.observer.metrics.fleet_started)
@@ -217,7 +219,11 @@ class Gateway:
             "dispatched_not_started": len(self._reserved),
             "restarts": self._backend.restarts,
         }
-        snap["quota_store"] = vars(self.quotas.counters)
+        snap["quota_store"] = {
+            **vars(self.quotas.counters),
+            "up": not self.quotas.store_down,
+            "failing_open": self.quotas.failing_open,
+        }
         return snap
 
     # -- requests ------------------------------------------------------------
@@ -520,7 +526,8 @@ class Gateway:
             if stream.reservation is not None:
                 charged = sum(usage) if usage is not None else 0
                 self._settle(stream.reservation, charged, served=usage is not None)
-            self.observer.finished(stream.request, usage)
+            model = stream.job.body.get("model")
+            self.observer.finished(stream.request, usage, model if isinstance(model, str) else "")
         if self._idle is not None and not self._streams and not self._idle.done():
             self._idle.set_result(None)
         self._wake()

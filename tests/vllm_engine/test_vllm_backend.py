@@ -414,3 +414,14 @@ async def test_logprobs_come_back_from_the_engine_streamed_and_whole(live):
     assert all(1 <= len(alts) <= 2 for alts in lp.top_logprobs)
     assert lp.text_offset[0] == 0
     await c.close()
+
+
+async def test_the_engines_own_metrics_are_served_on_the_gateways(live):
+    async with aiohttp.ClientSession() as http:
+        async with http.get(live.url + "/metrics") as r:
+            assert r.status == 200
+            text = await r.text()
+    # vLLM's v1 engine metrics, beside qosgate's, from the one /metrics.
+    assert "vllm:num_requests_running{" in text
+    assert "vllm:kv_cache_usage_perc{" in text
+    assert "qosgate_requests_total" in text
