@@ -456,3 +456,82 @@ def test_a_503_is_a_refusal_only_when_the_gateway_says_overloaded():
     assert error_outcome(503, "shutting_down") == ERROR
     assert error_outcome(429, "queue_full") == "rejected_queue_full"
     assert error_outcome(504, "queue_timeout") == "expired"
+
+
+# -- a run that measured nothing, and the live line ---------------------------------------
+
+
+async def test_a_run_where_every_request_failed_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.redis_server import free_port
+
+    path = write(tmp_path, open_scenario(duration_s=0.3))
+    rc = await bench(f"http://127.0.0.1:{free_port()}/v1", str(path), "--workers", "1")
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "every request failed" in err and "connection x" in err
+
+
+class _Terminal:
+    """A stream that says it is a terminal, and keeps what is written."""
+
+    def __init__(self, tty: bool) -> None:
+        self.text = ""
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, text: str) -> None:
+        self.text += text
+
+    def flush(self) -> None:
+        pass
+
+
+def test_the_progress_line_is_rewritten_on_a_terminal_and_logged_now_and_then() -> None:
+    from qosgate.bench.commands import ProgressLine
+
+    now = [100.0]
+    terminal = _Terminal(tty=True)
+    line = ProgressLine(terminal, 50, clock=lambda: now[0])
+    line(3, 2)
+    now[0] += 2
+    line(10, 9)
+    line.end()
+    assert terminal.text == (
+        "\r  3/50 answered, 2 completed, 1 not, 0 s\x1b[K"
+        "\r  10/50 answered, 9 completed, 1 not, 2 s\x1b[K\n"
+    )
+    log = _Terminal(tty=False)
+    line = ProgressLine(log, None, log_every_s=10, clock=lambda: now[0])
+    line(1, 1)
+    now[0] += 10
+    line(7, 7)
+    line.end()
+    assert log.text == "  7 answered, 7 completed, 0 not, 10 s\n"
+
+
+async def test_the_workers_report_progress_while_a_job_runs(tmp_path: Path) -> None:
+    from qosgate.bench.client import PROGRESS_INTERVAL_S
+    from qosgate.bench.commands import job_config, resolve_keys
+    from qosgate.bench.pool import WorkerPool
+
+    # Long enough for a report or two: the scenario's length, not a wait.
+    scenario = load_bench_scenario(write(tmp_path, open_scenario(duration_s=3 * PROGRESS_INTERVAL_S)))
+    specs = plan_open(scenario)
+    reports: list[tuple[int, int]] = []
+    async with live_app() as live:
+        cfg = job_config(scenario, live.url + "/v1", resolve_keys(scenario), scenario.seed)
+
+        def run() -> Any:
+            with WorkerPool(2) as pool:
+                return pool.run("open", cfg, split_open(specs, 2),
+                                lambda done, ok: reports.append((done, ok)))  # fmt: skip
+
+        job = await asyncio.to_thread(run)
+    assert len(job.records) == len(specs)
+    assert reports, "no progress reported"
+    assert all(0 <= ok <= done <= len(specs) for done, ok in reports)
+    assert [done for done, _ in reports] == sorted(done for done, _ in reports)

@@ -132,6 +132,34 @@ async def test_without_the_token_the_page_says_so(admin_env):
         await browser.close()
 
 
+async def test_the_token_box_hides_once_a_valid_token_is_given(admin_env):
+    async with live_app(make_policy(POLICY)) as live, async_playwright() as pw:
+        browser = await pw.chromium.launch(
+            executable_path=chromium(), headless=True, args=["--no-sandbox"]
+        )
+        page = await browser.new_page(viewport={"width": 1400, "height": 1000})
+        await page.goto(f"{live.url}/dashboard")
+        await page.wait_for_selector("#token-form:not([hidden])", timeout=15000)
+        assert await page.is_visible("#token-form")
+        await page.fill("#token", ADMIN)
+        await page.click("#token-form button")
+        await page.wait_for_selector("#status:not(.down)", timeout=15000)
+        # Hidden as drawn, not only as marked: the form's own display rule
+        # must not outrank [hidden].
+        await page.wait_for_selector("#token-form", state="hidden", timeout=15000)
+        assert not await page.is_visible("#token-form")
+        ARTIFACTS.mkdir(exist_ok=True)
+        shot = ARTIFACTS / "dashboard-token-given.png"
+        await page.screenshot(path=str(shot))
+        assert shot.stat().st_size > 10_000
+        # The charts' history goes up to an hour.
+        await page.select_option("#history", "3600")
+        assert await page.evaluate("window.qosgate.shown") == 2400
+        title = await page.inner_text("#outcome-chart >> xpath=preceding-sibling::h2")
+        assert "per tier" not in title
+        await browser.close()
+
+
 class _ReplicaBackend(ScriptedBackend):
     """A fleet replica's backend, as the dashboard sees it: the shared queue."""
 

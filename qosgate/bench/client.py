@@ -106,6 +106,9 @@ class Job:
         self.honor_retry_after = bool(cfg.get("honor_retry_after", False))
         self.retry_after: dict[int, float] = {}
         """Request number -> the Retry-After it was refused with (when honoured)."""
+        self.finished = 0
+        """Requests answered so far (or failed), for the progress reports."""
+        self.completed = 0
 
     def prompt(self, rid: int, tokens: int) -> str:
         """About 4 characters per token of ordinary words, different for every
@@ -193,6 +196,8 @@ class Job:
         end = loop.time()
         if error_type is not None and outcome == COMPLETED:
             outcome = ERROR
+        self.finished += 1
+        self.completed += outcome == COMPLETED
         return (
             rid, cls, sent - start, None if first is None else first - start, end - start,
             status, outcome, error_type, error_code, prompt_tokens, output,
@@ -374,6 +379,7 @@ async def _serve(conn: Connection) -> None:
                 continue
             start = float(go[1])
             cpu = time.process_time()
+            reporter = asyncio.get_running_loop().create_task(_report_progress(conn, job))
             try:
                 if kind == "open":
                     records = await run_open(job, payload, start)
@@ -382,9 +388,21 @@ async def _serve(conn: Connection) -> None:
             except Exception:  # noqa: BLE001 - reported to the parent
                 conn.send(("failed", traceback.format_exc()))
                 continue
+            finally:
+                reporter.cancel()
             conn.send(("done", records, {"cpu_s": time.process_time() - cpu}))
     finally:
         await session.close()
+
+
+PROGRESS_INTERVAL_S = 0.5
+"""How often a worker tells the parent how far its share of a job has come."""
+
+
+async def _report_progress(conn: Connection, job: Job) -> None:
+    while True:
+        await asyncio.sleep(PROGRESS_INTERVAL_S)
+        conn.send(("progress", job.finished, job.completed))
 
 
 def worker_main(conn: Connection) -> None:

@@ -15,6 +15,8 @@ import argparse
 import json
 import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -96,15 +98,55 @@ def job_config(scenario: BenchScenario, urls: str | list[str], keys: list[str | 
     }
 
 
+class ProgressLine:
+    """The live line of a run on stderr: requests answered so far, how many
+    completed, the time since the run began. On a terminal it is rewritten in
+    place; elsewhere (a log) a line is written every `log_every_s`."""
+
+    def __init__(self, stream: Any, planned: int | None, *, log_every_s: float = 10.0,
+                 clock: Any = time.monotonic) -> None:  # fmt: skip
+        self._stream = stream
+        self._tty = bool(getattr(stream, "isatty", lambda: False)())
+        self._planned = planned
+        self._clock = clock
+        self._began = clock()
+        self._every = log_every_s
+        self._last_logged = self._began
+        self._shown = False
+
+    def __call__(self, finished: int, completed: int) -> None:
+        now = self._clock()
+        of = f"/{self._planned}" if self._planned else ""
+        text = (f"  {finished}{of} answered, {completed} completed, "
+                f"{finished - completed} not, {now - self._began:.0f} s")  # fmt: skip
+        if self._tty:
+            self._stream.write("\r" + text + "\x1b[K")
+            self._shown = True
+        elif now - self._last_logged >= self._every:
+            self._stream.write(text + "\n")
+            self._last_logged = now
+        self._stream.flush()
+
+    def end(self) -> None:
+        """The run is over: the line in place is left as it stands."""
+        if self._shown:
+            self._stream.write("\n")
+            self._stream.flush()
+            self._shown = False
+
+
 def run_open(pool: Any, scenario: BenchScenario, cfg: dict[str, Any], seed: int,
-             client_workers: int) -> tuple[dict[str, Any], list, list[int]]:
+             client_workers: int, live: ProgressLine | None = None,
+             ) -> tuple[dict[str, Any], list, list[int]]:  # fmt: skip
     """The report, the records, and the max_tokens asked of each (by request id)."""
     from qosgate.bench.plan import plan_open
     from qosgate.bench.pool import split_open
     from qosgate.bench.report import build_bench_report, records_from
 
     specs = plan_open(scenario, seed)
-    job = pool.run("open", cfg, split_open(specs, client_workers))
+    job = pool.run("open", cfg, split_open(specs, client_workers), live)
+    if live is not None:
+        live.end()
     records = records_from(job.records)
     assert scenario.duration_s is not None
     report = build_bench_report(
@@ -116,9 +158,11 @@ def run_open(pool: Any, scenario: BenchScenario, cfg: dict[str, Any], seed: int,
 
 def run_sweep(pool: Any, scenario: BenchScenario, cfg: dict[str, Any], seed: int,
               client_workers: int, progress: Any = None,
-              asked: list[tuple[Any, int]] | None = None) -> dict[str, Any]:
+              asked: list[tuple[Any, int]] | None = None,
+              live: Callable[[int | None], ProgressLine] | None = None) -> dict[str, Any]:
     """The pooled report with its `sweep` rows; `asked`, when given, gets each
-    record (on the pooled clock) with the max_tokens it asked for."""
+    record (on the pooled clock) with the max_tokens it asked for; `live`
+    makes each level's progress line."""
     from qosgate.bench.plan import sweep_pool
     from qosgate.bench.pool import split_users
     from qosgate.bench.report import build_bench_report, level_window, records_from, sweep_row
@@ -139,7 +183,10 @@ def run_sweep(pool: Any, scenario: BenchScenario, cfg: dict[str, Any], seed: int
             "duration_s": scenario.sweep.duration_s,
         }
         payloads = [{**base, "users": users} for users in split_users(concurrency, client_workers)]
-        job = pool.run("closed", cfg, payloads)
+        line = live(scenario.sweep.requests) if live is not None else None
+        job = pool.run("closed", cfg, payloads, line)
+        if line is not None:
+            line.end()
         records = records_from(job.records)
         level_planned = scenario.sweep.requests
         report = build_bench_report(
@@ -228,13 +275,17 @@ def bench_command(args: argparse.Namespace) -> int:
                 if not args.quiet:
                     print(f"qosgate bench: {scenario.name}: open loop for {scenario.duration_s:g} s "
                           f"against {url} ({workers} client processes)", file=sys.stderr, flush=True)
-                report, records, asks = run_open(pool, scenario, cfg, seed, workers)
+                live = None if args.quiet else ProgressLine(sys.stderr, None)
+                report, records, asks = run_open(pool, scenario, cfg, seed, workers, live)
                 asked = [(r, asks[r.rid]) for r in records]
             else:
                 if not args.quiet:
                     print(f"qosgate bench: {scenario.name}: sweep against {url} "
                           f"({workers} client processes)", file=sys.stderr, flush=True)
-                report = run_sweep(pool, scenario, cfg, seed, workers, progress, asked)
+                report = run_sweep(
+                    pool, scenario, cfg, seed, workers, progress, asked,
+                    None if args.quiet else lambda planned: ProgressLine(sys.stderr, planned),
+                )  # fmt: skip
     except PoolError as exc:
         print(f"qosgate bench: {exc}", file=sys.stderr)
         return 1
@@ -263,5 +314,13 @@ def bench_command(args: argparse.Namespace) -> int:
     if totals["lost"] or totals["worker_failures"]:
         print(f"qosgate bench: {totals['lost']} requests lost, "
               f"{totals['worker_failures']} worker failures", file=sys.stderr)
+        return 1
+    if totals["errors"] == totals["sent"]:
+        # Every request failed (the endpoint down, every key wrong): the run
+        # measured nothing, and a script running it must see so. Refusals
+        # (429, 503 overloaded) are answers, and a run of them measures one.
+        causes = ", ".join(f"{k} x{v}" for k, v in (totals.get("error_types") or {}).items())
+        print(f"qosgate bench: every request failed ({totals['sent']} sent"
+              + (f"; {causes}" if causes else "") + ")", file=sys.stderr)
         return 1
     return 0

@@ -16,6 +16,7 @@ import multiprocessing
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
+from collections.abc import Callable
 from typing import Any, Self
 
 from qosgate.bench.client import worker_main
@@ -97,9 +98,14 @@ class WorkerPool:
         self._procs.clear()
         self._conns.clear()
 
-    def run(self, kind: str, cfg: dict[str, Any], payloads: list[Any]) -> JobResult:
+    def run(
+        self, kind: str, cfg: dict[str, Any], payloads: list[Any],
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> JobResult:  # fmt: skip
         """Run one job: payloads[i] goes to worker i (fewer payloads than
-        workers leave the rest idle). Blocks until every worker answered."""
+        workers leave the rest idle). Blocks until every worker answered.
+        `on_progress(finished, completed)` gets the job's counts, summed over
+        the workers, as they report them while it runs."""
         if len(payloads) > self.size:
             raise ValueError(f"{len(payloads)} payloads for {self.size} workers")
         active = list(range(len(payloads)))
@@ -119,6 +125,7 @@ class WorkerPool:
         records: list[tuple] = []
         cpu = 0.0
         pending = set(armed)
+        counts: dict[int, tuple[int, int]] = {}
         while pending:
             conns = {self._conns[i]: i for i in pending}
             sentinels = {self._procs[i].sentinel: i for i in pending}
@@ -132,8 +139,13 @@ class WorkerPool:
                     continue
                 if i not in pending:
                     continue
-                pending.discard(i)
                 reply = self._reply(i)
+                if reply is not None and reply[0] == "progress":
+                    counts[i] = (reply[1], reply[2])
+                    if on_progress is not None:
+                        on_progress(*(sum(c) for c in zip(*counts.values())))
+                    continue
+                pending.discard(i)
                 if reply is not None and reply[0] == "done":
                     records.extend(reply[1])
                     cpu += float(reply[2].get("cpu_s", 0.0))
