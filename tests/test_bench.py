@@ -519,7 +519,8 @@ async def test_the_workers_report_progress_while_a_job_runs(tmp_path: Path) -> N
     from qosgate.bench.pool import WorkerPool
 
     # Long enough for a report or two: the scenario's length, not a wait.
-    scenario = load_bench_scenario(write(tmp_path, open_scenario(duration_s=3 * PROGRESS_INTERVAL_S)))
+    data = open_scenario(duration_s=3 * PROGRESS_INTERVAL_S)
+    scenario = load_bench_scenario(write(tmp_path, data))
     specs = plan_open(scenario)
     reports: list[tuple[int, int]] = []
     async with live_app() as live:

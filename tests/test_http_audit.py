@@ -143,7 +143,9 @@ async def test_a_malformed_head_is_audited_with_the_peer_address():
             writer.close()
         assert b" 414 " in head
         [line] = refusals(events)
-        assert (line["status"], line["reason"], line["client"]) == (414, "uri_too_long", "127.0.0.1")
+        assert (line["status"], line["reason"], line["client"]) == (
+            414, "uri_too_long", "127.0.0.1"
+        )
 
 
 @pytest.mark.parametrize(

@@ -44,9 +44,9 @@ async def test_the_process_and_its_build_are_exported():
 
 async def test_the_quota_store_health_shows_an_outage_and_failing_open():
     # alice has a token quota; the Redis store is a port nothing listens on.
-    text = POLICY_YAML.replace(
-        '    api_keys: ["sha256:', "    quotas: {tokens_per_minute: 100000}\n    api_keys: [\"sha256:", 1
-    ) + f"""
+    quota = "    quotas: {tokens_per_minute: 100000}\n"
+    keys = '    api_keys: ["sha256:'
+    text = POLICY_YAML.replace(keys, quota + keys, 1) + f"""
 quota_store:
   kind: redis
   url: redis://127.0.0.1:{free_port()}/0

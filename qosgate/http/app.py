@@ -134,7 +134,9 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
     try:
         bad_forwarding = request.get(BAD_FORWARDING)
         if bad_forwarding is not None:
-            raise MalformedRequest(f"Invalid X-Forwarded-For from a trusted proxy: {bad_forwarding}.")
+            raise MalformedRequest(
+                f"Invalid X-Forwarded-For from a trusted proxy: {bad_forwarding}."
+            )
         response = await handler(request)
     except GatewayError as exc:
         _count_refusal(request, exc.outcome)

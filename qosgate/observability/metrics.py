@@ -142,7 +142,9 @@ class EngineNodeMetrics:
     """An engine node's /metrics (fleet mode): its runs and room as
     `status()` reports them when scraped, the process, and its engine's own."""
 
-    def __init__(self, status: Callable[[], dict[str, Any]], engine: tuple[Any, str] | None) -> None:
+    def __init__(
+        self, status: Callable[[], dict[str, Any]], engine: tuple[Any, str] | None
+    ) -> None:
         self.registry = CollectorRegistry()
         process_metrics(self.registry)
         self.registry.register(_EngineNodeLevels(status))
@@ -163,7 +165,8 @@ class _EngineNodeLevels(Collector):
             (GaugeMetricFamily, "drain_rate_tokens_per_s",
              "Tokens per second its backend was measured to finish"),
             (CounterMetricFamily, "completed", "Fleet items it ran to their end"),
-            (CounterMetricFamily, "preempted", "Runs it gave back to the queue for more urgent work"),
+            (CounterMetricFamily, "preempted",
+             "Runs it gave back to the queue for more urgent work"),
             (CounterMetricFamily, "orphaned",
              "Runs it stopped because the replica that queued them was gone"),
         )  # fmt: skip

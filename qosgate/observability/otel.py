@@ -88,8 +88,9 @@ class Tracing:
     # -- spans -----------------------------------------------------------------
 
     def start(
-        self, name: str, parent: Mapping[str, str] | None, *, server: bool, start_ns: int | None = None
-    ) -> Any:
+        self, name: str, parent: Mapping[str, str] | None, *, server: bool,
+        start_ns: int | None = None,
+    ) -> Any:  # fmt: skip
         """A span, the child of the trace context in `parent` (W3C headers)
         if it holds one; a server span (an HTTP request) or a consumer's (an
         engine node's run of a fleet item)."""

@@ -106,9 +106,10 @@ class RedisQuotaStore(QuotaStore):
         client: aioredis.Redis | None = None,
         password: str | None = None,
     ) -> None:
-        """`password`: used where `url` carries none. `recovery_s`: after a gateway finds the store lost a tenant's data
-        and carries its own back, how long the tenant's reservations wait for
-        the other gateways to find it too (each does at its next call)."""
+        """`password`: used where `url` carries none. `recovery_s`: after a
+        gateway finds the store lost a tenant's data and carries its own back,
+        how long the tenant's reservations wait for the other gateways to find
+        it too (each does at its next call)."""
         self._prefix = key_prefix
         self._recovery_s = recovery_s
         if client is None:
