@@ -155,9 +155,9 @@ async def test_tenant_labels_can_be_switched_off():
                              headers={"Authorization": f"Bearer {ALICE_KEY}"}) as r:
             assert r.status == 200
         after = await scrape(http, live.url)
-    tenants = {dict(labels).get("tenant") for (name, labels) in after
-               if name == "qosgate_tokens_total"}
-    assert tenants == {"all"}
+    for metric in ("qosgate_tokens_total", "qosgate_requests_total"):
+        tenants = {dict(labels).get("tenant") for (name, labels) in after if name == metric}
+        assert tenants == {"all"}, metric
 
 
 async def test_admin_stats_has_what_the_dashboard_draws(monkeypatch):
