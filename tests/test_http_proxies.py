@@ -175,3 +175,30 @@ async def test_metrics_can_require_a_token(tmp_path):
                             headers={"Authorization": "Bearer scrape-me"}) as r:  # fmt: skip
             assert r.status == 200
             assert "qosgate_requests_total" in await r.text()
+
+
+async def test_the_redis_url_can_come_from_a_file(redis_server, tmp_path, monkeypatch):
+    from qosgate.config.models import QuotaStoreConfig
+    from qosgate.quotas import build_store
+
+    url_file = tmp_path / "redis-url"
+    url_file.write_text(redis_server.url + "\n")
+    monkeypatch.delenv("QG_TEST_REDIS_URL", raising=False)
+    monkeypatch.setenv("QG_TEST_REDIS_URL_FILE", str(url_file))
+    cfg = QuotaStoreConfig(kind="redis", url="redis://nowhere.invalid:1/0",
+                           url_env="QG_TEST_REDIS_URL")  # fmt: skip
+    store = build_store(cfg)
+    try:
+        assert await store._redis.ping()  # type: ignore[attr-defined]
+    finally:
+        await store.close()
+    monkeypatch.delenv("QG_TEST_REDIS_URL_FILE")
+    with pytest.raises(SecretError, match="QG_TEST_REDIS_URL: unset"):
+        build_store(cfg)
+
+
+def test_validate_names_the_url_variable_not_a_url(tmp_path, capsys):
+    path = tmp_path / "policy.yaml"
+    path.write_text(POLICY_YAML + "quota_store:\n  kind: redis\n  url_env: QG_REDIS_URL\n")
+    assert main(["validate", str(path)]) == 0
+    assert "(URL from QG_REDIS_URL)" in capsys.readouterr().out

@@ -193,7 +193,8 @@ def _quota_store(policy: PolicyConfig) -> str:
     store = policy.quota_store
     if store.kind == "memory":
         return "store memory (this process only)"
-    return f"store redis {redact_url(store.url)}  on_error {store.on_error}"
+    where = f"(URL from {store.url_env})" if store.url_env else redact_url(store.url)
+    return f"store redis {where}  on_error {store.on_error}"
 
 
 def _quota_lines(policy: PolicyConfig) -> list[str]:

@@ -468,6 +468,10 @@ class QuotaStoreConfig(StrictModel):
     """memory: one process; redis: replicas share one budget."""
     url: str = "redis://127.0.0.1:6379/0"
     """Redis URL (kind: redis), without its password: see password_env."""
+    url_env: str | None = None
+    """Environment variable holding the whole Redis URL instead (or
+    `<VARIABLE>_FILE` naming a file that holds it): a URL with credentials
+    stays out of the policy. Set, it replaces `url`."""
     password_env: str | None = None
     """Environment variable holding the Redis password (or `<VARIABLE>_FILE`
     naming a file that holds it); a password in the URL takes precedence."""
@@ -633,6 +637,10 @@ class FleetConfig(StrictModel):
     run the `backend` and pull the most urgent work when it has room."""
     url: str = "redis://127.0.0.1:6379/0"
     """Redis URL of the shared queue (it may be the quota store's)."""
+    url_env: str | None = None
+    """Environment variable holding the whole Redis URL instead (or
+    `<VARIABLE>_FILE` naming a file that holds it): a URL with credentials
+    stays out of the policy. Set, it replaces `url`."""
     password_env: str | None = None
     """Environment variable holding the Redis password (or `<VARIABLE>_FILE`
     naming a file that holds it); a password in the URL takes precedence."""

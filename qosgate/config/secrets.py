@@ -45,6 +45,19 @@ def read_secret(variable: str | None, environ: Mapping[str, str] = os.environ) -
     return text or None
 
 
+def redis_url(url: str, url_env: str | None, environ: Mapping[str, str] = os.environ) -> str:
+    """The Redis URL to connect to: the secret `url_env` names when it is
+    set (a URL with its password, kept out of the policy), else `url`."""
+    if url_env is None:
+        return url
+    value = read_secret(url_env, environ)
+    if value is None:
+        raise SecretError(
+            f"{url_env}: unset (and no {url_env}{FILE_SUFFIX}), but it is to hold the Redis URL"
+        )
+    return value
+
+
 def redact_url(url: str) -> str:
     """`url` with its password (if any) replaced by `***`, for display."""
     try:

@@ -50,7 +50,7 @@ from qosgate.backends.base import (
 from qosgate.backends.support import PASSTHROUGH, RequestSupport
 from qosgate.config.models import FleetConfig, PolicyConfig
 from qosgate.config.scheduling import scheduling_policy
-from qosgate.config.secrets import read_secret
+from qosgate.config.secrets import read_secret, redis_url
 from qosgate.core.scheduler import BackendCapacity
 from qosgate.runtime.errors import Expired, GatewayError, WorkQueueError
 
@@ -71,7 +71,7 @@ def default_node_id() -> str:
 
 def fleet_store(policy: PolicyConfig, fleet: FleetConfig) -> RedisWorkQueue:
     return RedisWorkQueue(
-        fleet.url,
+        redis_url(fleet.url, fleet.url_env),
         FleetTiers.from_config(policy),
         password=read_secret(fleet.password_env),
         key_prefix=fleet.key_prefix,
