@@ -315,7 +315,7 @@ def bench_command(args: argparse.Namespace) -> int:
         print(f"qosgate bench: {totals['lost']} requests lost, "
               f"{totals['worker_failures']} worker failures", file=sys.stderr)
         return 1
-    if totals["errors"] == totals["sent"]:
+    if totals["sent"] and not totals["answered"]:
         # Every request failed (the endpoint down, every key wrong): the run
         # measured nothing, and a script running it must see so. Refusals
         # (429, 503 overloaded) are answers, and a run of them measures one.

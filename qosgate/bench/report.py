@@ -216,6 +216,8 @@ def build_bench_report(
     totals["wall_s"] = max((r.end for r in records), default=0.0)
     totals["planned"] = planned
     totals["sent"] = len(records)
+    # Over the whole run, not the window: whether anything was answered at all.
+    totals["answered"] = sum(1 for r in records if r.outcome != "error")
     totals["duplicates"] = duplicates
     totals["worker_failures"] = len(failures)
     totals["lost"] = missing + unknown + totals.get("lost", 0)
