@@ -3,7 +3,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 POLICY ?= policies/example.yaml
 
-.PHONY: demo test test-vllm install dev bench bench-fleet soak clean redis-server chromium
+.PHONY: demo test test-vllm install dev bench bench-fleet soak clean redis-server chromium k8s-rules
 
 # Root installs system packages itself; anyone else through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -76,6 +76,10 @@ bench: install
 soak: install
 	$(BIN)/python benchmarks/reliability.py load --requests 10000
 	$(BIN)/python benchmarks/reliability.py soak --minutes 10 --load 0.8
+
+## deploy/k8s's PrometheusRule, from docker/prometheus/alerts.yml (the one source).
+k8s-rules: $(BIN)/python
+	$(BIN)/python deploy/k8s/prometheusrule.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache
