@@ -3,7 +3,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 POLICY ?= policies/example.yaml
 
-.PHONY: demo test test-vllm install dev bench bench-fleet soak clean redis-server chromium k8s-rules
+.PHONY: demo test test-vllm install dev bench bench-fleet soak clean redis-server chromium promtool k8s-rules
 
 # Root installs system packages itself; anyone else through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -38,8 +38,17 @@ chromium:
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium >/dev/null; \
 	} || { echo "could not install chromium: install it, then run make test again"; exit 1; }
 
+## The alert rules are checked and unit-tested by promtool (docker/prometheus/
+## alerts_test.yml), which Debian ships in its prometheus package.
+promtool:
+	@command -v promtool >/dev/null 2>&1 || { \
+	  echo "installing promtool (apt-get install prometheus)"; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	} || { echo "could not install promtool: install it, then run make test again"; exit 1; }
+
 ## Install what the tests need and run them.
-test: dev redis-server chromium
+test: dev redis-server chromium promtool
 	$(BIN)/python -m pytest -q
 
 ## The vLLM backend's integration tests, on vLLM's CPU build, in an

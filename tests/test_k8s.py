@@ -12,7 +12,6 @@ file's."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 import yaml
 
 from qosgate.config.loader import load_policy
+from tests.system_tools import system_tool
 from tests.test_deploy import METRIC, exported_sample_names
 
 kubernetes_validate = pytest.importorskip(
@@ -37,11 +37,10 @@ CUSTOM = {"ServiceMonitor", "PrometheusRule", "ScaledObject"}
 
 
 def kubectl() -> str:
-    path = shutil.which("kubectl")
-    if path is None:
-        pytest.skip("kubectl is not installed: it renders the overlays (`kubectl kustomize`); "
-                    "install it from https://kubernetes.io/docs/tasks/tools/")
-    return path
+    return system_tool(
+        "kubectl", "it renders the overlays (`kubectl kustomize`): install it from "
+        "https://kubernetes.io/docs/tasks/tools/", optional=True,
+    )  # fmt: skip
 
 
 def render(target: str) -> list[dict[str, Any]]:
