@@ -3,7 +3,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 POLICY ?= policies/example.yaml
 
-.PHONY: demo test test-vllm install dev bench bench-fleet soak clean redis-server chromium promtool k8s-rules
+.PHONY: demo test test-vllm install dev bench bench-fleet soak clean redis-server chromium promtool k8s-rules schema
 
 # Root installs system packages itself; anyone else through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -12,8 +12,10 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
+# With the plot extra (matplotlib, for simulate --plot) and the examples' own
+# dependencies (the openai client): the README's quickstart runs as written.
 install: $(BIN)/python
-	$(BIN)/pip install --quiet -e .
+	$(BIN)/pip install --quiet -e '.[plot,examples]'
 
 dev: $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[dev]'
@@ -87,8 +89,13 @@ soak: install
 	$(BIN)/python benchmarks/reliability.py soak --minutes 10 --load 0.8
 
 ## deploy/k8s's PrometheusRule, from docker/prometheus/alerts.yml (the one source).
-k8s-rules: $(BIN)/python
+k8s-rules: install
 	$(BIN)/python deploy/k8s/prometheusrule.py
+
+## policies/policy.schema.json, the published JSON Schema of policy files
+## (`qosgate schema`; tests/test_packaging.py fails when they differ).
+schema: install
+	$(BIN)/qosgate schema > policies/policy.schema.json
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache
