@@ -3,7 +3,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 POLICY ?= policies/example.yaml
 
-.PHONY: demo test test-vllm install dev bench bench-fleet soak clean redis-server chromium
+.PHONY: demo test test-vllm install dev bench bench-fleet soak clean redis-server chromium promtool k8s-rules schema lock
 
 # Root installs system packages itself; anyone else through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -12,8 +12,10 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
+# With the plot extra (matplotlib, for simulate --plot) and the examples' own
+# dependencies (the openai client): the README's quickstart runs as written.
 install: $(BIN)/python
-	$(BIN)/pip install --quiet -e .
+	$(BIN)/pip install --quiet -e '.[plot,examples]'
 
 dev: $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[dev]'
@@ -38,8 +40,17 @@ chromium:
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium >/dev/null; \
 	} || { echo "could not install chromium: install it, then run make test again"; exit 1; }
 
+## The alert rules are checked and unit-tested by promtool (docker/prometheus/
+## alerts_test.yml), which Debian ships in its prometheus package.
+promtool:
+	@command -v promtool >/dev/null 2>&1 || { \
+	  echo "installing promtool (apt-get install prometheus)"; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	} || { echo "could not install promtool: install it, then run make test again"; exit 1; }
+
 ## Install what the tests need and run them.
-test: dev redis-server chromium
+test: dev redis-server chromium promtool
 	$(BIN)/python -m pytest -q
 
 ## The vLLM backend's integration tests, on vLLM's CPU build, in an
@@ -76,6 +87,23 @@ bench: install
 soak: install
 	$(BIN)/python benchmarks/reliability.py load --requests 10000
 	$(BIN)/python benchmarks/reliability.py soak --minutes 10 --load 0.8
+
+## deploy/k8s's PrometheusRule, from docker/prometheus/alerts.yml (the one source).
+k8s-rules: install
+	$(BIN)/python deploy/k8s/prometheusrule.py
+
+## policies/policy.schema.json, the published JSON Schema of policy files
+## (`qosgate schema`; tests/test_packaging.py fails when they differ).
+schema: install
+	$(BIN)/qosgate schema > policies/policy.schema.json
+
+## docker/requirements.lock: the server's runtime dependencies, pinned with
+## hashes for Python 3.11 on Linux; the images install it (docs/DEPLOY.md).
+lock: $(BIN)/python
+	$(BIN)/pip install --quiet uv
+	$(BIN)/uv pip compile pyproject.toml --python-version 3.11 \
+	  --python-platform x86_64-unknown-linux-gnu --generate-hashes --quiet \
+	  --custom-compile-command 'make lock' -o docker/requirements.lock
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache

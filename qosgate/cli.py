@@ -13,6 +13,12 @@ if TYPE_CHECKING:
     from qosgate.config.models import PolicyConfig
 
 
+def _version() -> str:
+    from qosgate import __version__
+
+    return __version__
+
+
 def _port(text: str) -> int:
     # The socket layer would take 70000 as 70000 - 65536 and listen there.
     try:
@@ -26,6 +32,7 @@ def _port(text: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qosgate", description="QoS gateway for LLM inference")
+    parser.add_argument("--version", action="version", version=f"qosgate {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     validate = sub.add_parser("validate", help="check a policy file and print its summary")
@@ -102,7 +109,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="distributed mode: this process's fleet.node_id")
 
     demo = sub.add_parser("demo", help="serve the example policy on the simulated GPU")
-    demo.add_argument("--config", default="policies/example.yaml")
+    demo.add_argument("--config", default=None,
+                      help="policy YAML (default: the example policy shipped with qosgate)")
     demo.add_argument("--host", default=None, help="listen address (default: the policy's)")
     demo.add_argument("--port", type=_port, default=None, help="TCP port (default: the policy's)")
     return parser
@@ -121,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if getattr(args, "plot_path", None):
+        from qosgate.sim.report import plotting_missing
+
+        if missing := plotting_missing():
+            print(f"qosgate {args.command}: --plot: {missing}", file=sys.stderr)
+            return 2
     if args.command == "validate":
         from qosgate.config.commands import validate_command
 
@@ -173,6 +187,10 @@ def _serve_command(args: argparse.Namespace, *, demo: bool) -> int:
     from qosgate.http.server import serve
     from qosgate.wiring import with_fleet_role
 
+    if args.config is None:
+        from qosgate.policies import example_policy
+
+        args.config = example_policy()
     try:
         policy = load_policy(args.config)
     except ConfigError as exc:

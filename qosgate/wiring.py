@@ -11,6 +11,7 @@ serves no API, only its status.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import signal
@@ -121,6 +122,37 @@ class LivePolicy:
             "tiers": sorted(policy.tiers),
             "tenants": len(policy.tenants),
         }
+
+    def reload_or_log(self) -> None:
+        """`reload` for a trigger that has no one to answer (SIGHUP, a changed
+        file): a refusal is logged, and the running policy stays."""
+        try:
+            self.reload()
+        except PolicyRejected as exc:
+            log.error("%s", exc.message)
+
+    async def watch(self, interval_s: float) -> None:
+        """Reload each time the policy file's content changes, read every
+        `interval_s` (runs until cancelled). The content, not the mtime: a
+        ConfigMap update swaps a symlink to a new directory, and file times
+        there say nothing about the order of versions."""
+        assert self.policy_path is not None
+        seen = _digest(self.policy_path)
+        while True:
+            await asyncio.sleep(interval_s)
+            current = _digest(self.policy_path)
+            # None: the file is gone for now (mid-swap, or being replaced).
+            if current is not None and current != seen:
+                seen = current
+                self.reload_or_log()
+
+
+def _digest(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as file:
+            return hashlib.sha256(file.read()).digest()
+    except OSError:
+        return None
 
 
 def bound_port(runner: web.AppRunner, port: int) -> int:

@@ -100,8 +100,13 @@ def test_fleet_compose_runs_replicas_and_engine_nodes_on_one_policy():
             assert (DOCKER / source).exists(), f"{source} is mounted but missing"
         assert (DOCKER / service["build"]["context"] / service["build"]["dockerfile"]).exists()
     assert all("--role engine" in " ".join(e["command"]) for e in engines)
-    assert all("command" not in g for g in gateways)  # the image's: the policy's role
+    assert all("--role" not in g["command"] for g in gateways)  # the policy's role
     policy = load_policy(DOCKER / "fleet-policy.yaml")
     assert policy.fleet is not None and policy.fleet.role == "gateway"
     assert policy.fleet.url.startswith("redis://redis:")
     assert policy.quota_store.kind == "redis"
+    scrape = yaml.safe_load((DOCKER / "prometheus" / "prometheus.fleet.yml").read_text())
+    targets = scrape["scrape_configs"][0]["static_configs"][0]["targets"]
+    assert targets == [f"gateway-{i}:8080" for i in (1, 2, 3)]
+    prometheus = services["prometheus"]["volumes"]
+    assert "./prometheus/prometheus.fleet.yml:/etc/prometheus/prometheus.yml:ro" in prometheus

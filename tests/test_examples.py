@@ -38,8 +38,9 @@ async def test_the_openai_client_example_runs_against_the_demo_policy():
 def test_the_dockerfile_serves_a_policy_on_all_interfaces():
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     assert "qosgate serve" in dockerfile and "--host 0.0.0.0" in dockerfile
-    # The image's default policy is the repository's example, copied in.
-    assert "COPY policies /etc/qosgate" in dockerfile
+    # The image's default policy is the repository's example, copied in
+    # (from the package: policies/example.yaml is a link, and COPY keeps links).
+    assert "COPY qosgate/policies/example.yaml" in dockerfile
     assert "QOSGATE_POLICY=/etc/qosgate/example.yaml" in dockerfile
     assert (ROOT / "policies" / "example.yaml").is_file()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -120,18 +121,24 @@ async def test_a_bad_file_is_refused_naming_the_field_and_the_old_policy_stays(
         assert status == 401
 
 
-def test_sighup_reloads_a_running_server(tmp_path):
-    path = tmp_path / "policy.yaml"
-    path.write_text(BASE)
+def start_server(path) -> tuple[subprocess.Popen[str], str]:
+    """`qosgate serve` on `path` in a process of its own, and its base URL."""
     env = {**os.environ, **ENV}
     proc = subprocess.Popen(
         [sys.executable, "-m", "qosgate.cli", "serve", "--config", str(path),
          "--host", "127.0.0.1", "--port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
+    assert proc.stdout is not None
+    return proc, proc.stdout.readline().strip().rsplit(" ", 1)[-1].removesuffix("/v1")
+
+
+def test_sighup_reloads_a_running_server(tmp_path):
+    path = tmp_path / "policy.yaml"
+    path.write_text(BASE)
+    proc, url = start_server(path)
     try:
-        assert proc.stdout is not None and proc.stderr is not None
-        url = proc.stdout.readline().strip().rsplit(" ", 1)[-1].removesuffix("/v1")
+        assert proc.stderr is not None
         reloaded = threading.Event()
 
         def watch_stderr() -> None:
@@ -149,6 +156,57 @@ def test_sighup_reloads_a_running_server(tmp_path):
         path.write_text(WITH_CAROL)
         proc.send_signal(signal.SIGHUP)
         assert reloaded.wait(20), "no reload logged"
+        assert asyncio.run(status_of(CAROL_KEY)) == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def configmap_dir(root, version: str, text: str) -> None:
+    """Write `text` as the next version of a ConfigMap volume's policy.yaml,
+    as the kubelet does: a new timestamped directory, then `..data` swapped
+    to it by renaming a symlink over it; policy.yaml -> ..data/policy.yaml
+    never changes."""
+    (root / version).mkdir()
+    (root / version / "policy.yaml").write_text(text)
+    (root / "..data_tmp").symlink_to(version)
+    os.replace(root / "..data_tmp", root / "..data")
+    if not (root / "policy.yaml").is_symlink():
+        (root / "policy.yaml").symlink_to("..data/policy.yaml")
+
+
+def test_a_watched_policy_reloads_when_its_configmap_volume_is_swapped(tmp_path):
+    watched = BASE.replace("server:\n", "server:\n  policy_watch_s: 0.2\n", 1)
+    configmap_dir(tmp_path, "..2026_01_01_v1", watched)
+    proc, url = start_server(tmp_path / "policy.yaml")
+    try:
+        assert proc.stderr is not None
+        lines: queue.Queue[str] = queue.Queue()
+
+        def pump_stderr() -> None:
+            for line in proc.stderr:
+                lines.put(line)
+
+        threading.Thread(target=pump_stderr, daemon=True).start()
+
+        def next_reload_line() -> str:
+            while True:
+                line = lines.get(timeout=20)
+                if "reload" in line:
+                    return line
+
+        async def status_of(key: str) -> int:
+            async with aiohttp.ClientSession() as http:
+                return (await call(http, url, key))[0]
+
+        assert asyncio.run(status_of(CAROL_KEY)) == 401
+        # A bad version is refused and logged; the running policy stays.
+        configmap_dir(tmp_path, "..2026_01_01_v2", watched + "  - id: broken\n")
+        assert "reload refused" in next_reload_line()
+        assert asyncio.run(status_of(CAROL_KEY)) == 401
+        carol = WITH_CAROL.replace("server:\n", "server:\n  policy_watch_s: 0.2\n", 1)
+        configmap_dir(tmp_path, "..2026_01_01_v3", carol)
+        assert "policy reloaded" in next_reload_line()
         assert asyncio.run(status_of(CAROL_KEY)) == 200
     finally:
         proc.terminate()

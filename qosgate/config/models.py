@@ -178,6 +178,11 @@ class ServerConfig(StrictModel):
     metrics_token_env: str | None = None
     """Environment variable holding a bearer token that /metrics then
     requires (unset: /metrics is open)."""
+    policy_watch_s: Seconds | None = None
+    """How often the policy file is read for a change of content; a changed
+    file is reloaded as SIGHUP would (a Kubernetes ConfigMap volume changes by
+    a symlink swap, and no signal reaches the process). None: reload only on
+    SIGHUP and POST /admin/reload."""
 
     @field_validator("trusted_proxies")
     @classmethod

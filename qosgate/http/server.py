@@ -14,7 +14,6 @@ from aiohttp import web
 from qosgate.backends.base import BackendError
 from qosgate.config.models import PolicyConfig
 from qosgate.quotas import QuotaGuard
-from qosgate.runtime.errors import GatewayError
 from qosgate.runtime.gate import Gateway
 from qosgate.wiring import LivePolicy, bound_port, build_gateway, on_signals, serve_engine
 
@@ -84,6 +83,7 @@ async def serve(
     runner: web.AppRunner | None = None
     loop = asyncio.get_running_loop()
     handled: list[signal.Signals] = []
+    policy_watch: asyncio.Task[None] | None = None
     try:
         live = LivePolicy(gateway, policy, environ=environ, policy_path=policy_path)
         app = build_app(gateway, live=live)
@@ -111,15 +111,11 @@ async def serve(
         url = api_url(host, bound_port(runner, port))
         if freeze_startup:
             _freeze_startup_objects()
-        def reload_on_signal() -> None:
-            try:
-                live.reload()
-            except GatewayError as exc:
-                log.error("%s", exc.message)
-
         handled = on_signals(loop, {
-            signal.SIGINT: stop.set, signal.SIGTERM: stop.set, signal.SIGHUP: reload_on_signal,
+            signal.SIGINT: stop.set, signal.SIGTERM: stop.set, signal.SIGHUP: live.reload_or_log,
         })  # fmt: skip
+        if policy.server.policy_watch_s is not None and policy_path is not None:
+            policy_watch = loop.create_task(live.watch(policy.server.policy_watch_s))
         if on_ready is not None:
             on_ready(url)
         else:
@@ -129,6 +125,8 @@ async def serve(
         for sig in handled:
             loop.remove_signal_handler(sig)
         watcher.cancel()
+        if policy_watch is not None:
+            policy_watch.cancel()
         await _stop(runner, gateway, policy.server.shutdown_grace_s)
     if failed:
         error = failed[0]

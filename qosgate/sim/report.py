@@ -7,6 +7,7 @@ whole result; `plot_run` draws queue depth and TTFT over time per policy.
 
 from __future__ import annotations
 
+import importlib
 import math
 from bisect import bisect_right
 from collections import defaultdict
@@ -448,9 +449,25 @@ def plot_run(result_runs: dict, series: dict[str, dict], path: str | Path) -> No
     save_figure(fig, path)
 
 
+PLOT_EXTRA = "plots need matplotlib: pip install 'qosgate[plot]'"
+
+
+def plotting_missing() -> str | None:
+    """Why plots cannot be drawn here (matplotlib, the `plot` extra, is not
+    installed), or None. The commands ask before a run, not after it."""
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError:
+        return PLOT_EXTRA
+    return None
+
+
 def pyplot() -> Any:
     """matplotlib's pyplot, drawing to files only (no display needed)."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError(PLOT_EXTRA) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

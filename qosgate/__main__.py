@@ -1,0 +1,7 @@
+"""`python -m qosgate`: the `qosgate` command."""
+
+import sys
+
+from qosgate.cli import main
+
+sys.exit(main())
