@@ -161,6 +161,12 @@ async def test_the_redis_password_can_come_from_the_environment(redis_server, mo
     client = store._redis  # type: ignore[attr-defined]
     assert client.connection_pool.connection_kwargs["password"] == "not-the-password"
     await store.close()
+    # Named but unset: refused at start, not a connection without AUTH.
+    monkeypatch.delenv("QG_TEST_REDIS_PASSWORD")
+    with pytest.raises(SecretError, match="QG_TEST_REDIS_PASSWORD: unset"):
+        build_store(QuotaStoreConfig(
+            kind="redis", url=redis_server.url, password_env="QG_TEST_REDIS_PASSWORD",
+        ))  # fmt: skip
 
 
 async def test_metrics_can_require_a_token(tmp_path):

@@ -58,6 +58,20 @@ def redis_url(url: str, url_env: str | None, environ: Mapping[str, str] = os.env
     return value
 
 
+def redis_password(password_env: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The Redis password `password_env` names (None where the policy names
+    none). A variable named but unset is an error, not an empty password: the
+    process would otherwise connect without AUTH, fail every call with NOAUTH
+    and run on local limits in silence."""
+    if password_env is None:
+        return None
+    value = read_secret(password_env, environ)
+    if value is None:
+        raise SecretError(f"{password_env}: unset (and no {password_env}{FILE_SUFFIX}), "
+                          "but it is to hold the Redis password")
+    return value
+
+
 def redact_url(url: str) -> str:
     """`url` with its password (if any) replaced by `***`, for display."""
     try:

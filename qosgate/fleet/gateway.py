@@ -50,7 +50,7 @@ from qosgate.backends.base import (
 from qosgate.backends.support import PASSTHROUGH, RequestSupport
 from qosgate.config.models import FleetConfig, PolicyConfig
 from qosgate.config.scheduling import scheduling_policy
-from qosgate.config.secrets import read_secret, redis_url
+from qosgate.config.secrets import redis_password, redis_url
 from qosgate.core.scheduler import BackendCapacity
 from qosgate.runtime.errors import Expired, GatewayError, WorkQueueError
 
@@ -73,7 +73,7 @@ def fleet_store(policy: PolicyConfig, fleet: FleetConfig) -> RedisWorkQueue:
     return RedisWorkQueue(
         redis_url(fleet.url, fleet.url_env),
         FleetTiers.from_config(policy),
-        password=read_secret(fleet.password_env),
+        password=redis_password(fleet.password_env),
         key_prefix=fleet.key_prefix,
         socket_timeout_s=fleet.timeout_ms / 1000.0,
         affinity_ttl_s=fleet.affinity_ttl_s,

@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from qosgate.config.models import PolicyConfig, QuotaStoreConfig
-from qosgate.config.secrets import read_secret, redis_url
+from qosgate.config.secrets import redis_password, redis_url
 
 from .local import LocalLimiter, mark_settled, settle_deltas
 from .model import (
@@ -115,7 +115,7 @@ def build_store(cfg: QuotaStoreConfig) -> QuotaStore:
 
         return RedisQuotaStore(
             redis_url(cfg.url, cfg.url_env),
-            password=read_secret(cfg.password_env),
+            password=redis_password(cfg.password_env),
             key_prefix=cfg.key_prefix,
             socket_timeout_s=cfg.timeout_ms / 1000,
             recovery_s=cfg.retry_interval_s,
