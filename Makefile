@@ -14,11 +14,17 @@ $(BIN)/python:
 
 # With the plot extra (matplotlib, for simulate --plot) and the examples' own
 # dependencies (the openai client): the README's quickstart runs as written.
-install: $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[plot,examples]'
+install: $(VENV)/constraints.txt
+	$(BIN)/pip install --quiet -c $(VENV)/constraints.txt -e '.[plot,examples]'
 
-dev: $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[dev]'
+dev: $(VENV)/constraints.txt
+	$(BIN)/pip install --quiet -c $(VENV)/constraints.txt -e '.[dev]'
+
+# The server's runtime dependencies at the versions of docker/requirements.lock
+# (what the images install), as pip constraints: pip takes a file with hashes
+# only in its all-hashed mode, which an editable install cannot use.
+$(VENV)/constraints.txt: docker/requirements.lock $(BIN)/python
+	sed -e '/^ *--hash/d' -e 's/ *\\$$//' docker/requirements.lock > $@
 
 ## Start the gateway on the embedded simulated GPU with the example policy.
 demo: install
