@@ -130,6 +130,11 @@ class Measured:
     """Decode steps as the client saw them (`_decode_samples`)."""
     engine_decode: list[DecodeSample] = field(default_factory=list)
     """Decode steps as the engine timed them (`engine_decode_samples`)."""
+    engine_prefill: list[PrefillSample] = field(default_factory=list)
+    """Lone prefills as the engine timed them (vLLM's request prefill time)."""
+    outside_ms: list[float] = field(default_factory=list)
+    """Per lone request with both clocks: the client's time to its first
+    token less the engine's prefill."""
     running_max: int | None = None
     """Most requests the server's metrics showed running at once."""
 
@@ -139,6 +144,19 @@ class Measured:
         if len({s.seqs for s in self.engine_decode}) >= 2:
             return self.engine_decode
         return self.decode
+
+    @property
+    def prefill_fitted(self) -> list[PrefillSample]:
+        if len({s.prompt_tokens for s in self.engine_prefill}) >= 3:
+            return self.engine_prefill
+        return self.prefill
+
+    def overhead_ms(self, prefill: Regression, t0_ms: float) -> float:
+        """What a request spends outside the engine: measured on both clocks
+        where there were, else the prefill intercept's excess over t0."""
+        if self.prefill_fitted is self.engine_prefill and self.outside_ms:
+            return statistics.median(self.outside_ms)
+        return prefill.value("intercept_ms") - t0_ms
 
 
 def _job(base: str, model: str, api_key: str | None, ignore_eos: bool,
@@ -171,16 +189,24 @@ async def _metrics(session: aiohttp.ClientSession, url: str | None) -> dict[str,
         for sample in family.samples:
             if sample.name == "vllm:num_requests_running":
                 found["running"] = found.get("running", 0) + int(sample.value)
-            elif sample.name in ("vllm:inter_token_latency_seconds_sum",
-                                 "vllm:inter_token_latency_seconds_count"):  # fmt: skip
-                key = "itl_" + sample.name.rsplit("_", 1)[1]
-                found[key] = found.get(key, 0.0) + sample.value
+            elif sample.name.rpartition("_")[0] in _HISTOGRAMS:
+                series, _, part = sample.name.rpartition("_")
+                if part in ("sum", "count"):
+                    key = f"{_HISTOGRAMS[series]}_{part}"
+                    found[key] = found.get(key, 0.0) + sample.value
             elif sample.name == "vllm:cache_config_info":
                 blocks = sample.labels.get("num_gpu_blocks")
                 size = sample.labels.get("block_size")
                 if blocks and size and blocks.isdigit() and size.isdigit():
                     found["kv_capacity_tokens"] = int(blocks) * int(size)
     return found
+
+
+_HISTOGRAMS = {
+    "vllm:inter_token_latency_seconds": "itl",
+    "vllm:request_prefill_time_seconds": "prefill",
+}
+"""vLLM's histograms timed in the engine's process: their sums and counts."""
 
 
 async def _run(job: _TokenIdJob, specs: list[tuple]) -> list[tuple]:
@@ -231,14 +257,23 @@ async def measure(
         # A first request warms the server up (and fails fast on a wrong URL or key).
         await _run(job, [(rid, 0.0, 0, 16, 2)])
         measured = Measured([], [])
+        # Lone prefills are timed on the engine's clock too where the server
+        # has vLLM's histograms (each costs two reads of /metrics, so only then).
+        engine_clock = "prefill_count" in await _metrics(session, metrics_url)
         lengths = sweep.prefill_tokens
         for n, tokens in enumerate(lengths, start=1):
             ttfts = []
             for _ in range(sweep.prefill_repeats):
                 rid += 1
+                before = await _metrics(session, metrics_url) if engine_clock else {}
                 (record,) = await _run(job, [(rid, 0.0, 0, tokens, 1)])
                 ttfts.append((record[3] - record[2]) * 1000.0)
                 measured.prefill.append(PrefillSample(tokens, ttfts[-1]))
+                after = await _metrics(session, metrics_url) if engine_clock else {}
+                if after.get("prefill_count", 0) - before.get("prefill_count", 0) == 1:
+                    engine_ms = (after["prefill_sum"] - before["prefill_sum"]) * 1000.0
+                    measured.engine_prefill.append(PrefillSample(tokens, engine_ms))
+                    measured.outside_ms.append(ttfts[-1] - engine_ms)
             progress(f"prefill {n}/{len(lengths)}: {tokens} tokens: "
                      f"first token {statistics.median(ttfts):.1f} ms")
         points = decode_points(sweep, budget_tokens=budget_tokens, max_model_len=max_model_len)
@@ -373,7 +408,7 @@ def fitted_profile(
     max_num_seqs: int, max_num_batched_tokens: int,
 ) -> tuple[CostProfile, Regression, Regression]:  # fmt: skip
     decode = fit_decode(measured.decode_fitted)
-    prefill = fit_prefill(measured.prefill)
+    prefill = fit_prefill(measured.prefill_fitted)
     profile = CostProfile(
         name=name, description=description, t0_ms=decode.value("t0_ms"),
         c_p=prefill.value("c_p"), c_q=prefill.value("c_q"), c_d=decode.value("c_d"),
@@ -383,14 +418,14 @@ def fitted_profile(
     return profile, decode, prefill
 
 
-def residual_report(decode: Regression, prefill: Regression, t0_ms: float) -> list[str]:
+def residual_report(decode: Regression, prefill: Regression, overhead_ms: float) -> list[str]:
     """Each term with its standard error, and each regression's residuals."""
     lines = [f"decode steps ({decode.samples} samples): rms residual {decode.rms_ms:.3f} ms"]
     lines += [f"  {t.name:<12} {t.value:.6g} +/- {t.stderr:.2g}" for t in decode.terms]
     lines.append(f"prefill ({prefill.samples} samples): rms residual {prefill.rms_ms:.3f} ms")
     lines += [f"  {t.name:<12} {t.value:.6g} +/- {t.stderr:.2g}" for t in prefill.terms]
-    overhead = prefill.value("intercept_ms") - t0_ms
-    lines.append(f"  request overhead outside the engine (intercept - t0): {overhead:.3f} ms")
+    lines.append(f"  request overhead outside the engine (the simulator leaves it out): "
+                 f"{overhead_ms:.3f} ms")
     return lines
 
 
@@ -415,14 +450,16 @@ def plot_fit(path: str | Path, measured: Measured, profile: CostProfile, overhea
     left.set_xlabel("fitted step (ms)")
     left.set_ylabel("measured step (ms)")
     left.set_title("decode: time between tokens (colour: batch size)")
-    tokens = [s.prompt_tokens for s in measured.prefill]
-    right.scatter(tokens, [s.ttft_ms for s in measured.prefill], s=10, label="measured")
+    prefill = measured.prefill_fitted
+    tokens = [s.prompt_tokens for s in prefill]
+    right.scatter(tokens, [s.ttft_ms for s in prefill], s=10, label="measured")
     grid = sorted(set(tokens))
     right.plot(grid, [profile.step_ms([p], 0, 0) + overhead_ms for p in grid], color="C1",
-               label="fitted + overhead")
+               label="fitted + overhead" if overhead_ms else "fitted")
     right.set_xlabel("prompt tokens")
     right.set_ylabel("time to first token (ms)")
-    right.set_title("prefill: a lone request")
+    right.set_title("prefill: a lone request"
+                    + ("" if prefill is measured.prefill else " (the engine's clock)"))
     right.legend()
     fig.tight_layout()
     save_figure(fig, path)
@@ -488,10 +525,14 @@ def calibrate_command(args: argparse.Namespace) -> int:
     except (CalibrationFailed, ValueError, aiohttp.ClientError, OSError) as exc:
         print(f"qosgate calibrate: {exc}", file=sys.stderr)
         return 1
-    report = residual_report(decode, prefill, profile.t0_ms)
+    overhead = measured.overhead_ms(prefill, profile.t0_ms)
+    report = residual_report(decode, prefill, overhead)
     report.insert(0, "decode steps timed by the engine (vLLM's inter-token latency)"
                   if measured.decode_fitted is measured.engine_decode
                   else "decode steps timed by the client")
+    report.insert(1, "prefills timed by the engine (vLLM's request prefill time)"
+                  if measured.prefill_fitted is measured.engine_prefill
+                  else "prefills timed by the client (first token)")
     if measured.running_max is not None:
         report.append(f"the server's metrics showed up to {measured.running_max} requests running "
                       f"at once (largest batch: {max(sweep.batch_sizes)})")
@@ -503,8 +544,8 @@ def calibrate_command(args: argparse.Namespace) -> int:
         write_profile(args.out, profile, notes)
         print(f"wrote {args.out}")
         if args.plot_path:
-            overhead = prefill.value("intercept_ms") - profile.t0_ms
-            plot_fit(args.plot_path, measured, profile, overhead)
+            on_engine_clock = measured.prefill_fitted is measured.engine_prefill
+            plot_fit(args.plot_path, measured, profile, 0.0 if on_engine_clock else overhead)
             print(f"wrote {args.plot_path}")
     except OSError as exc:
         print(f"qosgate calibrate: {exc}", file=sys.stderr)

@@ -68,14 +68,18 @@ async def engine_itl(http: aiohttp.ClientSession, url: str) -> tuple[float, floa
 
 
 async def stream(client: openai.AsyncOpenAI, rng: random.Random) -> int:
-    chunks = 0
+    """One streamed request; the output tokens its usage reports (a server
+    that falls behind its engine sends several tokens in one chunk)."""
+    tokens = 0
     response = await client.completions.create(
         model=SERVED, prompt=[rng.randrange(16, 500) for _ in range(PROMPT_TOKENS)],
-        max_tokens=OUTPUT_TOKENS, stream=True, extra_body={"ignore_eos": True},
+        max_tokens=OUTPUT_TOKENS, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )  # fmt: skip
-    async for _ in response:
-        chunks += 1
-    return chunks
+    async for chunk in response:
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return tokens
 
 
 async def test_calibrate_fits_the_engine_and_its_step_is_the_engines(
