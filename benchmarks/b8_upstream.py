@@ -42,7 +42,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 from b8_vllm import (  # noqa: E402
-    _ms, bench, free_port, model_folder, print_tiers, stop, summary, wait_until_ready,
+    _ms, bench, free_port, model_folder, print_tiers, start_gateway, stop, summary,
+    wait_until_ready,
 )
 
 ENGINE = {"max_model_len": 512, "dtype": "bfloat16"}
@@ -68,16 +69,8 @@ def start_qosgate(upstream: str, tmp: Path, seqs: int) -> tuple[subprocess.Popen
     policy["backend"] = {"kind": "openai", "upstreams": [{"url": upstream}]}
     path = tmp / f"b8u_policy_{seqs}.yaml"
     path.write_text(yaml.safe_dump(policy, sort_keys=False))
-    port = free_port()
     log = tmp / f"qosgate-{seqs}.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "qosgate.cli", "serve", "--config", str(path),
-         "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    wait_until_ready(base + "/readyz", proc, log)
+    proc, base = start_gateway(path, log)
     return proc, base + "/v1", log
 
 

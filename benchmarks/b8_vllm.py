@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,16 +106,34 @@ def start_qosgate(model: str, tmp: Path) -> tuple[subprocess.Popen, str]:
     policy["backend"]["model"] = model
     path = tmp / "b8_policy.yaml"
     path.write_text(yaml.safe_dump(policy, sort_keys=False))
-    port = free_port()
-    log = tmp / "qosgate.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "qosgate.cli", "serve", "--config", str(path),
-         "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    wait_until_ready(base + "/readyz", proc, log)
+    proc, base = start_gateway(path, tmp / "qosgate.log")
     return proc, base + "/v1"
+
+
+def start_gateway(config: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """`qosgate serve --config CONFIG` of this checkout, once ready."""
+    return start_server(
+        lambda port: [sys.executable, "-m", "qosgate.cli", "serve", "--config", str(config),
+                      "--host", "127.0.0.1", "--port", str(port)],
+        log, "/readyz", env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )  # fmt: skip
+
+
+def start_server(argv: Callable[[int], list[str]], log: Path, ready: str,
+                 **popen: Any) -> tuple[subprocess.Popen, str]:  # fmt: skip
+    """The command `argv(port)` on a free loopback port, its output to
+    `log`, once `ready` answers 200 there; its base URL. A server that does
+    not get ready is stopped."""
+    port = free_port()
+    proc = subprocess.Popen(argv(port), stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                            cwd=ROOT, **popen)  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_ready(base + ready, proc, log)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, base
 
 
 def stop(proc: subprocess.Popen) -> None:

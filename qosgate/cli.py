@@ -87,6 +87,12 @@ def _parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--max-num-batched-tokens", type=int, default=None,
                            help="the engine's tokens per step (default: 2048); prefill "
                            "prompts stay within it")
+    calibrate.add_argument("--max-model-len", type=int, default=None,
+                           help="the engine's context in tokens; no request of the sweep goes "
+                           "beyond it (default: the server's /v1/models, else no limit)")
+    calibrate.add_argument("--max-batch", type=int, default=None,
+                           help="the largest batch of the sweep (default: --max-num-seqs, "
+                           "so that no batch queues in the engine)")
     calibrate.add_argument("--kv-capacity-tokens", type=int, default=None,
                            help="KV-cache size in tokens (default: from vLLM's /metrics)")
     calibrate.add_argument("--metrics-url", default=None,

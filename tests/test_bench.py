@@ -17,9 +17,11 @@ from typing import Any, Self
 
 import pytest
 import yaml
+import aiohttp
 from aiohttp import web
 from http_support import ALICE_KEY, BOB_KEY, MODEL, live_app
 
+from qosgate.bench.client import COMPLETED, Job
 from qosgate.bench.commands import BenchUsageError, api_base, api_bases
 from qosgate.bench.plan import plan_open, sweep_pool
 from qosgate.bench.pool import split_open, split_users
@@ -536,3 +538,40 @@ async def test_the_workers_report_progress_while_a_job_runs(tmp_path: Path) -> N
     assert reports, "no progress reported"
     assert all(0 <= ok <= done <= len(specs) for done, ok in reports)
     assert [done for done, _ in reports] == sorted(done for done, _ in reports)
+
+
+async def test_a_completions_token_with_no_text_yet_is_a_token() -> None:
+    # A token that decodes to part of a character streams as empty text (vLLM
+    # does so): it is a token, and a first one. An empty chunk that only
+    # closes the answer is not a token.
+    texts = ["", "a", "", "b"]
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for text in texts:
+            chunk = {"choices": [{"index": 0, "text": text, "finish_reason": None}]}
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await response.write(b'data: {"choices": [{"index": 0, "text": "", '
+                             b'"finish_reason": "length"}]}\n\ndata: [DONE]\n\n')
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    cfg = {"urls": [f"http://127.0.0.1:{port}/v1"], "endpoint": "completions", "model": "m",
+           "stream": True, "timeout_s": 30, "extra_body": {}, "keys": [None],
+           "priority": [None]}  # fmt: skip
+    try:
+        async with aiohttp.ClientSession() as session:
+            job = Job(cfg, session, "words")
+            record = await job.one((0, 0.0, 0, 4, 4), asyncio.get_running_loop().time(), 0.0)
+    finally:
+        await runner.cleanup()
+    assert record[6] == COMPLETED
+    assert record[10] == len(texts)  # output tokens: the chunks that carry one
+    assert record[3] is not None and len(record[11]) == len(texts) - 1

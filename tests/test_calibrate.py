@@ -16,6 +16,9 @@ import pytest
 import yaml
 from http_support import live_app
 
+from qosgate.calibrate.commands import (
+    FULL, QUICK, decode_points, engine_decode_samples, fitted_sweep,
+)
 from qosgate.calibrate.fit import DecodeSample, PrefillSample, fit_decode, fit_prefill
 from qosgate.cli import main
 from qosgate.config.loader import load_policy_text
@@ -106,3 +109,28 @@ def test_bad_arguments_exit_2_and_an_unreachable_server_exits_1(tmp_path: Path) 
     assert main(["calibrate", "http://127.0.0.1:9/v1", "--model", "m", "--out", out, "--quick",
                  "--no-metrics", "--quiet"]) == 1
     assert not Path(out).exists()
+
+
+def test_the_sweep_fits_itself_to_a_small_engine() -> None:
+    # vLLM's test engine: a context of 2048 tokens and 4 sequences.
+    sweep = fitted_sweep(FULL, budget_tokens=2048, max_model_len=2048, max_batch=4)
+    assert sweep.prefill_tokens == (32, 128, 256, 512, 768, 1024, 1536, 2047)
+    assert sweep.batch_sizes == (1, 2, 4)
+    points = decode_points(sweep, budget_tokens=2048, max_model_len=2048)
+    assert all(prompt + output <= 2048 for _, prompt, output in points)
+    # One prompt for both outputs of a batch, so that their difference is decode alone.
+    assert {(b, p) for b, p, _ in points} == {(b, p) for b in (1, 2, 4) for p in (256, 1856)}
+    assert len(points) == 12
+    # Without limits the sweep is as it was.
+    assert fitted_sweep(QUICK, budget_tokens=2048, max_model_len=None, max_batch=None) == QUICK
+
+
+def test_engine_timed_steps_are_the_difference_of_two_output_lengths() -> None:
+    # Two streams of a 100-token prompt: prefills add 30 ms to either batch's
+    # gaps; decode steps are 4 ms.
+    itl = {(2, 100, 10): (0.030 + 2 * 9 * 0.004, 18.0),
+           (2, 100, 30): (0.030 + 2 * 29 * 0.004, 58.0),
+           (1, 100, 10): (0.5, 3.0)}  # another client's tokens too: left out  # fmt: skip
+    (sample,) = engine_decode_samples(itl)
+    assert (sample.seqs, sample.context_tokens) == (2, 2 * (100 + 20))
+    assert sample.step_ms == pytest.approx(4.0)

@@ -237,10 +237,15 @@ class Job:
             for choice in event.get("choices") or ():
                 if chat:
                     delta = choice.get("delta") or {}
-                    text = delta.get("content") if isinstance(delta, dict) else None
+                    token = bool(delta.get("content") if isinstance(delta, dict) else None)
                 else:
+                    # A token that decodes to no text yet (a piece of a
+                    # character) is still a step's output; an empty closing
+                    # chunk after the tokens is not.
                     text = choice.get("text")
-                if text:
+                    token = bool(text) or (text == "" and (
+                        choice.get("finish_reason") is None or first is None))
+                if token:
                     now = loop.time()
                     if first is None:
                         first = now

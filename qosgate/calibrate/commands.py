@@ -21,7 +21,7 @@ import re
 import statistics
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -36,9 +36,11 @@ from qosgate.calibrate.fit import DecodeSample, PrefillSample, Regression, fit_d
 from qosgate.profiles import CostProfile
 
 TIMEOUT_S = 600.0
-TOKEN_IDS = (1000, 20000)
-"""Prompt token ids are drawn from here: ordinary ids in any vocabulary of
-more than 20k, different for every request so that no prefix cache helps."""
+TOKEN_IDS = (16, 500)
+"""Prompt token ids are drawn from here: past the special tokens that open
+common vocabularies and within any of more than 500 ids (the tests' tiny
+model has 512; a server refuses an id outside its vocabulary), different for
+every request so that no prefix cache helps."""
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,60 @@ QUICK = Sweep(
 )  # fmt: skip
 
 
+def fitted_sweep(sweep: Sweep, *, budget_tokens: int, max_model_len: int | None,
+                 max_batch: int | None) -> Sweep:  # fmt: skip
+    """The sweep within the engine's limits: every prefill one step of at
+    most `budget_tokens` and, with its one output token, within the context;
+    no batch above `max_batch` (a larger one would queue in the engine, and
+    its steps would not be of its size). A limit that cuts some points off
+    adds a point at the limit itself, so the sweep still spans the range."""
+    longest = budget_tokens if max_model_len is None else min(budget_tokens, max_model_len - 1)
+    prefill = _capped(sweep.prefill_tokens, longest)
+    batches = _capped(sweep.batch_sizes, max_batch)
+    if len(batches) < 3 and batches[-1] // 2 > batches[0]:
+        # Three batch sizes at least: the decode fit separates the step's
+        # fixed cost from its per-sequence one.
+        batches = tuple(sorted({*batches, batches[-1] // 2}))
+    return Sweep(prefill, sweep.prefill_repeats, batches, sweep.prompt_tokens, sweep.output_tokens)
+
+
+def _capped(values: tuple[int, ...], cap: int | None) -> tuple[int, ...]:
+    if cap is None or max(values) <= cap:
+        return values
+    return (*(v for v in values if v < cap), cap)
+
+
+def decode_points(sweep: Sweep, *, budget_tokens: int,
+                  max_model_len: int | None) -> list[tuple[int, int, int]]:  # fmt: skip
+    """(batch, prompt, output) of each batch of the sweep, a prompt shortened
+    where it and its longest output would not fit the context (one prompt for
+    all its outputs: `engine_decode_samples` takes their differences)."""
+    points: list[tuple[int, int, int]] = []
+    for prompt, batch in itertools.product(sweep.prompt_tokens, sweep.batch_sizes):
+        outputs = [decode_output_tokens(batch, prompt, o, budget_tokens)
+                   for o in sweep.output_tokens]  # fmt: skip
+        if max_model_len is not None and prompt + max(outputs) > max_model_len:
+            prompt = max_model_len - max(outputs)
+            if prompt < 1:
+                raise CalibrationFailed(
+                    f"a context of {max_model_len} tokens leaves no room for a prompt before "
+                    f"{max(outputs)} output tokens"
+                )
+        for output in outputs:
+            if (batch, prompt, output) not in points:
+                points.append((batch, prompt, output))
+    return points
+
+
 class _TokenIdJob(Job):
     """The load generator's request, with a prompt of token ids."""
 
+    # Each run's prompts differ from every earlier run's too: a server keeps
+    # its prefix cache between runs.
+    run_salt = random.SystemRandom().getrandbits(64)
+
     def prompt(self, rid: int, tokens: int) -> list[int]:  # type: ignore[override]
-        rng = random.Random(f"calibrate/{rid}")
+        rng = random.Random(f"calibrate/{self.run_salt}/{rid}")
         return [rng.randrange(*TOKEN_IDS) for _ in range(tokens)]
 
 
@@ -76,8 +127,36 @@ class CalibrationFailed(RuntimeError):
 class Measured:
     prefill: list[PrefillSample]
     decode: list[DecodeSample]
+    """Decode steps as the client saw them (`_decode_samples`)."""
+    engine_decode: list[DecodeSample] = field(default_factory=list)
+    """Decode steps as the engine timed them (`engine_decode_samples`)."""
+    engine_prefill: list[PrefillSample] = field(default_factory=list)
+    """Lone prefills as the engine timed them (vLLM's request prefill time)."""
+    outside_ms: list[float] = field(default_factory=list)
+    """Per lone request with both clocks: the client's time to its first
+    token less the engine's prefill."""
     running_max: int | None = None
     """Most requests the server's metrics showed running at once."""
+
+    @property
+    def decode_fitted(self) -> list[DecodeSample]:
+        """The engine's own timings where there are enough for the fit."""
+        if len({s.seqs for s in self.engine_decode}) >= 2:
+            return self.engine_decode
+        return self.decode
+
+    @property
+    def prefill_fitted(self) -> list[PrefillSample]:
+        if len({s.prompt_tokens for s in self.engine_prefill}) >= 3:
+            return self.engine_prefill
+        return self.prefill
+
+    def overhead_ms(self, prefill: Regression, t0_ms: float) -> float:
+        """What a request spends outside the engine: measured on both clocks
+        where there were, else the prefill intercept's excess over t0."""
+        if self.prefill_fitted is self.engine_prefill and self.outside_ms:
+            return statistics.median(self.outside_ms)
+        return prefill.value("intercept_ms") - t0_ms
 
 
 def _job(base: str, model: str, api_key: str | None, ignore_eos: bool,
@@ -110,12 +189,24 @@ async def _metrics(session: aiohttp.ClientSession, url: str | None) -> dict[str,
         for sample in family.samples:
             if sample.name == "vllm:num_requests_running":
                 found["running"] = found.get("running", 0) + int(sample.value)
+            elif sample.name.rpartition("_")[0] in _HISTOGRAMS:
+                series, _, part = sample.name.rpartition("_")
+                if part in ("sum", "count"):
+                    key = f"{_HISTOGRAMS[series]}_{part}"
+                    found[key] = found.get(key, 0.0) + sample.value
             elif sample.name == "vllm:cache_config_info":
                 blocks = sample.labels.get("num_gpu_blocks")
                 size = sample.labels.get("block_size")
                 if blocks and size and blocks.isdigit() and size.isdigit():
                     found["kv_capacity_tokens"] = int(blocks) * int(size)
     return found
+
+
+_HISTOGRAMS = {
+    "vllm:inter_token_latency_seconds": "itl",
+    "vllm:request_prefill_time_seconds": "prefill",
+}
+"""vLLM's histograms timed in the engine's process: their sums and counts."""
 
 
 async def _run(job: _TokenIdJob, specs: list[tuple]) -> list[tuple]:
@@ -131,12 +222,34 @@ async def _run(job: _TokenIdJob, specs: list[tuple]) -> list[tuple]:
     return records
 
 
+async def served_context(base: str, model: str, api_key: str | None) -> int | None:
+    """The model's context in tokens, where the server's /v1/models gives it
+    (vLLM's `max_model_len`)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with aiohttp.ClientSession() as session:
+        try:
+            async with session.get(f"{base}/models", headers=headers,
+                                   timeout=aiohttp.ClientTimeout(total=30)) as response:  # fmt: skip
+                if response.status != 200:
+                    return None
+                body = await response.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+    cards = body.get("data") if isinstance(body, dict) else None
+    for card in cards if isinstance(cards, list) else []:
+        if isinstance(card, dict) and card.get("id") == model:
+            value = card.get("max_model_len")
+            return value if isinstance(value, int) and value > 1 else None
+    return None
+
+
 async def measure(
     base: str, model: str, api_key: str | None, sweep: Sweep, *, budget_tokens: int,
-    ignore_eos: bool = True, metrics_url: str | None = None,
+    max_model_len: int | None = None, ignore_eos: bool = True, metrics_url: str | None = None,
     progress: Callable[[str], None] = lambda line: None,
 ) -> Measured:  # fmt: skip
-    """Run the sweep against the server; the samples the fit takes."""
+    """Run the sweep against the server; the samples the fit takes. The
+    sweep is taken as it is: `fitted_sweep` fits it to the engine."""
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         job = _job(base, model, api_key, ignore_eos, session)
@@ -144,56 +257,119 @@ async def measure(
         # A first request warms the server up (and fails fast on a wrong URL or key).
         await _run(job, [(rid, 0.0, 0, 16, 2)])
         measured = Measured([], [])
-        lengths = [p for p in sweep.prefill_tokens if p <= budget_tokens]
+        # Lone prefills are timed on the engine's clock too where the server
+        # has vLLM's histograms (each costs two reads of /metrics, so only then).
+        engine_clock = "prefill_count" in await _metrics(session, metrics_url)
+        lengths = sweep.prefill_tokens
         for n, tokens in enumerate(lengths, start=1):
             ttfts = []
             for _ in range(sweep.prefill_repeats):
                 rid += 1
+                before = await _metrics(session, metrics_url) if engine_clock else {}
                 (record,) = await _run(job, [(rid, 0.0, 0, tokens, 1)])
                 ttfts.append((record[3] - record[2]) * 1000.0)
                 measured.prefill.append(PrefillSample(tokens, ttfts[-1]))
+                after = await _metrics(session, metrics_url) if engine_clock else {}
+                if after.get("prefill_count", 0) - before.get("prefill_count", 0) == 1:
+                    engine_ms = (after["prefill_sum"] - before["prefill_sum"]) * 1000.0
+                    measured.engine_prefill.append(PrefillSample(tokens, engine_ms))
+                    measured.outside_ms.append(ttfts[-1] - engine_ms)
             progress(f"prefill {n}/{len(lengths)}: {tokens} tokens: "
                      f"first token {statistics.median(ttfts):.1f} ms")
-        points = [(b, p, o) for p in sweep.prompt_tokens for o in sweep.output_tokens
-                  for b in sweep.batch_sizes]  # fmt: skip
+        points = decode_points(sweep, budget_tokens=budget_tokens, max_model_len=max_model_len)
+        itl: dict[tuple[int, int, int], tuple[float, float]] = {}
         for n, (batch, prompt, output) in enumerate(points, start=1):
-            output = decode_output_tokens(batch, prompt, output, budget_tokens)
             specs = [(rid + 1 + i, 0.0, 0, prompt, output) for i in range(batch)]
             rid += batch
-            sampled = asyncio.create_task(_sample_running(session, metrics_url, output))
-            records = await _run(job, specs)
-            running = await sampled
-            if running is not None:
-                measured.running_max = max(measured.running_max or 0, running)
+            before = await _metrics(session, metrics_url)
+            watch = _RunningWatch(session, metrics_url)
+            watcher = asyncio.create_task(watch.run())
+            try:
+                records = await _run(job, specs)
+            finally:
+                watcher.cancel()
+            after = await _metrics(session, metrics_url)
+            if "itl_sum" in before and "itl_sum" in after:
+                itl[batch, prompt, output] = (after["itl_sum"] - before["itl_sum"],
+                                              after["itl_count"] - before["itl_count"])
+            if watch.most is not None:
+                measured.running_max = max(measured.running_max or 0, watch.most)
             samples = _decode_samples(records, batch, prompt)
             measured.decode.extend(samples)
             step = statistics.median(s.step_ms for s in samples) if samples else float("nan")
+            engine = itl.get((batch, prompt, output))
             progress(f"decode {n}/{len(points)}: {batch} streams x {prompt}-token prompts x "
-                     f"{output} tokens: step {step:.1f} ms")
+                     f"{output} tokens: step {step:.1f} ms"
+                     + (f" (the engine's mean gap {1000 * engine[0] / engine[1]:.1f} ms)"
+                        if engine and engine[1] else ""))
+        measured.engine_decode = engine_decode_samples(itl)
         return measured
 
 
-async def _sample_running(session: aiohttp.ClientSession, url: str | None,
-                          output: int) -> int | None:  # fmt: skip
-    """The server's running count once the batch is under way (vLLM's metrics)."""
-    if url is None:
-        return None
-    # Roughly mid-batch for the servers this is for (tens of ms a step).
-    await asyncio.sleep(min(5.0, 0.01 * output))
-    return (await _metrics(session, url)).get("running")
+def engine_decode_samples(
+    itl: dict[tuple[int, int, int], tuple[float, float]],
+) -> list[DecodeSample]:
+    """Decode steps from the engine's own clock: vLLM's inter-token latency
+    histogram (`vllm:inter_token_latency_seconds`, timed in the engine's
+    process, so a stall of the server or the client between it and the
+    engine does not show). Its sum and count over one batch take in the
+    steps of the batch's prefills too; two batches alike but for their
+    output lengths differ by decode steps alone, so the difference of the
+    two is one sample: the mean step over the longer one's extra tokens, at
+    the context of their middle. A batch whose count is not its streams'
+    gaps (another client's requests ran beside it) is left out."""
+    samples = []
+    for (batch, prompt, output), (total, count) in itl.items():
+        if count != batch * (output - 1):
+            continue
+        shorter = [(o, itl[batch, prompt, o]) for b, p, o in itl
+                   if (b, p) == (batch, prompt) and o < output
+                   and itl[b, p, o][1] == batch * (o - 1)]  # fmt: skip
+        if not shorter:
+            continue
+        o, (total_o, count_o) = max(shorter)
+        step_ms = (total - total_o) / (count - count_o) * 1000.0
+        context = batch * (prompt + (o + output) / 2)
+        samples.append(DecodeSample(batch, float(context), step_ms))
+    return samples
 
 
-DECODE_BINS = 4
-"""Samples per batch: the time all its streams decode together, in this many runs."""
+class _RunningWatch:
+    """The most requests the server's metrics (vLLM's) show running while a
+    batch is under way, read over and over until the batch ends."""
+
+    INTERVAL_S = 0.05
+
+    def __init__(self, session: aiohttp.ClientSession, url: str | None) -> None:
+        self.session, self.url = session, url
+        self.most: int | None = None
+
+    async def run(self) -> None:
+        while self.url is not None:
+            running = (await _metrics(self.session, self.url)).get("running")
+            if running is None:
+                return
+            self.most = max(self.most or 0, running)
+            await asyncio.sleep(self.INTERVAL_S)
+
+
+DECODE_BINS = 1
+"""Samples per batch: the time all its streams decode together, in this many
+runs. One: a server on a busy machine stalls now and then and sends the
+tokens of the stall in one burst after it, and a stall across two runs'
+border would give one run its time and the next its tokens."""
 
 
 def _decode_samples(records: list[tuple], batch: int, prompt: int) -> list[DecodeSample]:
     """From the last stream's first token (every prefill done) to the first
     stream's last token (none finished yet), the whole batch decodes and a
-    gap between two tokens is one step. That time is cut into runs: per run,
-    the median gap over its streams (a client's timing jitters by
-    milliseconds; the median of many gaps does not), at the context the
-    batch had in the run's middle."""
+    gap between two tokens is one step. That time is cut into runs: per run
+    and stream, the time from its first token in the run to its last over the
+    gaps between them, and the median of that over the streams, at the
+    context the batch had in the run's middle. A mean over a run, not a
+    median gap: tokens can arrive in bursts (several in one read, then a
+    pause) and a client's timing jitters by milliseconds; neither moves a
+    run's ends by much."""
     times = []
     for record in records:
         first, itl = record[3], record[11]
@@ -207,11 +383,15 @@ def _decode_samples(records: list[tuple], batch: int, prompt: int) -> list[Decod
     edges = [start + (end - start) * n / DECODE_BINS for n in range(DECODE_BINS + 1)]
     samples = []
     for low, high in itertools.pairwise(edges):
-        gaps = [b - a for t in times for a, b in itertools.pairwise(t) if a >= start and low < b <= high]
-        if gaps:
+        steps = []
+        for t in times:
+            run = t[bisect.bisect_right(t, low):bisect.bisect_right(t, high)]
+            if len(run) >= 2:
+                steps.append((run[-1] - run[0]) / (len(run) - 1))
+        if steps:
             middle = (low + high) / 2
             context = sum(prompt + bisect.bisect_right(t, middle) for t in times)
-            samples.append(DecodeSample(batch, float(context), statistics.median(gaps) * 1000.0))
+            samples.append(DecodeSample(batch, float(context), statistics.median(steps) * 1000.0))
     return samples
 
 
@@ -227,8 +407,8 @@ def fitted_profile(
     measured: Measured, *, name: str, description: str, kv_capacity_tokens: int,
     max_num_seqs: int, max_num_batched_tokens: int,
 ) -> tuple[CostProfile, Regression, Regression]:  # fmt: skip
-    decode = fit_decode(measured.decode)
-    prefill = fit_prefill(measured.prefill)
+    decode = fit_decode(measured.decode_fitted)
+    prefill = fit_prefill(measured.prefill_fitted)
     profile = CostProfile(
         name=name, description=description, t0_ms=decode.value("t0_ms"),
         c_p=prefill.value("c_p"), c_q=prefill.value("c_q"), c_d=decode.value("c_d"),
@@ -238,14 +418,14 @@ def fitted_profile(
     return profile, decode, prefill
 
 
-def residual_report(decode: Regression, prefill: Regression, t0_ms: float) -> list[str]:
+def residual_report(decode: Regression, prefill: Regression, overhead_ms: float) -> list[str]:
     """Each term with its standard error, and each regression's residuals."""
     lines = [f"decode steps ({decode.samples} samples): rms residual {decode.rms_ms:.3f} ms"]
     lines += [f"  {t.name:<12} {t.value:.6g} +/- {t.stderr:.2g}" for t in decode.terms]
     lines.append(f"prefill ({prefill.samples} samples): rms residual {prefill.rms_ms:.3f} ms")
     lines += [f"  {t.name:<12} {t.value:.6g} +/- {t.stderr:.2g}" for t in prefill.terms]
-    overhead = prefill.value("intercept_ms") - t0_ms
-    lines.append(f"  request overhead outside the engine (intercept - t0): {overhead:.3f} ms")
+    lines.append(f"  request overhead outside the engine (the simulator leaves it out): "
+                 f"{overhead_ms:.3f} ms")
     return lines
 
 
@@ -260,23 +440,26 @@ def plot_fit(path: str | Path, measured: Measured, profile: CostProfile, overhea
 
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
-    measured_steps = [s.step_ms for s in measured.decode]
-    fitted_steps = [profile.step_ms([], s.seqs, int(s.context_tokens)) for s in measured.decode]
-    left.scatter(fitted_steps, measured_steps, s=8, c=[s.seqs for s in measured.decode],
+    decode = measured.decode_fitted
+    measured_steps = [s.step_ms for s in decode]
+    fitted_steps = [profile.step_ms([], s.seqs, int(s.context_tokens)) for s in decode]
+    left.scatter(fitted_steps, measured_steps, s=8, c=[s.seqs for s in decode],
                  cmap="viridis")
     top = max(measured_steps + fitted_steps)
     left.plot([0, top], [0, top], color="grey", linewidth=1)
     left.set_xlabel("fitted step (ms)")
     left.set_ylabel("measured step (ms)")
     left.set_title("decode: time between tokens (colour: batch size)")
-    tokens = [s.prompt_tokens for s in measured.prefill]
-    right.scatter(tokens, [s.ttft_ms for s in measured.prefill], s=10, label="measured")
+    prefill = measured.prefill_fitted
+    tokens = [s.prompt_tokens for s in prefill]
+    right.scatter(tokens, [s.ttft_ms for s in prefill], s=10, label="measured")
     grid = sorted(set(tokens))
     right.plot(grid, [profile.step_ms([p], 0, 0) + overhead_ms for p in grid], color="C1",
-               label="fitted + overhead")
+               label="fitted + overhead" if overhead_ms else "fitted")
     right.set_xlabel("prompt tokens")
     right.set_ylabel("time to first token (ms)")
-    right.set_title("prefill: a lone request")
+    right.set_title("prefill: a lone request"
+                    + ("" if prefill is measured.prefill else " (the engine's clock)"))
     right.legend()
     fig.tight_layout()
     save_figure(fig, path)
@@ -294,7 +477,8 @@ def _profile_name(model: str) -> str:
 def calibrate_command(args: argparse.Namespace) -> int:
     try:
         base = api_base(args.url)
-        for flag in ("max_num_seqs", "max_num_batched_tokens", "kv_capacity_tokens"):
+        for flag in ("max_num_seqs", "max_num_batched_tokens", "kv_capacity_tokens",
+                     "max_model_len", "max_batch"):
             value = getattr(args, flag)
             if value is not None and value < 1:
                 raise BenchUsageError(f"--{flag.replace('_', '-')}: must be at least 1, got {value}")
@@ -309,17 +493,22 @@ def calibrate_command(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"qosgate calibrate: {line}", file=sys.stderr, flush=True)
 
-    async def run() -> tuple[Measured, dict[str, Any]]:
+    async def run() -> tuple[Sweep, Measured, dict[str, Any]]:
+        context = args.max_model_len or await served_context(base, args.model, args.api_key)
+        fitted = fitted_sweep(sweep, budget_tokens=budget, max_model_len=context,
+                              max_batch=args.max_batch or args.max_num_seqs)  # fmt: skip
+        progress(f"{'quick' if args.quick else 'full'} sweep against {base} (model {args.model}"
+                 f"{'' if context is None else f', context {context} tokens'}; batches "
+                 f"{', '.join(map(str, fitted.batch_sizes))})")
         measured = await measure(
-            base, args.model, args.api_key, sweep, budget_tokens=budget,
+            base, args.model, args.api_key, fitted, budget_tokens=budget, max_model_len=context,
             ignore_eos=not args.no_ignore_eos, metrics_url=metrics_url, progress=progress,
         )  # fmt: skip
         async with aiohttp.ClientSession() as session:
-            return measured, await _metrics(session, metrics_url)
+            return fitted, measured, await _metrics(session, metrics_url)
 
-    progress(f"{'quick' if args.quick else 'full'} sweep against {base} (model {args.model})")
     try:
-        measured, server = asyncio.run(run())
+        sweep, measured, server = asyncio.run(run())
         kv = args.kv_capacity_tokens or server.get("kv_capacity_tokens")
         if kv is None:
             raise CalibrationFailed(
@@ -336,7 +525,14 @@ def calibrate_command(args: argparse.Namespace) -> int:
     except (CalibrationFailed, ValueError, aiohttp.ClientError, OSError) as exc:
         print(f"qosgate calibrate: {exc}", file=sys.stderr)
         return 1
-    report = residual_report(decode, prefill, profile.t0_ms)
+    overhead = measured.overhead_ms(prefill, profile.t0_ms)
+    report = residual_report(decode, prefill, overhead)
+    report.insert(0, "decode steps timed by the engine (vLLM's inter-token latency)"
+                  if measured.decode_fitted is measured.engine_decode
+                  else "decode steps timed by the client")
+    report.insert(1, "prefills timed by the engine (vLLM's request prefill time)"
+                  if measured.prefill_fitted is measured.engine_prefill
+                  else "prefills timed by the client (first token)")
     if measured.running_max is not None:
         report.append(f"the server's metrics showed up to {measured.running_max} requests running "
                       f"at once (largest batch: {max(sweep.batch_sizes)})")
@@ -348,8 +544,8 @@ def calibrate_command(args: argparse.Namespace) -> int:
         write_profile(args.out, profile, notes)
         print(f"wrote {args.out}")
         if args.plot_path:
-            overhead = prefill.value("intercept_ms") - profile.t0_ms
-            plot_fit(args.plot_path, measured, profile, overhead)
+            on_engine_clock = measured.prefill_fitted is measured.engine_prefill
+            plot_fit(args.plot_path, measured, profile, 0.0 if on_engine_clock else overhead)
             print(f"wrote {args.plot_path}")
     except OSError as exc:
         print(f"qosgate calibrate: {exc}", file=sys.stderr)

@@ -66,7 +66,11 @@ def _least_squares(columns: dict[str, np.ndarray], y: np.ndarray) -> Regression:
         scale[scale == 0] = 1.0
         coef, *_ = np.linalg.lstsq(x / scale, y, rcond=None)
         coef = coef / scale
+        # The first term (the fixed cost) goes last: only when it alone is
+        # negative, and then the others take the whole time.
         negative = [n for n, c in zip(names, coef) if c < 0 and n != names[0]]
+        if not negative and coef[0] < 0 and len(names) > 1:
+            negative = [names[0]]
         if not negative:
             break
         names.remove(min(negative, key=lambda n: coef[names.index(n)]))

@@ -22,31 +22,24 @@ benchmarks/RESULTS.md quotes.
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import json
 import os
-import signal
-import socket
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 import pytest_asyncio
 import yaml
 
 from qosgate.backends import build_backend
 from tests.http_support import Live, live_app, make_policy
-from tests.vllm_engine.vllm_cli import LISTENING
+from tests.vllm_engine.vllm_server import CLI, SERVED, VllmServer, tail
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-CLI = str(Path(__file__).with_name("vllm_cli.py"))
 KEY = "vllm-bench-serve-key"
-SERVED = "tiny"
 MAX_SEQS = 4
 ENGINE_ARGS = {"enforce_eager": True, "dtype": "bfloat16", "max_model_len": 2048,
                "max_num_seqs": MAX_SEQS}  # fmt: skip
@@ -55,9 +48,7 @@ ENDPOINTS = {
     "completions": ("openai", "/v1/completions"),
     "chat": ("openai-chat", "/v1/chat/completions"),
 }
-# Guards against a hang, never waits: each await below ends on an event (a
-# log line, a process's exit).
-START_LIMIT_S = 300
+# Guards against a hang, never waits: each await below ends on a process's exit.
 BENCH_LIMIT_S = 180
 
 
@@ -71,89 +62,6 @@ def policy_text(backend: dict[str, Any]) -> str:
         "tenants": [{"id": "bench", "tier": "gold",
                      "api_keys": ["sha256:" + hashlib.sha256(KEY.encode()).hexdigest()]}],
     })  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tail(text: str, lines: int = 60) -> str:
-    return "\n".join(text.splitlines()[-lines:])
-
-
-class VllmServer:
-    """`vllm serve MODEL` on a free loopback port, in a process group of its
-    own (its EngineCore is a child), with its output kept for diagnostics."""
-
-    def __init__(self, model: str) -> None:
-        self.model = model
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.lines: collections.deque[str] = collections.deque(maxlen=300)
-        self.proc: asyncio.subprocess.Process | None = None
-        self._reader: asyncio.Task[None] | None = None
-        self._listening: asyncio.Future[bool] | None = None
-
-    async def start(self) -> None:
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, CLI, "serve", self.model, "--served-model-name", SERVED,
-            "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
-            "--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", str(MAX_SEQS),
-            "--disable-uvicorn-access-log",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True, limit=1 << 20,
-        )  # fmt: skip
-        self._listening = asyncio.get_running_loop().create_future()
-        self._reader = asyncio.create_task(self._read())
-
-    async def _read(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        assert self._listening is not None
-        async for raw in self.proc.stdout:
-            line = raw.decode(errors="replace").rstrip()
-            self.lines.append(line)
-            if line == LISTENING and not self._listening.done():
-                self._listening.set_result(True)
-        if not self._listening.done():
-            self._listening.set_result(False)  # it exited before it listened
-
-    async def ready(self) -> None:
-        """Until /health answers 200, or the process has exited. Its socket
-        listens from its bind on, before the engine loads (vllm_cli.py), so
-        the one request waits in the kernel's backlog and is answered once
-        uvicorn serves; a process that exits resets it."""
-        assert self._listening is not None
-        unbounded = aiohttp.ClientTimeout(total=None)  # the START_LIMIT_S guard bounds it
-        async with asyncio.timeout(START_LIMIT_S), aiohttp.ClientSession(timeout=unbounded) as http:
-            try:
-                if not await asyncio.shield(self._listening):
-                    raise aiohttp.ClientConnectionError("no listening socket")
-                async with http.get(self.url + "/health") as r:
-                    if r.status == 200:
-                        return
-                    why = f"vllm serve answered /health with {r.status}"
-            except aiohttp.ClientConnectionError:
-                why = "vllm serve exited before it served"
-        raise AssertionError(why + ":\n" + "\n".join(self.lines))
-
-    async def stop(self) -> None:
-        proc = self.proc
-        if proc is None:
-            return
-        if proc.returncode is None:
-            proc.terminate()  # the API server shuts its engine down
-            try:
-                await asyncio.wait_for(proc.wait(), 60)
-            except TimeoutError:
-                os.killpg(proc.pid, signal.SIGKILL)
-                await proc.wait()
-        # Whatever of its group outlived it (an EngineCore) goes too.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        if self._reader is not None:
-            await self._reader
 
 
 async def bench_serve(
@@ -213,7 +121,7 @@ async def bench_serve(
 async def upstream(tiny_model) -> AsyncIterator[VllmServer]:
     """Started first and waited for last: it loads while the in-process
     engine does."""
-    server = VllmServer(tiny_model)
+    server = VllmServer(tiny_model, max_num_seqs=MAX_SEQS, max_model_len=2048)
     await server.start()
     try:
         yield server
