@@ -328,6 +328,17 @@ class QuotaGuard:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def refund_stranded(self, reservation: Reservation) -> bool:
+        """Refund in full a reservation an earlier run of this process made
+        and died before settling (a batch line's, kept in the job's journal).
+        Only a shared store can still hold it: a memory store's, and a
+        fail-open gateway's local ones, went with the process. Whether the
+        store took it; raises QuotaStoreError when it cannot be reached."""
+        if reservation.store != self.store.name or isinstance(self.store, MemoryQuotaStore):
+            return False
+        await self.store.settle(reservation, 0, False, self._clock())
+        return True
+
     async def _settle(self, reservation: Reservation, charged: int, served: bool, now: float) -> None:
         try:
             await self.store.settle(reservation, charged, served, now)

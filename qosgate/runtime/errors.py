@@ -216,3 +216,37 @@ class PolicyRejected(BadRequest):
     """A reload that was refused; the running policy stays."""
 
     code = "policy_rejected"
+
+
+class BatchesNotConfigured(GatewayError):
+    """501: the Batch API routes of a gateway without `batch.data_dir`."""
+
+    status = 501
+    outcome = Outcome.BAD_REQUEST
+    code = "batches_not_configured"
+    type = "invalid_request_error"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "Batches are not configured on this gateway: its policy sets no batch.data_dir."
+        )
+
+
+class BatchObjectNotFound(BadRequest):
+    """404: no such file or batch of the tenant's (another tenant's is none of its)."""
+
+    status = 404
+    code = "not_found"
+
+
+class InvalidBatchFile(BadRequest):
+    """400: a batch input file that cannot run as given; the message names the line."""
+
+    code = "invalid_file"
+
+
+class BatchNotCancellable(BadRequest):
+    """409: the batch has already ended (or is ending) and cannot be cancelled."""
+
+    status = 409
+    code = "batch_not_cancellable"

@@ -163,7 +163,7 @@ class Gateway:
 
     # -- reload --------------------------------------------------------------
 
-    RESTART_ONLY = ("scheduler", "backend", "server", "quota_store", "observability")
+    RESTART_ONLY = ("scheduler", "backend", "server", "quota_store", "observability", "batch")
     """Sections a reload cannot change (a restart can)."""
 
     def reload(self, policy: PolicyConfig) -> None:
@@ -219,7 +219,9 @@ class Gateway:
 
     # -- requests ------------------------------------------------------------
 
-    async def admit(self, ask: Ask, *, on_quota: _OnQuota | None = None) -> RequestStream:
+    async def admit(
+        self, ask: Ask, *, on_quota: _OnQuota | None = None, hold_settlement: bool = False
+    ) -> RequestStream:
         """Take a validated request from its client's identity to a stream:
         its max_tokens clamped to the tier and the model's context, its
         prompt counted, its quota reserved (`on_quota` gets the tenant's
@@ -227,7 +229,13 @@ class Gateway:
         Every refusal on the way is counted here, by its outcome, and raised
         as its typed error (ContextLengthExceeded, QuotaExceeded,
         QuotaStoreUnavailable, and `submit`'s); the quota reserved is
-        refunded when admission refuses the request."""
+        refunded when admission refuses the request.
+
+        `hold_settlement`: when the request ends, its settlement is worked
+        out as always but kept on the stream, to be made by the consumer
+        with `settle_held` once it has recorded the result (a batch line:
+        recorded first, so that a crash in between can never charge it
+        twice)."""
         try:
             shaped = shape(
                 ask, self._policy.tiers[ask.tier],
@@ -246,6 +254,7 @@ class Gateway:
             request_id=ask.request_id, tenant=ask.tenant, tier=ask.tier, endpoint=ask.endpoint,
             body=shaped.body, prompt_tokens=shaped.prompt_tokens, max_tokens=shaped.max_tokens,
             priority_offset=ask.priority_offset, session=ask.session, reservation=reservation,
+            hold_settlement=hold_settlement,
         )  # fmt: skip
 
     async def _reserve(self, ask: Ask, tokens: int, on_quota: _OnQuota | None) -> _Held:
@@ -280,6 +289,7 @@ class Gateway:
         priority_offset: int = 0,
         session: str | None = None,
         reservation: Reservation | None = None,
+        hold_settlement: bool = False,
     ) -> RequestStream:
         """Admit a request now or refuse it (QueueFull / Overloaded, the request
         then finished with that outcome). Unknown tier or a reused request id
@@ -322,6 +332,7 @@ class Gateway:
             work=req.work,
         )
         stream = RequestStream(self, req, job, loop, reservation)
+        stream.holds_settlement = hold_settlement and reservation is not None
         self._streams[request_id] = stream
         # Dispatch now rather than on the next loop turn: requests arriving in
         # the same turn would otherwise count each other, still undispatched,
@@ -499,11 +510,28 @@ class Gateway:
             usage = stream.usage()
             if stream.reservation is not None:
                 charged = sum(usage) if usage is not None else 0
-                self._settle(stream.reservation, charged, served=usage is not None)
+                if stream.holds_settlement:
+                    stream.owed = (charged, usage is not None)
+                else:
+                    self._settle(stream.reservation, charged, served=usage is not None)
             self.observer.finished(stream.request, usage)
         if self._idle is not None and not self._streams and not self._idle.done():
             self._idle.set_result(None)
         self._wake()
+
+    def settle_held(self, stream: RequestStream, *, refund: bool = False) -> None:
+        """Make the settlement an ended stream admitted with `hold_settlement`
+        kept: as worked out when it ended, or (`refund`) none of it charged
+        and the request given back, for a consumer that will send it again.
+        Exactly once; a stream without a reservation has nothing to settle."""
+        if not stream.holds_settlement:
+            return
+        owed = stream.owed
+        if owed is None:
+            raise RuntimeError(f"request {stream.request.id} has not ended: nothing is owed yet")
+        stream.holds_settlement = False
+        charged, served = (0, False) if refund else owed
+        self._settle(stream.reservation, charged, served=served)
 
     def _lease_lost(self, reservation: Reservation) -> None:
         """The quota store lost a running request's concurrency lease (fail_closed)."""
@@ -568,6 +596,10 @@ class RequestStream:
         self.job = job
         self.reservation = reservation
         """The request's quota, settled by the gateway when it ends."""
+        self.holds_settlement = False
+        """Its settlement waits for the consumer (`Gateway.settle_held`)."""
+        self.owed: tuple[int, bool] | None = None
+        """(charged, served), once a held settlement is worked out."""
         self._host = host
         self._loop = loop
         # Whether the backend ever ran it, and the prompt size it reported:
