@@ -320,6 +320,6 @@ async def test_without_a_data_dir_the_routes_say_so() -> None:
         ):
             with pytest.raises(openai.APIStatusError) as caught:
                 await call()
-            assert caught.value.status_code == 501
+            assert caught.value.status_code == 404
             assert caught.value.body["code"] == "batches_not_configured"
         await client.close()

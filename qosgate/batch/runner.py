@@ -47,6 +47,7 @@ from qosgate.runtime.errors import (
     BatchNotCancellable,
     BatchObjectNotFound,
     Expired,
+    GatewayClosing,
     GatewayError,
     InvalidBatchFile,
     Overloaded,
@@ -246,7 +247,7 @@ class BatchService:
         metadata: dict[str, str] | None,
     ) -> BatchRecord:
         if self._stopping:
-            raise BackendUnavailableError("the gateway is shutting down", retry_after_s=1.0)
+            raise GatewayClosing()
         if endpoint not in ENDPOINTS:
             raise BadRequest(
                 f"endpoint must be one of {', '.join(ENDPOINTS)}", param="endpoint"

@@ -218,13 +218,12 @@ class PolicyRejected(BadRequest):
     code = "policy_rejected"
 
 
-class BatchesNotConfigured(GatewayError):
-    """501: the Batch API routes of a gateway without `batch.data_dir`."""
+class BatchesNotConfigured(BadRequest):
+    """404, as for a route the gateway does not serve, with a code of its own:
+    the Batch API routes of a gateway without `batch.data_dir`."""
 
-    status = 501
-    outcome = Outcome.BAD_REQUEST
+    status = 404
     code = "batches_not_configured"
-    type = "invalid_request_error"
 
     def __init__(self) -> None:
         super().__init__(
