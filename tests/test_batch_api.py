@@ -10,8 +10,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from http_support import MODEL, ScriptedBackend, hang_after_one, live_app, make_policy
 
 ALICE_KEY = "batch-key-alice"
@@ -113,7 +115,21 @@ async def test_a_200_line_batch_round_trip(tmp_path: Path) -> None:
         assert len(live.gateway.streams) == 200
         output = await client.files.retrieve(batch.output_file_id)
         assert output.purpose == "batch_output" and output.bytes > 0
+        metrics = await _metrics(live.url)
+        assert metrics[("qosgate_batch_lines_total", (("result", "completed"), ("tenant", "alice")))] == 200
+        assert metrics[("qosgate_batch_jobs", (("status", "completed"),))] == 1
+        assert metrics[("qosgate_batch_jobs", (("status", "in_progress"),))] == 0
         await client.close()
+
+
+async def _metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as response:
+        text = await response.text()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 async def test_completions_endpoint_and_error_lines(tmp_path: Path) -> None:

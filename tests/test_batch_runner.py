@@ -124,11 +124,15 @@ async def test_a_job_holds_at_most_its_bound_of_lines(tmp_path: Path) -> None:
     # Held by the backend, the job has taken its three and no more.
     assert len(backend.jobs) == 3
     assert {job.tier for job in backend.jobs} == {"bulk"}  # the policy's delay tier
+    jobs, queued = service.levels()  # what the metrics show
+    assert jobs["in_progress"] == 1 and sum(jobs.values()) == 1 and queued == {TENANT: 20}
     gate.set()
     await service.wait(batch.id)
     ended = await service.batch(TENANT, batch.id)
     assert (ended.status, ended.completed, ended.failed) == ("completed", 20, 0)
     assert len(backend.jobs) == 20
+    jobs, queued = service.levels()
+    assert jobs["completed"] == 1 and sum(jobs.values()) == 1 and queued == {}
     await _close(service)
 
 

@@ -62,7 +62,7 @@ from .files import (
     CANCELLED_MESSAGE, EXPIRED_MESSAGE, check_endpoint, check_input, input_lines, new_id,
     output_line, parse_item, unrun_line,
 )  # fmt: skip
-from .store import ENDPOINTS, BatchRecord, BatchStore, FileRecord, LineResult
+from .store import ENDPOINTS, STATUSES, BatchRecord, BatchStore, FileRecord, LineResult
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,8 @@ class BatchService:
             queued[record.tenant] = queued.get(record.tenant, 0) + max(
                 0, record.total - record.completed - record.failed
             )
-        return dict(self._status_counts), queued
+        counts = self._status_counts
+        return {status: counts.get(status, 0) for status in STATUSES}, queued
 
     def moved(self, before: str | None, after: str) -> None:
         if before is not None:
