@@ -24,6 +24,18 @@ def _demo_policy(data_dir: Path) -> PolicyConfig:
     return policy.model_copy(update={"backend": fast, "batch": batch})
 
 
+async def _run_example(url: str, name: str, *args: str) -> str:
+    """Run examples/`name` against the gateway at `url`; its output."""
+    env = {**os.environ, "QOSGATE_URL": f"{url}/v1"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(ROOT / "examples" / name), *args,
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+    assert proc.returncode == 0, err.decode()
+    return out.decode()
+
+
 def test_the_api_gateway_policy_is_valid():
     policy = load_policy(ROOT / "examples" / "behind-api-gateway.yaml")
     assert policy.server.trusted_header_secret_env == "QOSGATE_GATEWAY_SECRET"
@@ -32,14 +44,8 @@ def test_the_api_gateway_policy_is_valid():
 
 async def test_the_openai_client_example_runs_against_the_demo_policy(tmp_path: Path):
     async with live_app(_demo_policy(tmp_path)) as live:
-        env = {**os.environ, "QOSGATE_URL": f"{live.url}/v1"}
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, str(ROOT / "examples" / "openai_client.py"),
-            env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
-    assert proc.returncode == 0, err.decode()
-    text = out.decode()
+        out = await _run_example(live.url, "openai_client.py")
+    text = out
     assert "reply:" in text and "usage:" in text and "stream:" in text
 
 
@@ -54,15 +60,10 @@ def test_the_dockerfile_serves_a_policy_on_all_interfaces():
 
 async def test_the_multi_tenant_load_script_runs_against_the_demo_policy(tmp_path: Path):
     async with live_app(_demo_policy(tmp_path)) as live:
-        env = {**os.environ, "QOSGATE_URL": f"{live.url}/v1"}
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, str(ROOT / "examples" / "multi_tenant_load.py"),
-            "--seconds", "2", "--scale", "2",
-            env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        out = await _run_example(
+            live.url, "multi_tenant_load.py", "--seconds", "2", "--scale", "2"
         )
-        out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
-    assert proc.returncode == 0, err.decode()
-    lines = out.decode().splitlines()
+    lines = out.splitlines()
     assert len(lines) == 4
     assert all("completed" in line for line in lines)
     assert sum(int(line.split("completed")[1].split()[0]) for line in lines) > 0
@@ -70,17 +71,11 @@ async def test_the_multi_tenant_load_script_runs_against_the_demo_policy(tmp_pat
 
 async def test_the_batch_example_runs_against_the_demo_policy(tmp_path: Path):
     async with live_app(_demo_policy(tmp_path)) as live:
-        env = {**os.environ, "QOSGATE_URL": f"{live.url}/v1"}
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, str(ROOT / "examples" / "batch_client.py"),
-            env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+        out = await _run_example(live.url, "batch_client.py")
         # Its lines ran at the lowest delay tier, as the demo-batch tenant's.
         assert {s.request.tier for s in live.gateway.streams} == {"batch"}
         assert {s.request.tenant for s in live.gateway.streams} == {"demo-batch"}
-    assert proc.returncode == 0, err.decode()
-    text = out.decode()
+    text = out
     assert "completed" in text
     assert sorted(line.split()[0] for line in text.splitlines()[1:]) == sorted(
         f"question-{i}" for i in range(10)
