@@ -339,3 +339,60 @@ async def test_without_a_data_dir_the_routes_say_so() -> None:
             assert caught.value.status_code == 404
             assert caught.value.body["code"] == "batches_not_configured"
         await client.close()
+
+
+async def test_hostile_requests_get_a_clear_4xx(tmp_path: Path) -> None:
+    """Bodies, forms and parameters no client should send: each a 4xx in
+    OpenAI's error shape, never a 5xx; the gateway still serves after."""
+    async with live_app(make_policy(_policy_yaml(tmp_path, in_flight=1))) as live:
+        client = _client(live.url)
+        running = await client.files.create(
+            file=("in.jsonl", _jsonl([_line(f"r{i}") for i in range(50)])), purpose="batch"
+        )
+        batch = await client.batches.create(
+            input_file_id=running.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        headers = {"Authorization": f"Bearer {ALICE_KEY}"}
+        form = aiohttp.FormData()
+        form.add_field("file", b"{}", filename="x.jsonl")
+        no_purpose = aiohttp.FormData()
+        no_purpose.add_field("file", _jsonl([_line("a")]), filename="x.jsonl")
+        cases: list[tuple[str, str, dict[str, Any], int]] = [
+            ("POST", "/v1/files", {"json": {"purpose": "batch"}}, 400),
+            ("POST", "/v1/files", {"data": b"--x\r\nbroken", "headers": {
+                "Content-Type": "multipart/form-data; boundary=x"}}, 400),
+            ("POST", "/v1/files", {"data": form}, 400),
+            ("POST", "/v1/files", {"data": no_purpose}, 400),
+            ("GET", "/v1/files?limit=abc", {}, 400),
+            ("GET", "/v1/files?limit=10001", {}, 400),
+            ("GET", "/v1/files?order=sideways", {}, 400),
+            ("GET", "/v1/batches?limit=-1", {}, 400),
+            ("GET", "/v1/files/" + "x" * 5000, {}, 404),
+            ("DELETE", f"/v1/files/{running.id}", {}, 409),
+            ("POST", "/v1/batches", {"data": b"{not json",
+                                     "headers": {"Content-Type": "application/json"}}, 400),
+            ("POST", "/v1/batches", {"json": [1]}, 400),
+            ("POST", "/v1/batches", {"json": {"input_file_id": running.id}}, 400),
+            ("POST", "/v1/batches", {"json": {
+                "input_file_id": running.id, "endpoint": "/v1/chat/completions",
+                "completion_window": "24h", "surprise": 1}}, 400),
+            ("POST", "/v1/batches", {"json": {
+                "input_file_id": running.id, "endpoint": "/v1/chat/completions",
+                "completion_window": "24h", "metadata": {"k": 1}}}, 400),
+            ("POST", "/v1/batches", {"json": {
+                "input_file_id": running.id, "endpoint": "/v1/chat/completions",
+                "completion_window": "9999999d"}}, 400),
+            ("POST", "/v1/batches", {"data": b"{}", "headers": {"Content-Type": "text/plain"}}, 415),
+            ("POST", "/v1/batches/batch_nothing/cancel", {}, 404),
+            ("PUT", "/v1/batches", {}, 405),
+        ]  # fmt: skip
+        async with aiohttp.ClientSession(headers=headers) as http:
+            for method, path, kwargs, status in cases:
+                async with http.request(method, live.url + path, **kwargs) as response:
+                    body = await response.json()
+                    assert response.status == status, (method, path, body)
+                    assert set(body["error"]) == {"message", "type", "code", "param"}
+        await client.batches.cancel(batch.id)
+        await live.batches.wait(batch.id)
+        assert (await client.files.delete(running.id)).deleted
+        await client.close()

@@ -47,6 +47,7 @@ from qosgate.runtime.errors import (
     BatchNotCancellable,
     BatchObjectNotFound,
     Expired,
+    FileInUse,
     GatewayClosing,
     GatewayError,
     InvalidBatchFile,
@@ -233,6 +234,13 @@ class BatchService:
 
     async def delete_file(self, tenant: str, file_id: str) -> None:
         await self.file(tenant, file_id)
+        # A job reads its input as it goes, and again after a restart.
+        for job in self._jobs.values():
+            if job.record.input_file_id == file_id:
+                raise FileInUse(
+                    f"File {file_id} is the input of batch {job.record.id}, which has not "
+                    "ended; cancel it first."
+                )
         await self.store.delete_file(tenant, file_id)
         (self.store.files_dir / file_id).unlink(missing_ok=True)
 

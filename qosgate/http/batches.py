@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from qosgate.batch.runner import BatchService
 from qosgate.batch.store import BatchRecord, FileRecord
@@ -75,7 +76,7 @@ async def post_file(request: web.Request) -> web.Response:
                 received = await service.receive(_chunks(part))
             else:
                 await part.release()
-    except (ValueError, AssertionError, web.HTTPException) as exc:
+    except (ValueError, AssertionError, HttpProcessingError, web.HTTPException) as exc:
         if received is not None:
             received[0].unlink(missing_ok=True)
         if isinstance(exc, web.HTTPException):

@@ -316,7 +316,11 @@ def _batch_paths(max_body_bytes: int) -> dict[str, Any]:
         },  # fmt: skip
         "/v1/files/{file_id}": {
             "get": _batch_operation("A file", "FileObject", parameters=file_id),
-            "delete": _batch_operation("Delete a file", "FileDeleted", parameters=file_id),
+            "delete": _batch_operation(
+                "Delete a file", "FileDeleted",
+                {409: "The file is the input of a batch not yet ended (`file_in_use`)."},
+                parameters=file_id,
+            ),  # fmt: skip
         },
         "/v1/files/{file_id}/content": {
             "get": _batch_operation("A file's content", None, parameters=file_id),

@@ -244,6 +244,13 @@ class InvalidBatchFile(BadRequest):
     code = "invalid_file"
 
 
+class FileInUse(BadRequest):
+    """409: the file is the input of a batch still running."""
+
+    status = 409
+    code = "file_in_use"
+
+
 class BatchNotCancellable(BadRequest):
     """409: the batch has already ended (or is ending) and cannot be cancelled."""
 
