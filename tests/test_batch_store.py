@@ -1,28 +1,37 @@
-"""The `BatchStore` port's contract, run over each store: files and batches
-per tenant, pages, the journal of sent tries and recorded results, and
-everything still there after the store is closed and opened again."""
+"""The `BatchStore` port's contract, run over each store (SQLite, and Redis
+on a real redis-server): files and batches per tenant, pages, the journal
+of sent tries and recorded results, and everything still there after the
+store is closed and opened again."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 
+from qosgate.batch.redis_store import RedisBatchStore
 from qosgate.batch.sqlite_store import SqliteBatchStore
 from qosgate.batch.store import BatchRecord, BatchStore, FileRecord, LineResult
 
-STORES: dict[str, Callable[[Path], BatchStore]] = {"sqlite": SqliteBatchStore}
 
-
-@pytest.fixture(params=sorted(STORES))
+@pytest.fixture(params=["sqlite", "redis"])
 async def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[
     Callable[[], BatchStore]
 ]:  # fmt: skip
+    """A maker of stores over the same data: each one made after another is
+    closed sees what it left."""
     opened: list[BatchStore] = []
+    prefix = f"batch-store-{uuid.uuid4().hex[:8]}:"
+    url = request.getfixturevalue("redis_server").url if request.param == "redis" else ""
 
     def make() -> BatchStore:
-        store = STORES[request.param](tmp_path)
+        store: BatchStore
+        if request.param == "redis":
+            store = RedisBatchStore(url, tmp_path / "files", key_prefix=prefix)
+        else:
+            store = SqliteBatchStore(tmp_path)
         opened.append(store)
         return store
 
