@@ -234,6 +234,16 @@ async def test_upload_limits_and_create_checks(tmp_path: Path) -> None:
         await client.close()
 
 
+async def test_a_line_is_no_longer_than_a_request_body(tmp_path: Path) -> None:
+    text = _policy_yaml(tmp_path).replace("server: {", "server: {max_body_bytes: 1000, ")
+    async with live_app(make_policy(text)) as live:
+        client = _client(live.url)
+        lines = [_line("short"), _line("long", padding="x" * 1000)]
+        with pytest.raises(openai.BadRequestError, match="line 2: longer than 1000 bytes"):
+            await client.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
+        await client.close()
+
+
 async def test_a_tenant_sees_only_its_own(tmp_path: Path) -> None:
     async with live_app(make_policy(_policy_yaml(tmp_path))) as live:
         alice, bob = _client(live.url), _client(live.url, BOB_KEY)

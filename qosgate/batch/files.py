@@ -57,12 +57,18 @@ def parse_item(number: int, raw: bytes) -> dict[str, Any]:
     return item
 
 
-def check_input(path: Path, max_lines: int) -> int:
+def check_input(path: Path, max_lines: int, max_line_bytes: int) -> int:
     """Check a batch input file line by line; the number of requests it holds.
-    Raises InvalidBatchFile naming the first bad line."""
+    Raises InvalidBatchFile naming the first bad line. A line may be no longer
+    than a request body the completions routes take (`max_line_bytes`)."""
     seen: set[str] = set()
     count = 0
     for number, raw in input_lines(path):
+        if len(raw) > max_line_bytes:
+            raise InvalidBatchFile(
+                f"line {number}: longer than {max_line_bytes} bytes (server.max_body_bytes)",
+                param="file",
+            )
         item = parse_item(number, raw)
         count += 1
         if count > max_lines:

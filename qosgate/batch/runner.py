@@ -213,7 +213,10 @@ class BatchService:
                     f"purpose {purpose[:40]!r} is not supported here; use \"batch\"",
                     param="purpose",
                 )
-            lines = await asyncio.to_thread(check_input, part, self.policy.batch.max_lines)
+            policy = self.policy
+            lines = await asyncio.to_thread(
+                check_input, part, policy.batch.max_lines, policy.server.max_body_bytes
+            )
             record = FileRecord(
                 new_id("file-"), tenant, filename[:255], purpose, size, self.now(), lines
             )
@@ -524,7 +527,14 @@ class Job:
             return
         self._streams[number] = stream
         if stream.reservation is not None:
-            await self._store.line_sent(record.id, number, reservation_doc(stream.reservation))
+            try:
+                await self._store.line_sent(record.id, number, reservation_doc(stream.reservation))
+            except BaseException:
+                # Not journalled: the request must not be left admitted with
+                # no reader, nor its reservation held for nobody.
+                await stream.aclose()
+                gateway.settle_held(stream, refund=True)
+                raise
         call = Call(
             endpoint=self.endpoint, response_id=("chatcmpl-" if self.endpoint == "chat"
                                                  else "cmpl-") + request_id,
