@@ -166,6 +166,13 @@ class FleetLevels(BaseModel):
     running: NonNegativeInt
 
 
+class BatchJobs(BaseModel):
+    """The Batch API's jobs by status, and per tenant its lines still to run."""
+
+    jobs: dict[str, NonNegativeInt]
+    queued: dict[str, NonNegativeInt]
+
+
 class Stats(_Open):
     time: float
     ready: bool
@@ -180,6 +187,7 @@ class Stats(_Open):
     fleet: FleetLevels | None = Field(
         None, description="Null on one node, or when Redis was not read in time."
     )
+    batch_jobs: BatchJobs | None = Field(None, description="Null without `batch.data_dir`.")
 
 
 class QuotaStore(_Open):
