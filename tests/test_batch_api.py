@@ -5,6 +5,7 @@ tenant's objects hidden from another; a gateway without batches."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from pathlib import Path
@@ -242,6 +243,28 @@ async def test_a_line_is_no_longer_than_a_request_body(tmp_path: Path) -> None:
         with pytest.raises(openai.BadRequestError, match="line 2: longer than 1000 bytes"):
             await client.files.create(file=("in.jsonl", _jsonl(lines)), purpose="batch")
         await client.close()
+
+
+async def test_an_upload_that_stalls_gets_408(tmp_path: Path) -> None:
+    text = _policy_yaml(tmp_path).replace("server: {", "server: {body_timeout_s: 0.3, ")
+    async with live_app(make_policy(text)) as live:
+        host, port = live.url.removeprefix("http://").split(":")
+        form = (b"--b\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+                b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"x\"\r\n\r\n")
+        head = (f"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ALICE_KEY}\r\n"
+                "Content-Type: multipart/form-data; boundary=b\r\n"
+                "Content-Length: 100000\r\n\r\n").encode()  # fmt: skip
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(head + form + b'{"custom_id": ')  # and then nothing
+        async with asyncio.timeout(10):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+            body = await reader.readexactly(length)
+        writer.close()
+        assert head.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), head
+        assert b"Connection: close" in head
+        assert json.loads(body)["error"]["code"] == "request_timeout"
+        assert [p.name for p in (tmp_path / "files").iterdir()] == []  # nothing kept
 
 
 async def test_a_tenant_sees_only_its_own(tmp_path: Path) -> None:

@@ -4,15 +4,16 @@ tenant sees only its own files and batches; another's are 404 to it."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from qosgate.batch.runner import BatchService
 from qosgate.batch.store import BatchRecord, FileRecord
-from qosgate.runtime.errors import BadRequest, BatchesNotConfigured
+from qosgate.runtime.errors import BadRequest, BatchesNotConfigured, RequestTimeout
 
 from .completions import read_json
 from .errors import MalformedRequest
@@ -20,6 +21,7 @@ from .identity import Identity
 from .protocol import describe_parse_error
 from .state import STATE, TIER, identify
 
+_T = TypeVar("_T")
 _CHUNK = 1 << 16
 MAX_BATCH_PAGE = 100
 MAX_FILE_PAGE = 10_000
@@ -61,27 +63,34 @@ async def post_file(request: web.Request) -> web.Response:
     service, identity = _service(request)
     if not request.content_type.startswith("multipart/"):
         raise BadRequest("Upload the file as multipart/form-data (fields purpose and file).")
+    # An upload may take long, but may not stop: a gap of body_timeout_s
+    # between two reads is a 408, so a client sending nothing cannot hold
+    # the handler.
+    stall_s = request.app[STATE].policy.server.body_timeout_s
     purpose: str | None = None
     received: tuple[Any, int] | None = None
     filename = "upload.jsonl"
     try:
         reader = await request.multipart()
-        while (part := await reader.next()) is not None:
+        while (part := await _within(reader.next(), stall_s)) is not None:
             if not isinstance(part, BodyPartReader):
                 raise BadRequest("Nested multipart bodies are not taken.")
             if part.name == "purpose":
-                purpose = (await part.read(decode=True))[:100].decode("utf-8", "replace")
+                value = await _within(part.read(decode=True), stall_s)
+                purpose = value[:100].decode("utf-8", "replace")
             elif part.name == "file" and received is None:
                 filename = part.filename or filename
-                received = await service.receive(_chunks(part))
+                received = await service.receive(_chunks(part, stall_s))
             else:
-                await part.release()
-    except (ValueError, AssertionError, HttpProcessingError, web.HTTPException) as exc:
+                await _within(part.release(), stall_s)
+    except BaseException as exc:
         if received is not None:
             received[0].unlink(missing_ok=True)
-        if isinstance(exc, web.HTTPException):
-            raise
-        raise MalformedRequest(f"Malformed multipart body: {describe_parse_error(exc)}.") from None
+        if isinstance(exc, (ValueError, AssertionError, HttpProcessingError)):
+            raise MalformedRequest(
+                f"Malformed multipart body: {describe_parse_error(exc)}."
+            ) from None
+        raise
     if received is None:
         raise BadRequest("The upload has no `file` field.", param="file")
     if purpose is None:
@@ -91,8 +100,16 @@ async def post_file(request: web.Request) -> web.Response:
     return web.json_response(record.api())
 
 
-async def _chunks(part: BodyPartReader) -> AsyncIterator[bytes]:
-    while chunk := await part.read_chunk(_CHUNK):
+async def _within(step: Awaitable[_T], stall_s: float) -> _T:
+    try:
+        async with asyncio.timeout(stall_s):
+            return await step
+    except TimeoutError:
+        raise RequestTimeout(f"The upload stalled: nothing arrived for {stall_s:g} s.") from None
+
+
+async def _chunks(part: BodyPartReader, stall_s: float) -> AsyncIterator[bytes]:
+    while chunk := await _within(part.read_chunk(_CHUNK), stall_s):
         yield chunk
 
 
