@@ -82,6 +82,10 @@ def reservation_doc(reservation: Reservation) -> dict[str, Any]:
 
 
 class BatchService:
+    """The Batch API over one gateway and one store: the routes' operations,
+    and a `Job` for each batch not yet ended (those a previous run left are
+    resumed by `start`)."""
+
     def __init__(
         self,
         gateway: Gateway,
@@ -94,7 +98,8 @@ class BatchService:
         self.gateway = gateway
         self._policy = policy
         self.store = store
-        self._clock = clock
+        self.clock = clock
+        """The wall clock (records, the completion windows); a test's to set."""
         self._metrics = metrics
         self._jobs: dict[str, Job] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -109,7 +114,7 @@ class BatchService:
         return self._policy()
 
     def now(self) -> int:
-        return int(self._clock())
+        return int(self.clock())
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -387,7 +392,7 @@ class Job:
         if record.status == "validating":
             await self.set_status("in_progress")
         if record.status == "in_progress":
-            left_s = record.expires_at - self.service._clock()
+            left_s = record.expires_at - self.service.clock()
             self._deadline = self._loop.call_at(self._loop.time() + left_s, self.end, "expired")
             await self._feed()
             if self.ending == "closing":
