@@ -242,8 +242,8 @@ async def test_a_stopped_service_resumes_every_line_once(tmp_path: Path, limit: 
         assert state.used == 5 * (PROMPT_TOKENS + 2)
 
     again = await _service(tmp_path, policy, ScriptedBackend(words))
-    assert await again.store.stranded(batch.id) == []
     await again.wait(batch.id)
+    assert await again.store.journal(batch.id) == []  # each try settled, then let go
     ended = await again.batch(TENANT, batch.id)
     assert (ended.status, ended.completed, ended.failed) == ("completed", 12, 0)
     assert sorted([r.custom_id async for r in _results(again, batch.id)]) == sorted(

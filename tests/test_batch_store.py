@@ -13,7 +13,7 @@ import pytest
 
 from qosgate.batch.redis_store import RedisBatchStore
 from qosgate.batch.sqlite_store import SqliteBatchStore
-from qosgate.batch.store import BatchRecord, BatchStore, FileRecord, LineResult
+from qosgate.batch.store import BatchRecord, BatchStore, FileRecord, JournalEntry, LineResult
 
 
 @pytest.fixture(params=["sqlite", "redis"])
@@ -85,15 +85,14 @@ async def test_batches_and_their_journal_outlive_the_store(
     assert [b.id for b in await store.list_batches("t", after="batch_b", limit=5)] == ["batch_a"]
     assert await store.get_batch("u", "batch_a") is None
 
-    reservation = {"tenant": "t", "request_id": "r1", "tokens": 40, "at": 5.0,
-                   "store": "redis", "generation": "g"}  # fmt: skip
-    await store.line_sent("batch_a", 1, reservation)
-    await store.line_sent("batch_a", 2, {**reservation, "request_id": "r2"})
-    await store.line_sent("batch_a", 3, {**reservation, "request_id": "r3"})
-    await store.line_unsent("batch_a", 3)
-    await store.record("batch_a", LineResult(2, "two", True, '{"x": 2}', 30))
+    # Line 1's try r1 is in flight; line 2 was tried twice (r2 refused, r2b
+    # answered); line 3's try is settled for good; line 4 failed unsent.
+    for line_no, request_id in ((1, "r1"), (2, "r2"), (2, "r2b"), (3, "r3")):
+        await store.line_sent("batch_a", line_no, request_id, "t")
+    await store.line_unsent("batch_a", "r3")
+    await store.record("batch_a", LineResult(2, "two", True, '{"x": 2}', 30, "r2b"))
     # A second record of the same line counts nothing.
-    await store.record("batch_a", LineResult(2, "two", True, '{"x": 2}', 30))
+    await store.record("batch_a", LineResult(2, "two", True, '{"x": 2}', 30, "r2b"))
     await store.record("batch_a", LineResult(4, "four", False, '{"x": 4}'))
     a = await store.get_batch("t", "batch_a")
     assert a is not None and (a.completed, a.failed) == (1, 1)
@@ -110,10 +109,14 @@ async def test_batches_and_their_journal_outlive_the_store(
     assert (a.status, a.times, a.metadata, a.completed, a.failed) == (
         "in_progress", {"in_progress_at": 101}, {"k": "v"}, 1, 1
     )
-    assert await again.stranded("batch_a") == [(1, reservation)]
+    assert await again.journal("batch_a") == [
+        JournalEntry(1, "r1", "t", None), JournalEntry(2, "r2", "t", None),
+        JournalEntry(2, "r2b", "t", 30),
+    ]
     assert [r async for r in again.recorded("batch_a")] == [2, 4]
     assert [r async for r in again.results("batch_a")] == [
-        LineResult(2, "two", True, '{"x": 2}', 30), LineResult(4, "four", False, '{"x": 4}', 0)
+        LineResult(2, "two", True, '{"x": 2}', 30, "r2b"),
+        LineResult(4, "four", False, '{"x": 4}', 0, ""),
     ]
     assert [b.id for b in await again.active_batches()] == ["batch_a", "batch_b", "batch_c"]
     assert await again.status_counts() == {"in_progress": 1, "validating": 2}

@@ -11,23 +11,21 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
 
-from .store import ACTIVE, BatchRecord, FileRecord, LineResult
+from .store import ACTIVE, BatchRecord, FileRecord, JournalEntry, LineResult
 
 _PAGE = 1000
 
-# KEYS: the batch hash, the results hash, the results index, the journal.
+# KEYS: the batch hash, the results hash, the results index.
 # ARGV: line number, the result (JSON), "completed" or "failed".
 _RECORD = """
 if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 1 then
   redis.call('ZADD', KEYS[3], ARGV[1], ARGV[1])
   redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
 end
-redis.call('HDEL', KEYS[4], ARGV[1])
 return 1
 """
 
@@ -191,21 +189,34 @@ class RedisBatchStore:
 
     # -- the journal -------------------------------------------------------------
 
-    async def line_sent(self, batch_id: str, line_no: int, reservation: dict[str, Any]) -> None:
-        await self.redis.hset(self._key("sent", batch_id), str(line_no), orjson.dumps(reservation))
+    async def line_sent(self, batch_id: str, line_no: int, request_id: str, tenant: str) -> None:
+        await self.redis.hset(
+            self._key("sent", batch_id), request_id, orjson.dumps([line_no, tenant])
+        )
 
-    async def line_unsent(self, batch_id: str, line_no: int) -> None:
-        await self.redis.hdel(self._key("sent", batch_id), str(line_no))
+    async def line_unsent(self, batch_id: str, request_id: str) -> None:
+        await self.redis.hdel(self._key("sent", batch_id), request_id)
 
-    async def stranded(self, batch_id: str) -> list[tuple[int, dict[str, Any]]]:
-        raw = await self.redis.hgetall(self._key("sent", batch_id))
-        return sorted((int(k), orjson.loads(v)) for k, v in raw.items())
+    async def journal(self, batch_id: str) -> list[JournalEntry]:
+        sent = await self.redis.hgetall(self._key("sent", batch_id))
+        entries = []
+        for raw_id, raw in sent.items():
+            line_no, tenant = orjson.loads(raw)
+            result = await self.redis.hget(self._key("results", batch_id), str(line_no))
+            charged = None
+            if result is not None:
+                _, _, _, tokens, request_id = orjson.loads(result)
+                charged = tokens if request_id == raw_id.decode() else None
+            entries.append(JournalEntry(line_no, raw_id.decode(), tenant, charged))
+        return sorted(entries, key=lambda e: (e.line_no, e.request_id))
 
     async def record(self, batch_id: str, result: LineResult) -> None:
-        value = orjson.dumps([result.custom_id, result.ok, result.text, result.tokens])
+        value = orjson.dumps(
+            [result.custom_id, result.ok, result.text, result.tokens, result.request_id]
+        )
         await self._record(
             keys=[self._key("batch", batch_id), self._key("results", batch_id),
-                  self._key("resultidx", batch_id), self._key("sent", batch_id)],
+                  self._key("resultidx", batch_id)],
             args=[result.line_no, value, "completed" if result.ok else "failed"],
         )  # fmt: skip
 
@@ -229,8 +240,8 @@ class RedisBatchStore:
         key = self._key("results", batch_id)
         async for page in self._numbers(batch_id):
             for number, raw in zip(page, await self.redis.hmget(key, [str(n) for n in page])):
-                custom_id, ok, text, tokens = orjson.loads(raw)
-                yield LineResult(number, custom_id, ok, text, tokens)
+                custom_id, ok, text, tokens, request_id = orjson.loads(raw)
+                yield LineResult(number, custom_id, ok, text, tokens, request_id)
 
 
 def _file(raw: dict[bytes, bytes], tenant: str) -> FileRecord | None:

@@ -9,17 +9,17 @@ again), reading its input file as it goes. A line refused for load or
 quota waits (Retry-After, else a doubling backoff) and is tried again; a
 line whose own content is refused is an error line.
 
-Charging each line once across crashes: a line is admitted with its
-settlement held. Its reservation is journalled (`line_sent`) as soon as it
-is admitted; when it ends, its result is recorded first and only then is
-its settlement made, as the gateway worked it out. A try given up without a
-result (load, shutdown) is taken out of the journal first and then refunded
-in full. After a crash, the reservations still journalled are those of
-tries whose result was never recorded: each is taken out of the journal and
-refunded, and the line runs again; a line with a recorded result never
-does. Every step that could be cut off half-way leaves a reservation
-charged that is never refunded (a line charged its reservation instead of
-its use), never one refunded twice or a result charged twice.
+Charging each line once across crashes: before a try of a line is
+admitted, the job journals it (`line_sent`: its request id). It is admitted
+with its settlement held, and the quota store (a shared one) keeps a record
+of its reservation until it is settled, and settles it only once however
+often it is asked. When the try ends, its result is recorded first and its
+settlement made after; a try given up (load, a stop) is refunded in full and
+the line tried again. When the job resumes after a crash, and when it ends,
+each journalled try is settled again from what was recorded (its result's
+tokens, or nothing for a try without one) and taken out of the journal: a
+reservation the crash left unsettled is settled then, one settled already
+is left as it is, and a line with a recorded result never runs again.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from qosgate.core.request import Outcome
 from qosgate.http.render import Call, answer_body
 from qosgate.http.validation import MAX_PRIORITY_OFFSET, validate_body
 from qosgate.observability.metrics import GatewayMetrics
-from qosgate.quotas import QuotaStoreError, Reservation, TenantLimits
+from qosgate.quotas import QuotaStoreError
 from qosgate.runtime.ask import Ask
 from qosgate.runtime.errors import (
     BackendFailed,
@@ -70,15 +70,6 @@ log = logging.getLogger(__name__)
 _Ending = Literal["expired", "cancelled", "closing"]
 _RECORD_CHUNK = 500
 """Unrun lines recorded per transaction when a job ends early."""
-
-
-def reservation_doc(reservation: Reservation) -> dict[str, Any]:
-    """What the journal keeps of a reservation: enough to refund it later."""
-    return {
-        "tenant": reservation.tenant, "request_id": reservation.request_id,
-        "tokens": reservation.tokens, "at": reservation.at, "store": reservation.store,
-        "generation": reservation.generation,
-    }  # fmt: skip
 
 
 class BatchService:
@@ -388,7 +379,7 @@ class Job:
 
     async def _run(self) -> None:
         record = self.record
-        await self._refund_stranded()
+        await self._settle_journal()
         if record.status == "validating":
             await self.set_status("in_progress")
         if record.status == "in_progress":
@@ -407,26 +398,25 @@ class Job:
             final = "expired"
         else:
             final = record.outcome or "completed"
+        # Every try has ended: each journalled one is settled as recorded.
+        await self._settle_journal()
         await self._finalize(final)
 
-    async def _refund_stranded(self) -> None:
-        """Tries a crash cut off: out of the journal, then refunded, then run again."""
+    async def _settle_journal(self) -> None:
+        """Settle every journalled try from what was recorded (its result's
+        tokens, or nothing), then take it out of the journal: what a crash
+        left unsettled is settled now; what was settled stays as it is."""
         guard = self.service.gateway.quotas
-        policy = self.service.policy
-        for line_no, doc in await self._store.stranded(self.record.id):
-            await self._store.line_unsent(self.record.id, line_no)
-            tenant = policy.tenant(doc["tenant"])
-            limits = TenantLimits.from_config(tenant.quotas) if tenant else TenantLimits()
-            reservation = Reservation(
-                doc["tenant"], doc["request_id"], doc["tokens"], doc["at"], limits,
-                store=doc["store"], generation=doc["generation"],
-            )  # fmt: skip
+        for entry in await self._store.journal(self.record.id):
+            charged = entry.charged or 0
             try:
-                await guard.refund_stranded(reservation)
+                await guard.settle_recorded(entry.tenant, entry.request_id, charged, charged > 0)
             except QuotaStoreError as exc:
-                # Left charged: the journal no longer holds it, so never twice.
-                log.warning("batch %s line %d: could not refund its reservation (%s)",
-                            self.record.id, line_no, exc)  # fmt: skip
+                # Kept: the next pass (a restart, the job's end) settles it.
+                log.warning("batch %s line %d: could not settle its try %s (%s)",
+                            self.record.id, entry.line_no, entry.request_id, exc)  # fmt: skip
+                continue
+            await self._store.line_unsent(self.record.id, entry.request_id)
 
     async def _pending(self) -> AsyncIterator[tuple[int, bytes]]:
         """The input's lines without a result, read as they are needed."""
@@ -517,6 +507,8 @@ class Job:
             gateway.refused(record.tier, exc.outcome)
             await self._record(number, custom_id, False, _error_line(custom_id, request_id, exc))
             return
+        if gateway.quotas.limits(record.tenant) is not None:
+            await self._store.line_sent(record.id, number, request_id, record.tenant)
         ask = Ask(
             request_id=request_id, tenant=record.tenant, tier=record.tier,
             endpoint=self.endpoint, body=body, asked_max_tokens=parsed.asked_max_tokens,
@@ -531,15 +523,6 @@ class Job:
             await self._record(number, custom_id, False, _error_line(custom_id, request_id, exc))
             return
         self._streams[number] = stream
-        if stream.reservation is not None:
-            try:
-                await self._store.line_sent(record.id, number, reservation_doc(stream.reservation))
-            except BaseException:
-                # Not journalled: the request must not be left admitted with
-                # no reader, nor its reservation held for nobody.
-                await stream.aclose()
-                gateway.settle_held(stream, refund=True)
-                raise
         call = Call(
             endpoint=self.endpoint, response_id=("chatcmpl-" if self.endpoint == "chat"
                                                  else "cmpl-") + request_id,
@@ -558,8 +541,8 @@ class Job:
                                stream)  # fmt: skip
         elif error is None or self._again(number, item, tries, error, dry=True):
             # Cut off by a stop, or refused for load: not this line's fault.
-            # Out of the journal first, then refunded: never twice.
-            await self._store.line_unsent(record.id, number)
+            # Refunded; the journal keeps the try until the job settles it
+            # again (a no-op once this has reached the store).
             gateway.settle_held(stream, refund=True)
             if error is not None:
                 self._again(number, item, tries, error)
@@ -621,7 +604,10 @@ class Job:
         """The line's result, committed; then the settlement it holds."""
         owed = stream.owed if stream is not None else None
         tokens = owed[0] if owed is not None else 0
-        await self._store.record(self.record.id, LineResult(number, custom_id, ok, text, tokens))
+        request_id = stream.request.id if stream is not None else ""
+        await self._store.record(
+            self.record.id, LineResult(number, custom_id, ok, text, tokens, request_id)
+        )
         if ok:
             self.record.completed += 1
         else:

@@ -11,7 +11,7 @@ from typing import Any
 import aiosqlite
 import orjson
 
-from .store import ACTIVE, BatchRecord, FileRecord, LineResult
+from .store import ACTIVE, BatchRecord, FileRecord, JournalEntry, LineResult
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -27,13 +27,13 @@ CREATE TABLE IF NOT EXISTS batches (
 );
 CREATE INDEX IF NOT EXISTS batches_by_tenant ON batches (tenant, seq);
 CREATE TABLE IF NOT EXISTS sent (
-  batch_id TEXT NOT NULL, line_no INTEGER NOT NULL, reservation TEXT NOT NULL,
-  PRIMARY KEY (batch_id, line_no)
+  batch_id TEXT NOT NULL, request_id TEXT NOT NULL, line_no INTEGER NOT NULL,
+  tenant TEXT NOT NULL, PRIMARY KEY (batch_id, request_id)
 );
 CREATE TABLE IF NOT EXISTS results (
   batch_id TEXT NOT NULL, line_no INTEGER NOT NULL, custom_id TEXT NOT NULL,
   ok INTEGER NOT NULL, text TEXT NOT NULL, tokens INTEGER NOT NULL,
-  PRIMARY KEY (batch_id, line_no)
+  request_id TEXT NOT NULL, PRIMARY KEY (batch_id, line_no)
 );
 """
 
@@ -182,43 +182,43 @@ class SqliteBatchStore:
 
     # -- the journal -------------------------------------------------------------
 
-    async def line_sent(self, batch_id: str, line_no: int, reservation: dict[str, Any]) -> None:
+    async def line_sent(self, batch_id: str, line_no: int, request_id: str, tenant: str) -> None:
         await self.db.execute(
-            "INSERT OR REPLACE INTO sent (batch_id, line_no, reservation) VALUES (?, ?, ?)",
-            (batch_id, line_no, orjson.dumps(reservation).decode()),
+            "INSERT INTO sent (batch_id, request_id, line_no, tenant) VALUES (?, ?, ?, ?)",
+            (batch_id, request_id, line_no, tenant),
         )
         await self.db.commit()
 
-    async def line_unsent(self, batch_id: str, line_no: int) -> None:
+    async def line_unsent(self, batch_id: str, request_id: str) -> None:
         await self.db.execute(
-            "DELETE FROM sent WHERE batch_id = ? AND line_no = ?", (batch_id, line_no)
+            "DELETE FROM sent WHERE batch_id = ? AND request_id = ?", (batch_id, request_id)
         )
         await self.db.commit()
 
-    async def stranded(self, batch_id: str) -> list[tuple[int, dict[str, Any]]]:
+    async def journal(self, batch_id: str) -> list[JournalEntry]:
         async with self.db.execute(
-            "SELECT line_no, reservation FROM sent WHERE batch_id = ? ORDER BY line_no", (batch_id,)
-        ) as cursor:
-            return [(line_no, orjson.loads(text)) for line_no, text in await cursor.fetchall()]
+            "SELECT s.line_no, s.request_id, s.tenant, r.tokens FROM sent s LEFT JOIN results r "
+            "ON r.batch_id = s.batch_id AND r.line_no = s.line_no AND r.request_id = s.request_id "
+            "WHERE s.batch_id = ? ORDER BY s.line_no, s.request_id", (batch_id,)
+        ) as cursor:  # fmt: skip
+            return [JournalEntry(*row) for row in await cursor.fetchall()]
 
     async def record(self, batch_id: str, result: LineResult) -> None:
         db = self.db
         # Both statements or neither: aiosqlite opens the transaction at the
         # first write and the commit ends it.
         cursor = await db.execute(
-            "INSERT OR IGNORE INTO results (batch_id, line_no, custom_id, ok, text, tokens) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
+            "INSERT OR IGNORE INTO results "
+            "(batch_id, line_no, custom_id, ok, text, tokens, request_id) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
             (batch_id, result.line_no, result.custom_id, int(result.ok), result.text,
-             result.tokens),
+             result.tokens, result.request_id),
         )  # fmt: skip
         if cursor.rowcount:
             column = "completed" if result.ok else "failed"
             await db.execute(
                 f"UPDATE batches SET {column} = {column} + 1 WHERE id = ?", (batch_id,)
             )
-        await db.execute(
-            "DELETE FROM sent WHERE batch_id = ? AND line_no = ?", (batch_id, result.line_no)
-        )
         await db.commit()
 
     async def recorded(self, batch_id: str) -> AsyncIterator[int]:
@@ -239,13 +239,13 @@ class SqliteBatchStore:
         last = -1
         while True:
             async with self.db.execute(
-                "SELECT line_no, custom_id, ok, text, tokens FROM results "
+                "SELECT line_no, custom_id, ok, text, tokens, request_id FROM results "
                 "WHERE batch_id = ? AND line_no > ? ORDER BY line_no LIMIT ?",
                 (batch_id, last, _PAGE),
             ) as cursor:
                 rows = await cursor.fetchall()
-            for line_no, custom_id, ok, text, tokens in rows:
-                yield LineResult(line_no, custom_id, bool(ok), text, tokens)
+            for line_no, custom_id, ok, text, tokens, request_id in rows:
+                yield LineResult(line_no, custom_id, bool(ok), text, tokens, request_id)
             if len(rows) < _PAGE:
                 return
             last = rows[-1][0]

@@ -1,8 +1,8 @@
 """What a batch store keeps, and the `BatchStore` port.
 
 A store keeps the files' and the batches' records, and each job's journal:
-per line, the quota reservation of the try in flight (until its result is
-recorded or the try given up), and the result once recorded. The file
+the tries of its lines sent to the gateway (until they are settled for good),
+and each line's result once recorded. The file
 contents live on disk under `files_dir`; the records say where.
 """
 
@@ -108,6 +108,20 @@ class LineResult:
     text: str
     """The output or error line, JSON, without its newline."""
     tokens: int = 0
+    request_id: str = ""
+    """The try whose result it is ("": none was admitted)."""
+
+
+@dataclass(frozen=True, slots=True)
+class JournalEntry:
+    """A try of a line that was sent to the gateway: its quota reservation,
+    if it got one, is settled from what was recorded of it."""
+
+    line_no: int
+    request_id: str
+    tenant: str
+    charged: int | None
+    """The tokens its recorded result was charged; None: no result of this try."""
 
 
 class BatchStore(Protocol):
@@ -150,19 +164,19 @@ class BatchStore(Protocol):
 
     async def status_counts(self) -> dict[str, int]: ...
 
-    async def line_sent(self, batch_id: str, line_no: int, reservation: dict[str, Any]) -> None:
-        """A try of the line holds this quota reservation (until its result
-        is recorded or the try is given up)."""
+    async def line_sent(self, batch_id: str, line_no: int, request_id: str, tenant: str) -> None:
+        """A try of the line is about to be sent (journalled before it is)."""
 
-    async def line_unsent(self, batch_id: str, line_no: int) -> None:
-        """The try is given up; its reservation is about to be refunded."""
+    async def line_unsent(self, batch_id: str, request_id: str) -> None:
+        """The try is settled for good: out of the journal."""
 
-    async def stranded(self, batch_id: str) -> list[tuple[int, dict[str, Any]]]:
-        """Tries a crash left holding their reservations: (line, reservation)."""
+    async def journal(self, batch_id: str) -> list[JournalEntry]:
+        """The journalled tries, each with what its recorded result was
+        charged (None: no result of it)."""
 
     async def record(self, batch_id: str, result: LineResult) -> None:
-        """The line's result, its try's reservation released and the batch's
-        counts moved, in one transaction."""
+        """The line's result and the batch's counts moved, in one transaction
+        (a second result of the line is ignored)."""
 
     def recorded(self, batch_id: str) -> AsyncIterator[int]:
         """The numbers of the lines with a result, ascending."""

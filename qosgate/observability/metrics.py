@@ -138,7 +138,9 @@ class _BatchLevels(Collector):
         for tenant, count in per_tenant.items():
             label = self._tenant(tenant)
             queued[label] = queued.get(label, 0) + count
-        by_status = GaugeMetricFamily(f"{PREFIX}batch_jobs", "Batch jobs by status", labels=["status"])
+        by_status = GaugeMetricFamily(
+            f"{PREFIX}batch_jobs", "Batch jobs by status", labels=["status"]
+        )
         for status, count in sorted(jobs.items()):
             by_status.add_metric([status], count)
         waiting = GaugeMetricFamily(

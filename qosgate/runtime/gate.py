@@ -233,9 +233,10 @@ class Gateway:
 
         `hold_settlement`: when the request ends, its settlement is worked
         out as always but kept on the stream, to be made by the consumer
-        with `settle_held` once it has recorded the result (a batch line:
-        recorded first, so that a crash in between can never charge it
-        twice)."""
+        with `settle_held` once it has recorded the result; and a shared
+        quota store keeps a record of the reservation until it is settled,
+        so that a consumer that restarts can settle it, exactly once
+        (`QuotaGuard.settle_recorded`): a batch line."""
         try:
             shaped = shape(
                 ask, self._policy.tiers[ask.tier],
@@ -246,7 +247,7 @@ class Gateway:
                 prompt = body.get("messages") if ask.endpoint == "chat" else body.get("prompt")
                 _prompt_log.info("prompt", endpoint=ask.endpoint, prompt=prompt)
             tokens = shaped.prompt_tokens + shaped.max_tokens
-            reservation = await self._reserve(ask, tokens, on_quota)
+            reservation = await self._reserve(ask, tokens, on_quota, record=hold_settlement)
         except GatewayError as exc:
             self.refused(ask.tier, exc.outcome)
             raise
@@ -257,12 +258,14 @@ class Gateway:
             hold_settlement=hold_settlement,
         )  # fmt: skip
 
-    async def _reserve(self, ask: Ask, tokens: int, on_quota: _OnQuota | None) -> _Held:
+    async def _reserve(
+        self, ask: Ask, tokens: int, on_quota: _OnQuota | None, *, record: bool = False
+    ) -> _Held:
         # A tenant without limits has nothing to reserve: no coroutine to run.
         if self.quotas.limits(ask.tenant) is None:
             return None
         try:
-            decision = await self.quotas.reserve(ask.tenant, tokens, ask.request_id)
+            decision = await self.quotas.reserve(ask.tenant, tokens, ask.request_id, record=record)
         except QuotaStoreDown as exc:
             raise QuotaStoreUnavailable(str(exc), retry_after_s=exc.retry_after_s) from None
         if decision is None:
