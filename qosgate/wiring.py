@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -28,6 +28,9 @@ from qosgate.http.identity import KeyRing, KeyRingError
 from qosgate.quotas import QuotaGuard
 from qosgate.runtime.errors import PolicyRejected
 from qosgate.runtime.gate import Gateway, PolicyReloadRefused
+
+if TYPE_CHECKING:
+    from qosgate.batch.runner import BatchService
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,21 @@ def build_gateway(policy: PolicyConfig, *, quotas: QuotaGuard | None = None) -> 
     quota guard (`quotas` replaces the one the policy would build: a
     benchmark's instrumented store) and its metrics."""
     return Gateway(policy, gateway_backend(policy), quotas=quotas)
+
+
+def build_batches(gateway: Gateway, live: LivePolicy) -> BatchService | None:
+    """The Batch API's service over the policy's `batch.data_dir` (None when
+    it is unset), its metrics in the gateway's registry."""
+    data_dir = live.policy.batch.data_dir
+    if data_dir is None:
+        return None
+    from qosgate.batch.runner import BatchService
+    from qosgate.batch.sqlite_store import SqliteBatchStore
+
+    return BatchService(
+        gateway, lambda: live.policy, SqliteBatchStore(data_dir),
+        metrics=gateway.observer.metrics,
+    )  # fmt: skip
 
 
 class LivePolicy:

@@ -23,7 +23,9 @@ from qosgate.backends.base import Backend, BackendError, Chunk, GenerationJob
 from qosgate.config.loader import load_policy_text
 from qosgate.config.models import PolicyConfig
 from qosgate.core.scheduler import BackendCapacity
+from qosgate.batch.runner import BatchService
 from qosgate.http.app import build_app
+from qosgate.http.state import STATE
 from qosgate.quotas import QuotaGuard
 from qosgate.runtime.gate import Gateway, RequestStream
 
@@ -117,6 +119,8 @@ class Live:
     """Base URL of the server (no /v1)."""
     gateway: RecordingGateway
     policy: PolicyConfig
+    batches: BatchService | None = None
+    """The Batch API's service (policies with `batch.data_dir`)."""
 
 
 @contextlib.asynccontextmanager
@@ -137,13 +141,11 @@ async def live_app(
     await gateway.start()
     # handler_cancellation as `qosgate serve` runs it: a client that leaves
     # cancels its handler.
-    server = TestServer(
-        build_app(gateway, policy, environ=environ or ENV, policy_path=policy_path),
-        handler_cancellation=True,
-    )
+    app = build_app(gateway, policy, environ=environ or ENV, policy_path=policy_path)
+    server = TestServer(app, handler_cancellation=True)
     await server.start_server()
     try:
-        yield Live(str(server.make_url("")).rstrip("/"), gateway, policy)
+        yield Live(str(server.make_url("")).rstrip("/"), gateway, policy, app[STATE].batches)
     finally:
         await server.close()
         await gateway.close()

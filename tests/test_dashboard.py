@@ -196,3 +196,44 @@ async def test_a_fleet_replica_draws_the_shared_queue_beside_its_own(admin_env):
         backend = await page.inner_text("#backend-table")
         assert "running on engine nodes" in backend and "3" in backend
         await browser.close()
+
+
+async def test_the_dashboard_shows_batch_jobs_and_their_lines(admin_env, tmp_path: Path):
+    gate = asyncio.Event()
+
+    async def held(job: GenerationJob) -> AsyncIterator[Chunk]:
+        await gate.wait()
+        yield Chunk(text="ok", tokens=1, finish_reason="stop")
+
+    policy = make_policy(POLICY + f"batch:\n  data_dir: {tmp_path}\n  in_flight_per_job: 1\n")
+    async with live_app(policy, ScriptedBackend(held)) as live, aiohttp.ClientSession(
+        headers={"Authorization": f"Bearer {ALICE_KEY}"}
+    ) as http, async_playwright() as pw:
+        line = ('{"custom_id": "%d", "method": "POST", "url": "/v1/completions", '
+                '"body": {"model": "%s", "prompt": "hi", "max_tokens": 2}}\n')  # fmt: skip
+        form = aiohttp.FormData()
+        form.add_field("purpose", "batch")
+        form.add_field("file", "".join(line % (i, MODEL) for i in range(3)).encode(),
+                       filename="in.jsonl")  # fmt: skip
+        async with http.post(live.url + "/v1/files", data=form) as r:
+            uploaded = await r.json()
+        body = {"input_file_id": uploaded["id"], "endpoint": "/v1/completions",
+                "completion_window": "24h"}  # fmt: skip
+        async with http.post(live.url + "/v1/batches", json=body) as r:
+            batch = await r.json()
+        browser = await pw.chromium.launch(
+            executable_path=chromium(), headless=True, args=["--no-sandbox"]
+        )
+        # Read with evaluated JS, which the page's own policy forbids (as above).
+        page = await (await browser.new_context(bypass_csp=True)).new_page()
+        await page.goto(f"{live.url}/dashboard#token={ADMIN}")
+        table = "document.querySelector('#batch-jobs-table tbody').innerText"
+        await page.wait_for_function(f"{table}.includes('in_progress')", timeout=15000)
+        shown = await page.inner_text("#batch-jobs-table")
+        assert "alice lines to run\t3" in shown, shown
+        gate.set()
+        await live.batches.wait(batch["id"])
+        await page.wait_for_function(f"{table}.includes('completed')", timeout=15000)
+        shown = await page.inner_text("#batch-jobs-table")
+        assert "in_progress" not in shown and "lines to run" not in shown, shown
+        await browser.close()

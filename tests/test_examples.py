@@ -8,10 +8,32 @@ import sys
 from pathlib import Path
 
 from qosgate.config import load_policy
+from qosgate.config.models import PolicyConfig
 
 from tests.http_support import live_app
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _demo_policy(data_dir: Path) -> PolicyConfig:
+    """policies/example.yaml on a faster simulated GPU, its batches kept
+    under `data_dir` rather than the working directory."""
+    policy = load_policy(ROOT / "policies" / "example.yaml")
+    fast = policy.backend.model_copy(update={"speed": 50.0})
+    batch = policy.batch.model_copy(update={"data_dir": str(data_dir)})
+    return policy.model_copy(update={"backend": fast, "batch": batch})
+
+
+async def _run_example(url: str, name: str, *args: str) -> str:
+    """Run examples/`name` against the gateway at `url`; its output."""
+    env = {**os.environ, "QOSGATE_URL": f"{url}/v1"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(ROOT / "examples" / name), *args,
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+    assert proc.returncode == 0, err.decode()
+    return out.decode()
 
 
 def test_the_api_gateway_policy_is_valid():
@@ -20,18 +42,10 @@ def test_the_api_gateway_policy_is_valid():
     assert policy.default_tier in policy.tiers
 
 
-async def test_the_openai_client_example_runs_against_the_demo_policy():
-    policy = load_policy(ROOT / "policies" / "example.yaml")
-    fast = policy.backend.model_copy(update={"speed": 50.0})
-    async with live_app(policy.model_copy(update={"backend": fast})) as live:
-        env = {**os.environ, "QOSGATE_URL": f"{live.url}/v1"}
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, str(ROOT / "examples" / "openai_client.py"),
-            env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
-    assert proc.returncode == 0, err.decode()
-    text = out.decode()
+async def test_the_openai_client_example_runs_against_the_demo_policy(tmp_path: Path):
+    async with live_app(_demo_policy(tmp_path)) as live:
+        out = await _run_example(live.url, "openai_client.py")
+    text = out
     assert "reply:" in text and "usage:" in text and "stream:" in text
 
 
@@ -45,19 +59,25 @@ def test_the_dockerfile_serves_a_policy_on_all_interfaces():
     assert (ROOT / "policies" / "example.yaml").is_file()
 
 
-async def test_the_multi_tenant_load_script_runs_against_the_demo_policy():
-    policy = load_policy(ROOT / "policies" / "example.yaml")
-    fast = policy.backend.model_copy(update={"speed": 50.0})
-    async with live_app(policy.model_copy(update={"backend": fast})) as live:
-        env = {**os.environ, "QOSGATE_URL": f"{live.url}/v1"}
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, str(ROOT / "examples" / "multi_tenant_load.py"),
-            "--seconds", "2", "--scale", "2",
-            env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+async def test_the_multi_tenant_load_script_runs_against_the_demo_policy(tmp_path: Path):
+    async with live_app(_demo_policy(tmp_path)) as live:
+        out = await _run_example(
+            live.url, "multi_tenant_load.py", "--seconds", "2", "--scale", "2"
         )
-        out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
-    assert proc.returncode == 0, err.decode()
-    lines = out.decode().splitlines()
+    lines = out.splitlines()
     assert len(lines) == 4
     assert all("completed" in line for line in lines)
     assert sum(int(line.split("completed")[1].split()[0]) for line in lines) > 0
+
+
+async def test_the_batch_example_runs_against_the_demo_policy(tmp_path: Path):
+    async with live_app(_demo_policy(tmp_path)) as live:
+        out = await _run_example(live.url, "batch_client.py")
+        # Its lines ran at the lowest delay tier, as the demo-batch tenant's.
+        assert {s.request.tier for s in live.gateway.streams} == {"batch"}
+        assert {s.request.tenant for s in live.gateway.streams} == {"demo-batch"}
+    text = out
+    assert "completed" in text
+    assert sorted(line.split()[0] for line in text.splitlines()[1:]) == sorted(
+        f"question-{i}" for i in range(10)
+    )

@@ -150,12 +150,13 @@ async def test_every_answer_validates_against_its_model_and_the_document(tmp_pat
     probes and the admin documents: each strictly its model, and each JSON
     body its operation's schema in the served document."""
     assert _ADMIN_YAML.count("admin_token_env") == 1 and "quotas:" in _ADMIN_YAML
+    policy_yaml = _ADMIN_YAML + f"batch:\n  data_dir: {tmp_path / 'batches'}\n"
     policy_path = tmp_path / "policy.yaml"
-    policy_path.write_text(_ADMIN_YAML)
+    policy_path.write_text(policy_yaml)
     checked: list[type[BaseModel]] = []
     async with (
         live_app(
-            make_policy(_ADMIN_YAML),
+            make_policy(policy_yaml),
             ScriptedBackend(_with_extras),
             policy_path=str(policy_path),
             environ={**ENV, "QG_TEST_ADMIN_TOKEN": ADMIN_TOKEN},
@@ -167,13 +168,15 @@ async def test_every_answer_validates_against_its_model_and_the_document(tmp_pat
         defs = {"components": document["components"]}
 
         async def call(
-            method: str, path: str, status: int, model: type[BaseModel], **kwargs: Any
-        ) -> None:
+            method: str, path: str, status: int, model: type[BaseModel], *,
+            route: str | None = None, **kwargs: Any,
+        ) -> Any:  # fmt: skip
             token = ADMIN_TOKEN if path.startswith("/admin") else ALICE_KEY
             headers = {"Authorization": f"Bearer {token}"}
             async with http.request(method, live.url + path, headers=headers, **kwargs) as r:
                 assert r.status == status, await r.text()
                 text = await r.text()
+            path = route or path
             if r.content_type == "text/event-stream":
                 assert model in (responses.ChatCompletionChunk, responses.CompletionChunk)
                 for event in _events(text):
@@ -187,6 +190,7 @@ async def test_every_answer_validates_against_its_model_and_the_document(tmp_pat
                 described = {**schema["content"]["application/json"]["schema"], **defs}
                 jsonschema_rs.Draft202012Validator(described).validate(json.loads(text))
             checked.append(model)
+            return json.loads(text) if r.content_type == "application/json" else None
 
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
         text = {"model": MODEL, "prompt": "hi"}
@@ -207,4 +211,28 @@ async def test_every_answer_validates_against_its_model_and_the_document(tmp_pat
         await call("GET", "/admin/stats", 200, responses.Stats)
         await call("GET", "/admin/quotas", 200, responses.Quotas)
         await call("POST", "/admin/reload", 200, responses.Reloaded)
+
+        line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": text}
+        form = aiohttp.FormData()
+        form.add_field("purpose", "batch")
+        form.add_field("file", json.dumps(line).encode(), filename="in.jsonl")
+        uploaded = await call("POST", "/v1/files", 200, responses.FileObject, data=form)
+        file_route, batch_route = "/v1/files/{file_id}", "/v1/batches/{batch_id}"
+        await call("GET", f"/v1/files/{uploaded['id']}", 200, responses.FileObject,
+                   route=file_route)  # fmt: skip
+        await call("GET", "/v1/files", 200, responses.FileList)
+        batch = await call("POST", "/v1/batches", 200, responses.Batch, json={
+            "input_file_id": uploaded["id"], "endpoint": "/v1/completions",
+            "completion_window": "24h", "metadata": {"k": "v"},
+        })  # fmt: skip
+        await live.batches.wait(batch["id"])
+        ended = await call("GET", f"/v1/batches/{batch['id']}", 200, responses.Batch,
+                           route=batch_route)  # fmt: skip
+        assert ended["status"] == "completed" and ended["output_file_id"]
+        await call("GET", "/v1/batches", 200, responses.BatchList)
+        await call("POST", f"/v1/batches/{batch['id']}/cancel", 409, responses.Error,
+                   route=batch_route + "/cancel")  # fmt: skip
+        await call("GET", "/v1/batches/batch_none", 404, responses.Error, route=batch_route)
+        await call("DELETE", f"/v1/files/{uploaded['id']}", 200, responses.FileDeleted,
+                   route=file_route)  # fmt: skip
     assert set(responses.ANSWERS) == set(checked)

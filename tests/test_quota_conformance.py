@@ -393,3 +393,40 @@ def _same_states(a, b) -> bool:
         and x.reset_s == pytest.approx(y.reset_s, abs=1e-6)
         for x, y in zip(a, b, strict=True)
     )
+
+
+# -- recorded reservations (a batch line's) ---------------------------------------
+
+
+async def test_a_recorded_reservation_settles_exactly_once_whoever_asks(redis_server):
+    """A reservation made with `record` can be found by its request id by a
+    process that did not make it (a gateway restarted), and settled; any
+    second settlement, from the process that made it or from another, moves
+    nothing."""
+    from qosgate.quotas.redis_store import RedisQuotaStore
+
+    prefix = f"recorded-{next(_ids)}:"
+    made = RedisQuotaStore(redis_server.url, key_prefix=prefix)
+    later = RedisQuotaStore(redis_server.url, key_prefix=prefix)
+    lim = limits(tokens_per_minute=1000, tokens_per_day=10_000)
+    try:
+        kept = await made.reserve("t", lim, 100, "kept", T0, lease_s=LEASE, record=True)
+        lost = await made.reserve("t", lim, 50, "lost", T0, lease_s=LEASE, record=True)
+        plain = await made.reserve("t", lim, 10, "plain", T0, lease_s=LEASE)
+        assert kept.reservation.recorded and not plain.reservation.recorded
+        # The process that made them settles one and dies before the other.
+        await made.settle(kept.reservation, 40, True, T0 + 1)
+        assert await later.find("t", "kept", lim) is None
+        found = await later.find("t", "lost", lim)
+        assert (found.tokens, found.at, found.generation) == (50, T0, lost.reservation.generation)
+        await later.settle(found, 0, False, T0 + 2)  # the restart refunds it
+        twice = await later.find("t", "lost", lim)
+        assert twice is None
+        # Settled again, by its maker or by the restarted process: nothing moves.
+        await made.settle(lost.reservation, 0, False, T0 + 3)
+        used = {s.kind: s.used for s in await later.usage("t", lim, T0 + 3)}
+        assert used == {"tokens_per_minute": 40 + 10, "tokens_per_day": 40 + 10}
+        assert await later.find("t", "plain", lim) is None  # not recorded
+    finally:
+        await made.close()
+        await later.close()

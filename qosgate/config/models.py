@@ -670,6 +670,57 @@ class FleetConfig(StrictModel):
     _node_name = field_validator("node_id")(check_name)
 
 
+_WINDOW = re.compile(r"^([1-9][0-9]{0,6})([smhd])$")
+_WINDOW_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
+
+
+def completion_window_s(window: str) -> float:
+    """A batch's `completion_window` ("24h", "90m", ...) in seconds. Raises
+    ValueError saying what is allowed."""
+    match = _WINDOW.match(window) if isinstance(window, str) else None
+    seconds = int(match[1]) * _WINDOW_UNIT_S[match[2]] if match else 0
+    if not match or seconds > MAX_DURATION_S:
+        raise ValueError(
+            "completion_window must be a whole number of s, m, h or d (e.g. \"24h\"), "
+            f"at most {MAX_DURATION_S // 86_400} days"
+        )
+    return float(seconds)
+
+
+class BatchConfig(StrictModel):
+    """OpenAI's Batch API (docs/BATCH.md): files of requests run at a low
+    tier as capacity allows, kept on disk so that a restart resumes them."""
+
+    data_dir: str | None = None
+    """Directory of the batch database and files (created if missing);
+    unset: the /v1/files and /v1/batches routes answer 501."""
+    max_file_bytes: BodyBytes = 100 << 20
+    """Largest file accepted by POST /v1/files (413 beyond)."""
+    max_lines: Count = 50_000
+    """Most requests in one batch file."""
+    in_flight_per_job: _number(int, gt=0, le=4096) = 16  # type: ignore[valid-type]
+    """Lines of one job admitted and not yet ended at once: a large job
+    never floods the tier's queue, and waits for capacity line by line."""
+    tier: str | None = None
+    """Tier of every tenant's batch lines. Default: the lowest-priority
+    `delay` tier (the tenant's own tier when the policy has none)."""
+    tenant_tiers: dict[str, str] = {}
+    """Tenant id -> the tier of that tenant's batch lines (over `tier`)."""
+    retry_initial_s: Seconds = 0.5
+    """First wait before a line refused for load or quota is sent again
+    (the refusal's Retry-After when it gives one); doubles each time."""
+    retry_max_s: Seconds = 30.0
+    """Longest wait between two tries of a line."""
+    backend_attempts: Count = 3
+    """Tries of a line the backend fails (502) before it is an error line."""
+
+    @model_validator(mode="after")
+    def _retry_order(self) -> BatchConfig:
+        if self.retry_initial_s > self.retry_max_s:
+            raise ValueError("retry_initial_s must not exceed retry_max_s")
+        return self
+
+
 class PolicyConfig(StrictModel):
     """The whole policy file."""
 
@@ -693,6 +744,8 @@ class PolicyConfig(StrictModel):
     """Logs and metrics."""
     fleet: FleetConfig | None = None
     """Distributed mode (None: one node, the default)."""
+    batch: BatchConfig = BatchConfig()
+    """The Batch API (off unless `data_dir` is set)."""
 
     _tier_names = field_validator("tiers")(check_tier_names)
 
@@ -721,6 +774,11 @@ class PolicyConfig(StrictModel):
                 )
         if self.default_tier is not None and self.default_tier not in self.tiers:
             errors.append(f"default_tier: unknown tier {self.default_tier!r}")
+        if self.batch.tier is not None and self.batch.tier not in self.tiers:
+            errors.append(f"batch.tier: unknown tier {self.batch.tier!r}")
+        for tenant_id, tier in self.batch.tenant_tiers.items():
+            if tier not in self.tiers:
+                errors.append(f"batch.tenant_tiers.{tenant_id}: unknown tier {tier!r}")
         keys: dict[str, str] = {}
         for index, tenant in enumerate(self.tenants):
             for key in tenant.api_keys:
@@ -740,6 +798,15 @@ class PolicyConfig(StrictModel):
         if errors:
             raise ValueError("\n".join(errors))
         return self
+
+    def batch_tier(self, tenant_id: str, own_tier: str) -> str:
+        """The tier a tenant's batch lines run at (`batch`'s settings)."""
+        batch = self.batch
+        tier = batch.tenant_tiers.get(tenant_id) or batch.tier
+        if tier is not None:
+            return tier
+        delay = [(t.priority, name) for name, t in self.tiers.items() if t.on_timeout == "delay"]
+        return max(delay)[1] if delay else own_tier
 
     def tenant(self, tenant_id: str) -> TenantConfig | None:
         for tenant in self.tenants:

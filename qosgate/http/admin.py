@@ -113,8 +113,16 @@ async def admin_stats(request: web.Request) -> web.Response:
             **stats_view(gateway.observer.metrics),
             "quotas": await _quota_view(state),
             "fleet": await _fleet_levels(gateway),
+            "batch_jobs": _batch_jobs(state),
         },
     )
+
+
+def _batch_jobs(state: AppState) -> dict[str, Any] | None:
+    if state.batches is None:
+        return None
+    jobs, queued = state.batches.levels()
+    return {"jobs": jobs, "queued": queued}
 
 
 async def _quota_view(state: AppState) -> dict[str, Any]:

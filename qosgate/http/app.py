@@ -26,8 +26,9 @@ from qosgate.observability import request_refused
 from qosgate.observability.otel import Clock, Tracing
 from qosgate.runtime.errors import GatewayError, PayloadTooLarge, RequestTimeout
 from qosgate.runtime.gate import Gateway
-from qosgate.wiring import LivePolicy
+from qosgate.wiring import LivePolicy, build_batches
 
+from . import batches as batch_routes
 from .admin import admin_quotas, admin_reload, admin_stats, dashboard_page, get_metrics
 from .completions import post_chat_completions, post_completions
 from .clients import TrustedProxies
@@ -73,14 +74,28 @@ def build_app(
     app = web.Application(
         client_max_size=policy.server.max_body_bytes, middlewares=middlewares
     )
-    app[STATE] = AppState(
+    state = app[STATE] = AppState(
         gateway=gateway,
         live=live,
         started=int(time.time()),
         admin_token=read_secret(policy.server.admin_token_env, live.environ),
         metrics_token=read_secret(policy.server.metrics_token_env, live.environ),
         auth_failures=AuthFailureLimiter(policy.server.auth_failures_per_minute),
+        batches=build_batches(gateway, live),
     )
+    if state.batches is not None:
+        # Jobs resume when the app starts and end before the gateway closes
+        # (`qosgate serve` stops them itself, earlier, within its grace).
+        service = state.batches
+
+        async def start_batches(_: web.Application) -> None:
+            await service.start()
+
+        async def stop_batches(_: web.Application) -> None:
+            await service.stop()
+
+        app.on_startup.append(start_batches)
+        app.on_shutdown.append(stop_batches)
     # Every response the tenant gets, streamed or not, error or not, carries
     # its quota as it stood once checked.
     app.on_response_prepare.append(_before_headers)
@@ -95,6 +110,7 @@ def build_app(
     app.router.add_get("/dashboard", dashboard_page)
     app.router.add_get("/metrics", get_metrics)
     app.router.add_get("/openapi.json", _openapi)
+    batch_routes.add_routes(app)
     return app
 
 

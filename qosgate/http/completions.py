@@ -23,7 +23,7 @@ from qosgate.runtime.gate import RequestStream
 from .errors import MalformedRequest, UnsupportedMediaType
 from .protocol import describe_parse_error
 from .ratelimit import ratelimit_headers
-from .render import Call, Tally, relay_choice_fields, response_body, usage_body
+from .render import Call, answer_body
 from .state import (
     ADMITTED, RATELIMIT, RECORD, REQUEST_ID, STATE, TRACE_HEADERS, AppState, identify,
 )  # fmt: skip
@@ -42,7 +42,7 @@ async def post_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, "completions")
 
 
-async def _read_json(request: web.Request, state: AppState) -> Any:
+async def read_json(request: web.Request, state: AppState) -> Any:
     content_type = request.headers.get("Content-Type")
     if content_type is not None:
         mime = content_type.split(";", 1)[0].strip().lower()
@@ -75,7 +75,7 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     # Identity first: an unauthenticated client does not get its body parsed.
     identity = identify(request, state)
     structlog.contextvars.bind_contextvars(tenant=identity.tenant, tier=identity.tier)
-    raw = await _read_json(request, state)
+    raw = await read_json(request, state)
     gateway = state.gateway
     backend = gateway.backend
     parsed = validate_body(endpoint, raw, backend.models, backend.support)
@@ -122,39 +122,5 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
 
 
 async def _json_response(stream: RequestStream, call: Call) -> web.Response:
-    parts: list[str] = []
-    message_fields: dict[str, Any] = {}
-    choice_fields: dict[str, Any] = {"logprobs": None}
-    tally = Tally()
-    try:
-        async for chunk in stream:
-            parts.append(chunk.text)
-            tally.add(chunk)
-            if chunk.raw:
-                # A backend that answers whole passes a chat message's other
-                # fields (tool calls, ...) under "message". Deltas (raw["delta"])
-                # come only to streamed requests: the openai backend asks a
-                # whole answer of its upstream for a client that reads whole.
-                extra = chunk.raw.get("message")
-                if isinstance(extra, dict):
-                    message_fields.update(extra)
-                relay_choice_fields(choice_fields, chunk.raw)
-    except BaseException:
-        # Cancelled (client gone) or failed: the stream must end its request
-        # now, so a queued request leaves the queue and a running one aborts.
-        await stream.aclose()
-        raise
-    text = "".join(parts)
-    finish = tally.finish_reason or "stop"
-    if call.endpoint == "chat":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text, **message_fields},
-            **choice_fields,
-            "finish_reason": finish,
-        }
-    else:
-        choice = {"index": 0, "text": text, **choice_fields, "finish_reason": finish}
-    usage = usage_body(call, tally.tokens, tally.usage)
-    body = orjson.dumps(response_body(call, [choice], usage, chunk=False))
+    body = orjson.dumps(await answer_body(stream, call))
     return web.Response(body=body, content_type="application/json", charset="utf-8")

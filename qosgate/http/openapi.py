@@ -152,6 +152,7 @@ def _schemas(
         "description": "Every `error.code` the gateway answers with.",
         "enum": sorted([*every_code, *STREAM_ONLY_CODES]),
     }
+    schemas.update(_batch_request_schemas())
     schemas["ChatCompletionRequest"] = _request("chat", models, support, max_model_len)
     schemas["CompletionRequest"] = _request("completions", models, support, max_model_len)
     schemas["Event"] = {
@@ -246,6 +247,136 @@ def _completion_operation(
         "content": _json(_ref("schemas", request)),
     }
     return {**operation, "parameters": [session], "requestBody": body}
+
+
+_BATCH_ERRORS = {
+    400: "A malformed X-Tenant-Id, or a bad parameter or body (`param` names it).",
+    401: "Unknown or missing key, or a tenant header without the secret.",
+    404: "No such file or batch of the tenant's (`not_found`; another tenant's is none of "
+    "its), or the gateway has no `batch.data_dir` (`batches_not_configured`).",
+    429: _AUTH_THROTTLED,
+}
+
+
+def _batch_operation(
+    summary: str, answer: str | None, errors: dict[int, str] | None = None, **extra: Any
+) -> dict[str, Any]:
+    if answer is None:
+        ok = _ok(summary, {"application/octet-stream": {"schema": {"type": "string"}}})
+    else:
+        ok = _ok(summary, _json(_ref("schemas", answer)))
+    return {**_operation(summary, _TENANT, ok, {**_BATCH_ERRORS, **(errors or {})}), **extra}
+
+
+def _parameter(name: str, where: str, schema: dict[str, Any], text: str) -> dict[str, Any]:
+    return {"name": name, "in": where, "required": where == "path", "description": text,
+            "schema": schema}  # fmt: skip
+
+
+def _page_parameters(most: int) -> list[dict[str, Any]]:
+    return [
+        _parameter("after", "query", {"type": "string"}, "The id the page starts after."),
+        _parameter("limit", "query", {"type": "integer", "minimum": 1, "maximum": most},
+                   "How many at most."),  # fmt: skip
+    ]
+
+
+def _batch_paths(max_body_bytes: int) -> dict[str, Any]:
+    """OpenAI's Files and Batches routes (docs/BATCH.md)."""
+    file_id = [_parameter("file_id", "path", {"type": "string"}, "The file's id.")]
+    batch_id = [_parameter("batch_id", "path", {"type": "string"}, "The batch's id.")]
+    upload = {
+        "required": True,
+        "content": {"multipart/form-data": {"schema": _ref("schemas", "FileUpload")}},
+    }
+    create = {
+        "required": True,
+        "description": f"At most {max_body_bytes} bytes.",
+        "content": _json(_ref("schemas", "BatchCreateRequest")),
+    }
+    json_body = {
+        408: "The body did not arrive within `server.body_timeout_s`.",
+        413: f"The body is over {max_body_bytes} bytes.",
+        415: "The body was declared as something other than JSON.",
+        503: "The gateway is stopping (`shutting_down`).",
+    }
+    return {
+        "/v1/files": {
+            "post": _batch_operation(
+                "Upload a batch input file (JSONL, checked line by line)", "FileObject",
+                {413: "The file is over `batch.max_file_bytes`."}, requestBody=upload,
+            ),
+            "get": _batch_operation(
+                "The tenant's files, newest first", "FileList", parameters=[
+                    *_page_parameters(10_000),
+                    _parameter("order", "query", {"enum": ["asc", "desc"]}, "By creation."),
+                    _parameter("purpose", "query", {"type": "string"}, "Only these."),
+                ],
+            ),
+        },  # fmt: skip
+        "/v1/files/{file_id}": {
+            "get": _batch_operation("A file", "FileObject", parameters=file_id),
+            "delete": _batch_operation(
+                "Delete a file", "FileDeleted",
+                {409: "The file is the input of a batch not yet ended (`file_in_use`)."},
+                parameters=file_id,
+            ),  # fmt: skip
+        },
+        "/v1/files/{file_id}/content": {
+            "get": _batch_operation("A file's content", None, parameters=file_id),
+        },
+        "/v1/batches": {
+            "post": _batch_operation(
+                "Create a batch from an uploaded file", "Batch", json_body, requestBody=create
+            ),
+            "get": _batch_operation(
+                "The tenant's batches, newest first", "BatchList",
+                parameters=_page_parameters(100),
+            ),  # fmt: skip
+        },
+        "/v1/batches/{batch_id}": {
+            "get": _batch_operation("A batch", "Batch", parameters=batch_id),
+        },
+        "/v1/batches/{batch_id}/cancel": {
+            "post": _batch_operation(
+                "Cancel a batch: what has not run is written to its error file", "Batch",
+                {409: "The batch has ended already (`batch_not_cancellable`)."},
+                parameters=batch_id,
+            ),  # fmt: skip
+        },
+    }
+
+
+def _batch_request_schemas() -> dict[str, Any]:
+    return {
+        "FileUpload": {
+            "type": "object",
+            "required": ["purpose", "file"],
+            "properties": {
+                "purpose": {"enum": ["batch"]},
+                "file": {"type": "string", "format": "binary",
+                         "description": "JSONL: one request a line (docs/BATCH.md)."},
+            },
+        },  # fmt: skip
+        "BatchCreateRequest": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["input_file_id", "endpoint", "completion_window"],
+            "properties": {
+                "input_file_id": {"type": "string"},
+                "endpoint": {"enum": ["/v1/chat/completions", "/v1/completions"]},
+                "completion_window": {
+                    "type": "string", "pattern": "^[1-9][0-9]{0,6}[smhd]$",
+                    "description": "The deadline, e.g. `24h`; at most 7 days.",
+                },
+                "metadata": {
+                    "type": ["object", "null"], "maxProperties": 16,
+                    "propertyNames": {"maxLength": 64},
+                    "additionalProperties": {"type": "string", "maxLength": 512},
+                },
+            },
+        },  # fmt: skip
+    }
 
 
 def _admin_operation(
@@ -359,6 +490,7 @@ def build_openapi(
             "/openapi.json": _open_get(
                 "This document", _ok("The OpenAPI document.", _json({"type": "object"}))
             ),
+            **_batch_paths(max_body_bytes),
             "/admin/stats": {
                 "get": _admin_operation("Queues, backend, outcomes, SLOs and quotas", "Stats")
             },

@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 
 from qosgate.backends.base import Chunk
+from qosgate.runtime.gate import RequestStream
 
 from .validation import Endpoint
 
@@ -54,6 +55,46 @@ class Tally:
             self.finish_reason = chunk.finish_reason
         if chunk.usage:
             self.usage = chunk.usage
+
+
+async def answer_body(stream: RequestStream, call: Call) -> dict[str, Any]:
+    """The whole answer of a request read whole: its stream read to the end
+    (closed on any other way out, so the request ends with its reader)."""
+    parts: list[str] = []
+    message_fields: dict[str, Any] = {}
+    choice_fields: dict[str, Any] = {"logprobs": None}
+    tally = Tally()
+    try:
+        async for chunk in stream:
+            parts.append(chunk.text)
+            tally.add(chunk)
+            if chunk.raw:
+                # A backend that answers whole passes a chat message's other
+                # fields (tool calls, ...) under "message". Deltas (raw["delta"])
+                # come only to streamed requests: the openai backend asks a
+                # whole answer of its upstream for a client that reads whole.
+                extra = chunk.raw.get("message")
+                if isinstance(extra, dict):
+                    message_fields.update(extra)
+                relay_choice_fields(choice_fields, chunk.raw)
+    except BaseException:
+        # Cancelled (client gone) or failed: the stream must end its request
+        # now, so a queued request leaves the queue and a running one aborts.
+        await stream.aclose()
+        raise
+    text = "".join(parts)
+    finish = tally.finish_reason or "stop"
+    if call.endpoint == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, **message_fields},
+            **choice_fields,
+            "finish_reason": finish,
+        }
+    else:
+        choice = {"index": 0, "text": text, **choice_fields, "finish_reason": finish}
+    usage = usage_body(call, tally.tokens, tally.usage)
+    return response_body(call, [choice], usage, chunk=False)
 
 
 _NOT_CHOICE_FIELDS = frozenset({"index", "delta", "message", "text", "finish_reason"})

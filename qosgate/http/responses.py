@@ -166,6 +166,13 @@ class FleetLevels(BaseModel):
     running: NonNegativeInt
 
 
+class BatchJobs(BaseModel):
+    """The Batch API's jobs by status, and per tenant its lines still to run."""
+
+    jobs: dict[str, NonNegativeInt]
+    queued: dict[str, NonNegativeInt]
+
+
 class Stats(_Open):
     time: float
     ready: bool
@@ -180,6 +187,7 @@ class Stats(_Open):
     fleet: FleetLevels | None = Field(
         None, description="Null on one node, or when Redis was not read in time."
     )
+    batch_jobs: BatchJobs | None = Field(None, description="Null without `batch.data_dir`.")
 
 
 class QuotaStore(_Open):
@@ -202,6 +210,92 @@ class Reloaded(BaseModel):
     tenants: NonNegativeInt
 
 
+class FileObject(BaseModel):
+    """OpenAI's file object: a batch's input, output or error file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    object: Literal["file"]
+    bytes: NonNegativeInt
+    created_at: int
+    filename: str
+    purpose: Literal["batch", "batch_output"]
+    status: Literal["processed"]
+    status_details: None
+    expires_at: int | None
+
+
+class FileList(BaseModel):
+    object: Literal["list"]
+    data: list[FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"]
+    deleted: bool
+
+
+class BatchRequestCounts(BaseModel):
+    total: NonNegativeInt
+    completed: NonNegativeInt
+    failed: NonNegativeInt
+
+
+class BatchError(BaseModel):
+    code: str
+    message: str
+    line: int | None
+    param: str | None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"]
+    data: list[BatchError]
+
+
+class Batch(BaseModel):
+    """OpenAI's batch object."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    object: Literal["batch"]
+    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    errors: BatchErrors | None
+    input_file_id: str
+    completion_window: str
+    status: Literal[
+        "validating", "failed", "in_progress", "finalizing", "completed", "expired",
+        "cancelling", "cancelled",
+    ]  # fmt: skip
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: int
+    in_progress_at: int | None
+    expires_at: int | None
+    finalizing_at: int | None
+    completed_at: int | None
+    failed_at: int | None
+    expired_at: int | None
+    cancelling_at: int | None
+    cancelled_at: int | None
+    request_counts: BatchRequestCounts
+    metadata: dict[str, str] | None
+
+
+class BatchList(BaseModel):
+    object: Literal["list"]
+    data: list[Batch]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 ANSWERS: tuple[type[BaseModel], ...] = (
     ChatCompletion,
     Completion,
@@ -213,6 +307,11 @@ ANSWERS: tuple[type[BaseModel], ...] = (
     Stats,
     Quotas,
     Reloaded,
+    FileObject,
+    FileList,
+    FileDeleted,
+    Batch,
+    BatchList,
 )
 """Every document the gateway answers with, by the name the OpenAPI document
 gives its schema."""

@@ -12,12 +12,14 @@ from collections.abc import Callable, Mapping
 from aiohttp import web
 
 from qosgate.backends.base import BackendError
+from qosgate.batch.runner import BatchService
 from qosgate.config.models import PolicyConfig
 from qosgate.quotas import QuotaGuard
 from qosgate.runtime.gate import Gateway
 from qosgate.wiring import LivePolicy, bound_port, build_gateway, on_signals, serve_engine
 
 from .app import build_app
+from .state import STATE
 from .protocol import HEAD_LIMITS, GatewayRunner
 
 log = logging.getLogger(__name__)
@@ -81,12 +83,14 @@ async def serve(
 
     watcher = asyncio.get_running_loop().create_task(watch())
     runner: web.AppRunner | None = None
+    batches: BatchService | None = None
     loop = asyncio.get_running_loop()
     handled: list[signal.Signals] = []
     policy_watch: asyncio.Task[None] | None = None
     try:
         live = LivePolicy(gateway, policy, environ=environ, policy_path=policy_path)
         app = build_app(gateway, live=live)
+        batches = app[STATE].batches
         # Without handler cancellation aiohttp lets a handler run on after its
         # client disconnects, so a queued request would keep its place.
         # Its connections answer requests aiohttp cannot parse (oversized or
@@ -127,7 +131,7 @@ async def serve(
         watcher.cancel()
         if policy_watch is not None:
             policy_watch.cancel()
-        await _stop(runner, gateway, policy.server.shutdown_grace_s)
+        await _stop(runner, gateway, policy.server.shutdown_grace_s, batches)
     if failed:
         error = failed[0]
         raise error if isinstance(error, BackendError) else BackendError(str(error))
@@ -143,7 +147,12 @@ def _freeze_startup_objects() -> None:
     gc.freeze()
 
 
-async def _stop(runner: web.AppRunner | None, gateway: Gateway, grace_s: float) -> None:
+async def _stop(
+    runner: web.AppRunner | None,
+    gateway: Gateway,
+    grace_s: float,
+    batches: BatchService | None = None,
+) -> None:
     """The graceful stop: nothing taken is dropped without an answer.
 
     Stop listening (a load balancer's next connection goes elsewhere), answer
@@ -162,9 +171,15 @@ async def _stop(runner: web.AppRunner | None, gateway: Gateway, grace_s: float) 
         snapshot["running"],
         grace_s,
     )
+    if batches is not None:
+        # No batch line is sent from here; those running may finish within
+        # the grace, the rest run again after a restart.
+        batches.stop_feeding()
     left = await gateway.drain(grace_s)
     if left:
         log.warning("%d requests still running after the %gs grace are ended", left, grace_s)
+    if batches is not None:
+        await batches.stop()
     await gateway.close()
     if runner is not None:
         await runner.cleanup()

@@ -9,7 +9,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
@@ -19,6 +19,9 @@ from qosgate.runtime.gate import Gateway
 from qosgate.wiring import LivePolicy
 
 from .identity import AuthFailureLimiter, Identity, KeyRing
+
+if TYPE_CHECKING:
+    from qosgate.batch.runner import BatchService
 
 _T = TypeVar("_T")
 
@@ -88,6 +91,8 @@ class AppState:
         default_factory=lambda: AuthFailureLimiter(0)
     )
     """Failed authentications per client address (API keys and admin token)."""
+    batches: BatchService | None = None
+    """The Batch API's service (None: `batch.data_dir` is unset)."""
 
     @property
     def policy(self) -> PolicyConfig:

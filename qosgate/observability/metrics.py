@@ -212,6 +212,38 @@ class _FleetLevels(Collector):
         yield from (depth, running)
 
 
+class _BatchLevels(Collector):
+    """Batch jobs by status and lines waiting per tenant, read at scrape time."""
+
+    def __init__(
+        self,
+        levels: Callable[[], tuple[dict[str, int], dict[str, int]]],
+        tenant: Callable[[str], str],
+    ) -> None:
+        self._levels = levels
+        self._tenant = tenant
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        jobs, per_tenant = self._levels()
+        queued: dict[str, int] = {}
+        for tenant, count in per_tenant.items():
+            label = self._tenant(tenant)
+            queued[label] = queued.get(label, 0) + count
+        by_status = GaugeMetricFamily(
+            f"{PREFIX}batch_jobs", "Batch jobs by status", labels=["status"]
+        )
+        for status, count in sorted(jobs.items()):
+            by_status.add_metric([status], count)
+        waiting = GaugeMetricFamily(
+            f"{PREFIX}batch_lines_queued",
+            "Lines of running batch jobs without a result yet", labels=["tenant"],
+        )  # fmt: skip
+        for tenant, count in sorted(queued.items()):
+            waiting.add_metric([tenant], count)
+        yield by_status
+        yield waiting
+
+
 class GatewayMetrics:
     def __init__(
         self,
@@ -288,6 +320,20 @@ class GatewayMetrics:
     def set_tiers(self, policy: PolicyConfig) -> None:
         """The SLOs of a reloaded policy."""
         self._tiers = policy.tiers
+
+    def watch_batches(
+        self, levels: Callable[[], tuple[dict[str, int], dict[str, int]]]
+    ) -> None:
+        """Count batch lines as they are recorded, and read the jobs by
+        status and the lines queued per tenant (`levels`) at scrape time."""
+        self.batch_lines = Counter(
+            f"{PREFIX}batch_lines", "Batch lines recorded, by tenant and result",
+            ["tenant", "result"], registry=self.registry,
+        )  # fmt: skip
+        self.registry.register(_BatchLevels(levels, self._tenant))
+
+    def batch_line(self, tenant: str, ok: bool) -> None:
+        self._child(self.batch_lines, self._tenant(tenant), "completed" if ok else "failed").inc()
 
     def watch(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         """Read the queue and backend levels from `snapshot` at scrape time."""

@@ -203,15 +203,23 @@ class QuotaGuard:
 
     # -- reserve and settle ----------------------------------------------------
 
-    async def reserve(self, tenant: str, tokens: int, request_id: str) -> QuotaDecision | None:
-        """None for a tenant without limits. Raises QuotaStoreDown (fail_closed)."""
+    async def reserve(
+        self, tenant: str, tokens: int, request_id: str, *, record: bool = False
+    ) -> QuotaDecision | None:
+        """None for a tenant without limits. Raises QuotaStoreDown (fail_closed).
+        `record`: a shared store keeps a record of the reservation until it is
+        settled, so that after a restart it can be settled exactly once
+        (`settle_recorded`). One made on the local limiter (fail_open) is not
+        recorded: it goes with the process."""
         limits = self.limits(tenant)
         if limits is None:
             return None
         now = self._clock()
         if self._down_until is None or now >= self._down_until:
             try:
-                decision = await self._store_reserve(tenant, limits, tokens, request_id, now)
+                decision = await self._store_reserve(
+                    tenant, limits, tokens, request_id, now, record
+                )
             except StoreRecovering as exc:
                 return self._without_store(
                     tenant, limits, tokens, request_id, now, str(exc), exc.retry_after_s
@@ -259,8 +267,9 @@ class QuotaGuard:
         return decision
 
     async def _store_reserve(
-        self, tenant: str, limits: TenantLimits, tokens: int, request_id: str, now: float
-    ) -> QuotaDecision:
+        self, tenant: str, limits: TenantLimits, tokens: int, request_id: str, now: float,
+        record: bool,
+    ) -> QuotaDecision:  # fmt: skip
         if isinstance(self.store, MemoryQuotaStore):
             # Nothing in it awaits, so a cancellation cannot land half-way.
             return await self.store.reserve(
@@ -268,7 +277,9 @@ class QuotaGuard:
             )
         # A client that leaves while the script runs must not leave a
         # reservation behind: the call finishes on its own, and is refunded.
-        task = asyncio.ensure_future(self._reserve_carrying(tenant, limits, tokens, request_id, now))
+        task = asyncio.ensure_future(
+            self._reserve_carrying(tenant, limits, tokens, request_id, now, record)
+        )
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -276,22 +287,25 @@ class QuotaGuard:
             raise
 
     async def _reserve_carrying(
-        self, tenant: str, limits: TenantLimits, tokens: int, request_id: str, now: float
-    ) -> QuotaDecision:
+        self, tenant: str, limits: TenantLimits, tokens: int, request_id: str, now: float,
+        record: bool,
+    ) -> QuotaDecision:  # fmt: skip
         lease = self._cfg.lease_s
         holds = self._ledger.holds(tenant, now)
         try:
             return await self.store.reserve(
-                tenant, limits, tokens, request_id, now, lease_s=lease, holds=holds
-            )
+                tenant, limits, tokens, request_id, now, lease_s=lease, holds=holds,
+                record=record,
+            )  # fmt: skip
         except StoreReset:
             # The store lost what this gateway admitted: not one reservation
             # there before it has it back. (A second loss meanwhile is a
             # store failure like any other.)
             await self._carry(tenant, whole=True)
             return await self.store.reserve(
-                tenant, limits, tokens, request_id, now, lease_s=lease, holds=True
-            )
+                tenant, limits, tokens, request_id, now, lease_s=lease, holds=True,
+                record=record,
+            )  # fmt: skip
 
     def _refund_orphan(self, task: asyncio.Future[QuotaDecision]) -> None:
         if task.cancelled() or task.exception() is not None:
@@ -337,6 +351,25 @@ class QuotaGuard:
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def settle_recorded(
+        self, tenant: str, request_id: str, charged: int, served: bool
+    ) -> bool:
+        """Settle a recorded reservation that a process which is gone (an
+        earlier run of this one) made and may not have settled: if the store
+        still holds it, it is settled now (`charged` kept); if it was settled
+        already, or never made, nothing changes. A memory store's
+        reservations, and a fail-open gateway's local ones, went with the
+        process. Whether one was settled; raises QuotaStoreError when the
+        store cannot be reached."""
+        limits = self._limits.get(tenant)
+        if limits is None or isinstance(self.store, MemoryQuotaStore):
+            return False
+        reservation = await self.store.find(tenant, request_id, limits)
+        if reservation is None:
+            return False
+        await self.store.settle(reservation, charged, served, self._clock())
+        return True
 
     async def _settle(self, reservation: Reservation, charged: int, served: bool, now: float) -> None:
         try:

@@ -137,6 +137,9 @@ class Reservation:
     generation: str = ""
     """The store's generation of the tenant's data it was made in (or carried
     into): a settlement moves the windows only of that generation."""
+    recorded: bool = False
+    """The store keeps a record of it by request id until it is settled, so
+    that a process that restarts can settle it, exactly once (`find`)."""
     settled: bool = False
     charged: int | None = None
     """Tokens kept once settled (0 when refunded in full)."""

@@ -147,6 +147,10 @@ class RedisQuotaStore(QuotaStore):
     def key(self, tenant: str, kind: str) -> str:
         return f"{self._prefix}quota:{{{tenant}}}:{KEY_SUFFIX[kind]}"
 
+    def record_key(self, tenant: str, request_id: str) -> str:
+        """Where a recorded reservation is kept until it is settled."""
+        return f"{self._prefix}quota:{{{tenant}}}:rsv:{request_id}"
+
     async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
         try:
             return await script(keys=keys, args=args)
@@ -220,13 +224,21 @@ class RedisQuotaStore(QuotaStore):
         *,
         lease_s: float,
         holds: bool = False,
+        record: bool = False,
     ) -> QuotaDecision:
         call = self.reserve_call(tenant, limits, tokens, request_id, now, lease_s, True, holds)
+        if record:
+            # Kept as long as the longest window it counts in: past that a
+            # settlement would move nothing anyway.
+            ttl = max([_ttl_ms(rule.period_s) for rule in limits.rates] + [_ttl_ms(60.0)])
+            call[0].append(self.record_key(tenant, request_id))
+            call[1].extend([f"{tokens} {now!r}", ttl])
         result = await self._call(tenant, call, True)
         states, views = self._states(limits, result, now)
         if result["ok"] == 1:
             reservation = Reservation(
-                tenant, request_id, tokens, now, limits, store=self.name, generation=result["gen"]
+                tenant, request_id, tokens, now, limits, store=self.name, generation=result["gen"],
+                recorded=record,
             )
             return QuotaDecision(admitted=True, reservation=reservation, states=states)
         failed = int(result["failed"])
@@ -252,10 +264,12 @@ class RedisQuotaStore(QuotaStore):
     async def settle(self, reservation: Reservation, charged: int, served: bool, now: float) -> None:
         changes = settle_deltas(reservation, charged, served)
         limits = reservation.limits
-        if changes or limits.max_concurrency is not None:
+        if changes or limits.max_concurrency is not None or reservation.recorded:
             tenant = reservation.tenant
             keys = [self.key(tenant, rule.kind) for rule, _, _ in changes]
             keys += [self.key(tenant, "max_concurrency"), self.key(tenant, "generation")]
+            if reservation.recorded:
+                keys.append(self.record_key(tenant, reservation.request_id))
             args: list[Any] = [repr(now), reservation.request_id, reservation.generation, len(changes)]
             for rule, delta, slot in changes:
                 args += [
@@ -264,6 +278,21 @@ class RedisQuotaStore(QuotaStore):
             await self._run(self._settle, keys, args)
         # Only once the store has it: a settlement that failed can be retried.
         mark_settled(reservation, charged)
+
+    async def find(
+        self, tenant: str, request_id: str, limits: TenantLimits
+    ) -> Reservation | None:
+        try:
+            raw = await self._redis.get(self.record_key(tenant, request_id))
+        except (RedisError, OSError) as exc:
+            raise QuotaStoreError(f"redis failed: {exc}") from exc
+        if raw is None:
+            return None
+        tokens, at, generation = raw.decode().split(" ", 2)
+        return Reservation(
+            tenant, request_id, int(tokens), float(at), limits, store=self.name,
+            generation=generation, recorded=True,
+        )  # fmt: skip
 
     async def renew(
         self, leases: Mapping[str, Collection[str]], now: float, *, lease_s: float

@@ -52,10 +52,13 @@ class QuotaStore(ABC):
         *,
         lease_s: float,
         holds: bool = False,
+        record: bool = False,
     ) -> QuotaDecision:
         """Check every limit and reserve under all of them, atomically, or
         refuse. `lease_s` bounds how long a concurrency slot is held if the
-        holder never settles (a replica that died). `holds`: this gateway has
+        holder never settles (a replica that died). `record`: keep a record
+        of the reservation by request id until it is settled (a store that
+        outlives the process; `find`). `holds`: this gateway has
         admitted some of the tenant's current windows; a store that lost them
         since raises StoreReset instead of deciding without them, and
         StoreRecovering while other gateways may still be carrying theirs."""
@@ -98,6 +101,13 @@ class QuotaStore(ABC):
     async def usage(self, tenant: str, limits: TenantLimits, now: float) -> tuple[LimitState, ...]:
         """Read-only: each limit as it stands."""
 
+    async def find(
+        self, tenant: str, request_id: str, limits: TenantLimits
+    ) -> Reservation | None:
+        """A recorded reservation not yet settled, made by a process that may
+        be gone (None: there is none, or the store keeps no records)."""
+        return None
+
     async def ping(self) -> None:
         """Raise QuotaStoreError unless the store answers."""
 
@@ -123,7 +133,9 @@ class MemoryQuotaStore(QuotaStore):
         *,
         lease_s: float,
         holds: bool = False,
+        record: bool = False,
     ) -> QuotaDecision:
+        # Its reservations live as long as the process: nothing to record.
         return self._limiter.reserve(
             tenant, limits, tokens, request_id, now, lease_s=lease_s, store=self.name
         )

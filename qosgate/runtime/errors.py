@@ -157,6 +157,32 @@ class PolicyRejected(BadRequest):
     """A reload that was refused; the running policy stays."""
 
 
+class BatchesNotConfigured(BadRequest):
+    """A Batch API route on a gateway without `batch.data_dir`: a 404, as for a
+    route the gateway does not serve, with a code of its own."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "Batches are not configured on this gateway: its policy sets no batch.data_dir."
+        )
+
+
+class BatchObjectNotFound(BadRequest):
+    """No such file or batch of the tenant's (another tenant's is none of its)."""
+
+
+class InvalidBatchFile(BadRequest):
+    """A batch input file that cannot run as given; the message names the line."""
+
+
+class FileInUse(BadRequest):
+    """The file is the input of a batch still running."""
+
+
+class BatchNotCancellable(BadRequest):
+    """The batch has already ended (or is ending) and cannot be cancelled."""
+
+
 def _give_rows(table: dict[type[GatewayError], tuple[int, Outcome, str, str]]) -> None:
     """Give each error class its row: (status, outcome, code, type)."""
     for cls, (status, outcome, code, type_) in table.items():
@@ -184,4 +210,9 @@ _give_rows({
     RequestTimeout: (408, Outcome.BAD_REQUEST, "request_timeout", _INVALID),
     PayloadTooLarge: (413, Outcome.BAD_REQUEST, "request_too_large", _INVALID),
     PolicyRejected: (400, Outcome.BAD_REQUEST, "policy_rejected", _INVALID),
+    BatchesNotConfigured: (404, Outcome.BAD_REQUEST, "batches_not_configured", _INVALID),
+    BatchObjectNotFound: (404, Outcome.BAD_REQUEST, "not_found", _INVALID),
+    InvalidBatchFile: (400, Outcome.BAD_REQUEST, "invalid_file", _INVALID),
+    FileInUse: (409, Outcome.BAD_REQUEST, "file_in_use", _INVALID),
+    BatchNotCancellable: (409, Outcome.BAD_REQUEST, "batch_not_cancellable", _INVALID),
 })  # fmt: skip

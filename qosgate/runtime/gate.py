@@ -168,7 +168,7 @@ class Gateway:
 
     # -- reload --------------------------------------------------------------
 
-    RESTART_ONLY = ("scheduler", "backend", "server", "quota_store", "observability")
+    RESTART_ONLY = ("scheduler", "backend", "server", "quota_store", "observability", "batch")
     """Sections a reload cannot change (a restart can)."""
 
     def reload(self, policy: PolicyConfig) -> None:
@@ -228,7 +228,9 @@ class Gateway:
 
     # -- requests ------------------------------------------------------------
 
-    async def admit(self, ask: Ask, *, on_quota: _OnQuota | None = None) -> RequestStream:
+    async def admit(
+        self, ask: Ask, *, on_quota: _OnQuota | None = None, hold_settlement: bool = False
+    ) -> RequestStream:
         """Take a validated request from its client's identity to a stream:
         its max_tokens clamped to the tier and the model's context, its
         prompt counted, its quota reserved (`on_quota` gets the tenant's
@@ -236,7 +238,14 @@ class Gateway:
         Every refusal on the way is counted here, by its outcome, and raised
         as its typed error (ContextLengthExceeded, QuotaExceeded,
         QuotaStoreUnavailable, and `submit`'s); the quota reserved is
-        refunded when admission refuses the request."""
+        refunded when admission refuses the request.
+
+        `hold_settlement`: when the request ends, its settlement is worked
+        out as always but kept on the stream, to be made by the consumer
+        with `settle_held` once it has recorded the result; and a shared
+        quota store keeps a record of the reservation until it is settled,
+        so that a consumer that restarts can settle it, exactly once
+        (`QuotaGuard.settle_recorded`): a batch line."""
         arrival = self._get_loop().time()
         try:
             shaped = shape(
@@ -252,7 +261,7 @@ class Gateway:
             _prompt_log.info("prompt", endpoint=ask.endpoint, prompt=prompt)
         try:
             tokens = shaped.prompt_tokens + shaped.max_tokens
-            reservation = await self._reserve(ask, tokens, on_quota)
+            reservation = await self._reserve(ask, tokens, on_quota, record=hold_settlement)
         except GatewayError as exc:
             # Counted, its lengths known: the trace keeps it as an arrival.
             refused = Request(
@@ -266,14 +275,17 @@ class Gateway:
             body=shaped.body, prompt_tokens=shaped.prompt_tokens, max_tokens=shaped.max_tokens,
             priority_offset=ask.priority_offset, session=ask.session, reservation=reservation,
             trace=ask.trace,
+            hold_settlement=hold_settlement,
         )  # fmt: skip
 
-    async def _reserve(self, ask: Ask, tokens: int, on_quota: _OnQuota | None) -> _Held:
+    async def _reserve(
+        self, ask: Ask, tokens: int, on_quota: _OnQuota | None, *, record: bool = False
+    ) -> _Held:
         # A tenant without limits has nothing to reserve: no coroutine to run.
         if self.quotas.limits(ask.tenant) is None:
             return None
         try:
-            decision = await self.quotas.reserve(ask.tenant, tokens, ask.request_id)
+            decision = await self.quotas.reserve(ask.tenant, tokens, ask.request_id, record=record)
         except QuotaStoreDown as exc:
             raise QuotaStoreUnavailable(str(exc), retry_after_s=exc.retry_after_s) from None
         if decision is None:
@@ -301,6 +313,7 @@ class Gateway:
         session: str | None = None,
         reservation: Reservation | None = None,
         trace: Mapping[str, str] | None = None,
+        hold_settlement: bool = False,
     ) -> RequestStream:
         """Admit a request now or refuse it (QueueFull / Overloaded, the request
         then finished with that outcome). Unknown tier or a reused request id
@@ -344,6 +357,7 @@ class Gateway:
             trace=trace,
         )
         stream = RequestStream(self, req, job, loop, reservation)
+        stream.holds_settlement = hold_settlement and reservation is not None
         self._streams[request_id] = stream
         # Dispatch now rather than on the next loop turn: requests arriving in
         # the same turn would otherwise count each other, still undispatched,
@@ -525,12 +539,29 @@ class Gateway:
             usage = stream.usage()
             if stream.reservation is not None:
                 charged = sum(usage) if usage is not None else 0
-                self._settle(stream.reservation, charged, served=usage is not None)
+                if stream.holds_settlement:
+                    stream.owed = (charged, usage is not None)
+                else:
+                    self._settle(stream.reservation, charged, served=usage is not None)
             model = stream.job.body.get("model")
             self.observer.finished(stream.request, usage, model if isinstance(model, str) else "")
         if self._idle is not None and not self._streams and not self._idle.done():
             self._idle.set_result(None)
         self._wake()
+
+    def settle_held(self, stream: RequestStream, *, refund: bool = False) -> None:
+        """Make the settlement an ended stream admitted with `hold_settlement`
+        kept: as worked out when it ended, or (`refund`) none of it charged
+        and the request given back, for a consumer that will send it again.
+        Exactly once; a stream without a reservation has nothing to settle."""
+        if not stream.holds_settlement:
+            return
+        owed = stream.owed
+        if owed is None:
+            raise RuntimeError(f"request {stream.request.id} has not ended: nothing is owed yet")
+        stream.holds_settlement = False
+        charged, served = (0, False) if refund else owed
+        self._settle(stream.reservation, charged, served=served)
 
     def _lease_lost(self, reservation: Reservation) -> None:
         """The quota store lost a running request's concurrency lease (fail_closed)."""
@@ -595,6 +626,10 @@ class RequestStream:
         self.job = job
         self.reservation = reservation
         """The request's quota, settled by the gateway when it ends."""
+        self.holds_settlement = False
+        """Its settlement waits for the consumer (`Gateway.settle_held`)."""
+        self.owed: tuple[int, bool] | None = None
+        """(charged, served), once a held settlement is worked out."""
         self._host = host
         self._loop = loop
         # Whether the backend ever ran it, and the prompt size it reported:

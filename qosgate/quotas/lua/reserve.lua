@@ -6,7 +6,10 @@
 --   knows ('' if none), a fresh generation to start if there is none, whether
 --   the caller holds admissions of this tenant that a store which lost its
 --   data would not have (1/0), the generation key's ttl_ms, then per rule:
---   need, limit, burst, period_s, ttl_ms.
+--   need, limit, burst, period_s, ttl_ms. A caller that must be able to
+--   settle the reservation after a restart adds one more key (the
+--   reservation's record) and, after the rules, what to record and its ttl_ms:
+--   the record holds that and the generation, until it is settled.
 -- Returns JSON: {ok, failed (1-based rule, -1 for concurrency, 0 none),
 --   rules: [[slot, amount, ...], level], inflight, gen}, or {stale = 1} when
 --   the store lost this tenant's data and the caller must carry its own back
@@ -118,6 +121,9 @@ if write and failed == 0 then
     redis.call('ZADD', ckey, now + lease, rid)
     redis.call('PEXPIRE', ckey, math.ceil(lease * 1000))
     inflight = inflight + 1
+  end
+  if #KEYS == nrules + 4 then
+    redis.call('SET', KEYS[nrules + 4], ARGV[#ARGV - 1] .. ' ' .. gen, 'PX', tonumber(ARGV[#ARGV]))
   end
   -- The generation outlives every key of the tenant it marks.
   if redis.call('PTTL', gkey) < gen_ttl then redis.call('PEXPIRE', gkey, gen_ttl) end

@@ -7,11 +7,17 @@
 --   period_s, ttl_ms.
 -- A reservation from a generation the store no longer has moves no window:
 -- the gateway that made it carried what it stood at into the new one.
+-- A recorded reservation (reserve.lua) adds its record's key after those:
+-- it is settled only while its record is there, and the record goes with
+-- it, so that settling it again (after a restart) changes nothing.
 local function num(x) return string.format('%.17g', x) end
 local now = tonumber(ARGV[1])
 local rid = ARGV[2]
 local made_in = ARGV[3]
 local nrules = tonumber(ARGV[4])
+if #KEYS == nrules + 3 and redis.call('DEL', KEYS[nrules + 3]) == 0 then
+  return 0
+end
 if redis.call('GET', KEYS[nrules + 2]) == made_in then
   for r = 1, nrules do
     local base = 4 + (r - 1) * 6
