@@ -75,6 +75,9 @@ SPEED = 1.0
 DURATION_S = 60.0
 WARMUP_S = 20.0
 TIMEOUT_S = 90.0
+# The fleet's default lease: B3's engine nodes hold up to 256 runs each, and a
+# loaded machine can hold a renewal back longer than fleet.py's 2 s allow.
+FLEET_LEASE_S = 5.0
 UNSEEN_RULE = "tiers' max served queue wait within their stated bound (gateway-side figure)"
 
 
@@ -198,7 +201,7 @@ def run_cell(base: Scenario, policy: str, rate_rps: float, args: argparse.Namesp
     name = f"{policy}-{rate_rps:.3f}"
     doc = serve_policy(base, policy, args.speed)
     fleet = Fleet(tmp / name, single=not args.fleet, gateways=args.gateways,
-                  engines=args.engines, doc=doc)  # fmt: skip
+                  engines=args.engines, lease_s=FLEET_LEASE_S, doc=doc)  # fmt: skip
     try:
         report = run_bench(fleet.urls, bench_scenario(base, rate_rps, args, seed), tmp, name)
         report["gateway"] = gateway_figures([g.url for g in fleet.gateways])
@@ -254,8 +257,8 @@ def run_table(base: Scenario, loads: tuple[float, ...], policies: tuple[str, ...
             table[cell] = {"capacity_rps": capacity, "rate_rps": rate,
                            "interactive_demand": rate * share / own, "bounds": {},
                            "policies": runs}  # fmt: skip
-            # For a fleet: one engine at the same load (half the requests of two).
-            twins[cell] = {"capacity_rps": capacity, "rate_rps": rate,
+            # For a fleet: one engine at the same load (its share of the requests).
+            twins[cell] = {"capacity_rps": capacity / engines, "rate_rps": rate / engines,
                            "interactive_demand": rate * share / own, "bounds": {},
                            "policies": twin.run(load, policies)[0]["policies"]}  # fmt: skip
     return table, twins, capacity
@@ -277,9 +280,10 @@ TIER_HEAD = (f"  {'tier':<11} {'':>4} {'sent':>5} {'done':>5} {'503':>4} {'429':
 def tier_counts(table: dict, twins: dict, speed: float) -> str:
     """Per cell, policy and tier, three rows: what the client saw (`http`:
     sent, completed, refused 503 / 429, expired 504, errors (timeouts as
-    `cut`), TTFT p50/p99, attainment), what the gateways counted (`gw`:
-    their outcomes and queue waits; in a fleet the wait in the shared queue)
-    and what the simulator gives on the same requests (`sim`; `cut`: still
+    `cut`), TTFT p50/p99, attainment), what the gateways counted over the
+    whole run, warm-up included (`gw`: their outcomes, `cut` being those
+    cancelled, and queue waits; in a fleet the wait in the shared queue) and
+    what the simulator gives on the same requests (`sim`; `cut`: still
     running at its horizon), every time in the gateway's seconds."""
     lines = []
     for cell in sorted(table, key=sweep.Cell.sort_key):

@@ -121,3 +121,27 @@ def test_a_fleet_serves_the_same_policy():
     policy = PolicyConfig.model_validate(doc)
     assert policy.fleet is not None and policy.fleet.url == "redis://127.0.0.1:1/0"
     assert policy.tiers == PolicyConfig.model_validate(http.serve_policy(BASE, "qos", 0.1)).tiers
+
+
+def test_the_counts_behind_each_figure_are_printed_per_tier():
+    cell = sweep.Cell(http.MIX, http.ARRIVALS, 2.0)
+    tier = {"requests": 70, "completed": 50, "rejected_overload": 12, "rejected_queue_full": 0,
+            "expired": 5, "errors": 3, "error_types": {"timeout": 2, "stream_error": 1},
+            "ttft_p50_s": 0.2, "ttft_p99_s": 0.45, "ttft_slo_attainment": 0.7}
+    report = {"tiers": {"interactive": tier}, "totals": {"sent": 70, "wall_s": 80.0},
+              "gateway": {"outcomes": {"interactive": {"completed": 60, "expired": 7}},
+                          "queue_wait": {"interactive": {"p50_s": 0.1, "p99_s": 0.3}},
+                          "cpu_s": {"single": 12.5}}}
+    sim = {"requests": 70, "completed": 55, "rejected_overload": 10, "rejected_queue_full": 0,
+           "expired": 5, "cancelled": 0, "backend_error": 0, "ttft_p50_s": 0.02,
+           "ttft_p99_s": 0.04, "queue_wait_p99_s": 0.03, "ttft_slo_attainment": 0.75}
+    text = http.tier_counts({cell: {"policies": {"qos": report}}},
+                            {cell: {"policies": {"qos": {"tiers": {"interactive": sim}}}}}, 0.1)
+    http_row, gw_row, sim_row = text.splitlines()[2:]
+    assert http_row.split()[:10] == ["interactive", "http", "70", "50", "12", "0", "5", "2", "1",
+                                     "0.2"]
+    assert "stream_error" in http_row
+    assert gw_row.split() == ["gw", "67", "60", "0", "0", "7", "0", "0", "0.1", "0.3"]
+    # The simulator's times are the modelled GPU's: at speed 0.1, ten times as long here.
+    assert sim_row.split()[:10] == ["sim", "70", "55", "10", "0", "5", "0", "0", "0.2", "0.4"]
+    assert "single 12.5" in text.splitlines()[0]
