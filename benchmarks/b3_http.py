@@ -1,18 +1,34 @@
 """B3 sweep through the real HTTP gateway: the 1x, 2x and 4x Poisson cells of
-benchmarks/b3_sweep.py, sent by `qosgate bench` to a `qosgate serve` process
-on the live simulated GPU, judged by the sweep's own rules.
+benchmarks/b3_sweep.py, sent by `qosgate bench` to `qosgate serve` on the live
+simulated GPU, judged by the sweep's own rules.
 
     .venv/bin/python benchmarks/b3_http.py [--loads 1,2,4] [--policies qos,strict,fcfs]
-        [--speed 0.1] [--duration 60] [--json PATH]
+        [--speed 1] [--duration 60] [--warmup 20] [--timeout 90] [--fleet] [--json PATH]
 
-Each cell and policy starts its own gateway (tests/fleet_support.py's Proc)
-with B3's policy, engine and tenants (benchmarks/b3_overload.yaml) and the
-scheduler policy set to the one under test, the engine slowed down by --speed
-so that it, not this machine's cores, is the bottleneck. The load unit is the
-engine's capacity on the B3 mix as the simulator measures it for the profile,
-times --speed. `qosgate bench` then sends open-loop Poisson arrivals of B3's
-class mix at load x that rate, each tenant with its own key, and the tiers'
-SLOs judge the answers.
+Each cell and policy starts its own gateway (or, with --fleet, a redis-server,
+--gateways replicas and --engines engine nodes, each a `qosgate serve`
+process: tests/fleet_support.py's Fleet) with B3's policy, engine and tenants
+(benchmarks/b3_overload.yaml) and the scheduler policy set to the one under
+test. The load unit is the engine's capacity on the B3 mix as the simulator
+measures it for the profile (times the engines of a fleet, times --speed).
+`qosgate bench` sends open-loop Poisson arrivals of B3's class mix at load x
+that rate, each tenant with its own key, and the tiers' SLOs judge the answers.
+
+Durations on the command line are the modelled GPU's seconds; with --speed
+below 1 the engine runs that much slower, and every duration of the run and
+of the policy (SLOs, queue budgets, ageing, the drain estimate's time
+constant) is stretched by 1 / speed. A run must be long enough for the queues
+to reach their steady state (the engine's 256 slots absorb the first seconds
+of any overload), and the client must wait long enough for a request that
+was served in time to finish streaming: by default 60 s of arrivals, the
+first 20 s left out, and 90 s per request (batch's 60 s objective and then
+some). At speed 1 the whole table takes about 15 minutes.
+
+Beside each HTTP figure the output has the simulator's on the very same
+requests (`twin_scenario`), and the counts behind both: per tier what the
+client saw (completed, refused by status, expired, cut by its timeout,
+errors, TTFT), what the gateways counted (/metrics: outcomes, queue waits)
+and the CPU the client and each server process used.
 
 The rules are b3_sweep's `evaluate`, on the bench reports. One rule is out of
 reach of a client: the tiers' longest served queue wait against their stated
@@ -44,7 +60,7 @@ ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
 import b3_sweep as sweep  # noqa: E402
-from tests.fleet_support import Proc, environ  # noqa: E402
+from tests.fleet_support import Fleet, environ, metric_samples, tier_quantiles  # noqa: E402
 
 from qosgate.sim.commands import Simulation  # noqa: E402
 from qosgate.sim.scenario import Scenario, load_scenario  # noqa: E402
@@ -52,6 +68,16 @@ from qosgate.sim.scenario import Scenario, load_scenario  # noqa: E402
 LOADS = (1.0, 2.0, 4.0)
 ARRIVALS = "poisson"
 MIX = "b3"
+# At speed 1 the gateway and the client each use about a fifth of a core on
+# this mix, so the engine stays the bottleneck, and the table fits in a
+# quarter of an hour; at 0.1, 60 modelled seconds would take 10 minutes a run.
+SPEED = 1.0
+DURATION_S = 60.0
+WARMUP_S = 20.0
+TIMEOUT_S = 90.0
+# The fleet's default lease: B3's engine nodes hold up to 256 runs each, and a
+# loaded machine can hold a renewal back longer than fleet.py's 2 s allow.
+FLEET_LEASE_S = 5.0
 UNSEEN_RULE = "tiers' max served queue wait within their stated bound (gateway-side figure)"
 
 
@@ -59,14 +85,28 @@ def tenant_key(tenant: str) -> str:
     return f"b3-http-{tenant}"
 
 
+RATES = ("initial_drain_rate",)
+"""Rates of the policy whose names do not end in _per_s."""
+
+
 def dilated(node: Any, speed: float) -> Any:
-    """`node` with every duration in milliseconds (a key ending in _ms) divided
-    by `speed`: on an engine `speed` times as fast as the modelled GPU, the
-    SLOs, queue budgets and ageing of the policy keep their meaning."""
-    if isinstance(node, dict):
-        return {key: value / speed if key.endswith("_ms") and isinstance(value, (int, float))
-                else dilated(value, speed) for key, value in node.items()}  # fmt: skip
-    return node
+    """`node` on an engine `speed` times as fast as the modelled GPU: every
+    duration (a key ending in _ms or _s) divided by `speed`, every rate (a key
+    ending in _per_s, or in RATES) times `speed`, so that the SLOs, queue
+    budgets, ageing and the drain estimate's time constant keep their meaning."""
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            out[key] = dilated(value, speed)
+        elif key.endswith("_per_s") or key in RATES:
+            out[key] = value * speed
+        elif key.endswith(("_ms", "_s")):
+            out[key] = value / speed
+        else:
+            out[key] = value
+    return out
 
 
 def serve_policy(base: Scenario, policy: str, speed: float) -> dict[str, Any]:
@@ -74,8 +114,10 @@ def serve_policy(base: Scenario, policy: str, speed: float) -> dict[str, Any]:
     with its key) and scheduler, with `policy` as scheduler.policy, on B3's
     engine slowed to `speed` and its durations stretched to match."""
     doc = base.policy.model_dump(mode="json", exclude_unset=True)
-    doc["tiers"] = dilated(doc["tiers"], speed)
-    doc["scheduler"] = {**dilated(doc.get("scheduler", {}), speed), "policy": policy}
+    # With their defaults: a default duration (drain_rate_tau_s) is stretched too.
+    full = base.policy.model_dump(mode="json", exclude_none=True)
+    doc["tiers"] = dilated(full["tiers"], speed)
+    doc["scheduler"] = {**dilated(full["scheduler"], speed), "policy": policy}
     doc["tenants"] = [
         {**tenant, "api_keys": [
             "sha256:" + hashlib.sha256(tenant_key(tenant["id"]).encode()).hexdigest()]}
@@ -98,8 +140,8 @@ def bench_scenario(base: Scenario, rate_rps: float, args: argparse.Namespace,
             for name, tier in base.policy.tiers.items()}  # fmt: skip
     return {
         "kind": "bench", "name": "b3-http", "mode": "open", "model": base.engine.model,
-        "endpoint": "chat", "stream": True, "seed": seed, "timeout_s": args.timeout,
-        "duration_s": args.duration, "warmup_s": args.warmup,
+        "endpoint": "chat", "stream": True, "seed": seed, "timeout_s": args.timeout / args.speed,
+        "duration_s": args.duration / args.speed, "warmup_s": args.warmup / args.speed,
         "arrivals": {"process": "poisson", "rate_rps": round(rate_rps, 4)},
         "lengths": base.lengths.model_dump(mode="json"),
         "classes": [{"name": c.tenant, "tier": tiers[c.tenant], "api_key": tenant_key(c.tenant),
@@ -125,30 +167,80 @@ def run_bench(url: str, scenario: dict[str, Any], tmp: Path, name: str) -> dict[
     return report
 
 
+def gateway_figures(urls: list[str]) -> dict[str, Any]:
+    """What the gateways themselves counted, from their /metrics: requests by
+    tier and outcome, and per tier the queue waits (p50 / p99; in a fleet the
+    wait in the shared queue too)."""
+    outcomes: dict[str, dict[str, int]] = {}
+    for labels, value in metric_samples(urls, "qosgate_requests_total"):
+        per_tier = outcomes.setdefault(labels["tier"], {})
+        per_tier[labels["outcome"]] = per_tier.get(labels["outcome"], 0) + int(value)
+    return {
+        "outcomes": outcomes,
+        "queue_wait": tier_quantiles(metric_samples(urls, "qosgate_queue_wait_seconds_bucket")),
+        "fleet_queue_wait": tier_quantiles(
+            metric_samples(urls, "qosgate_fleet_queue_wait_seconds_bucket")),
+    }  # fmt: skip
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system) a live process has used so far; None where
+    /proc does not say (not Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    # utime and stime are fields 14 and 15 of stat(5), in clock ticks.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_cell(base: Scenario, policy: str, rate_rps: float, args: argparse.Namespace,
              tmp: Path, seed: int) -> dict[str, Any]:  # fmt: skip
+    """One policy's run of one cell: a fresh gateway (or fleet), the bench
+    against it, and the gateways' own counts under the report's "gateway"."""
     name = f"{policy}-{rate_rps:.3f}"
-    config = tmp / f"{name}-policy.yaml"
-    config.write_text(yaml.safe_dump(serve_policy(base, policy, args.speed)))
-    gateway = Proc(config, name, tmp, None)
+    doc = serve_policy(base, policy, args.speed)
+    fleet = Fleet(tmp / name, single=not args.fleet, gateways=args.gateways,
+                  engines=args.engines, lease_s=FLEET_LEASE_S, doc=doc)  # fmt: skip
     try:
-        return run_bench(gateway.url, bench_scenario(base, rate_rps, args, seed), tmp, name)
+        report = run_bench(fleet.urls, bench_scenario(base, rate_rps, args, seed), tmp, name)
+        report["gateway"] = gateway_figures([g.url for g in fleet.gateways])
+        report["gateway"]["cpu_s"] = {p.name: cpu_seconds(p.proc.pid)
+                                      for p in [*fleet.gateways, *fleet.engines]}
+        return report
     except sweep.SweepError:
-        print(gateway.tail(), file=sys.stderr)
+        print(fleet.logs(), file=sys.stderr)
         raise
     finally:
-        gateway.stop()
+        fleet.close()
+
+
+def twin_scenario(base: Scenario, args: argparse.Namespace) -> Scenario:
+    """The sweep's cell on the bench's own requests: the same seeded draws at
+    the modelled GPU's pace (the bench's times x speed), over the bench's
+    duration and warm-up, with each request asking for exactly its output, as
+    the bench asks. The offline simulator replays it, so each HTTP figure has
+    the figure the same rules give in the simulator beside it."""
+    cell = sweep.cell_scenario(base, MIX, ARRIVALS)
+    return cell.model_copy(update={
+        "duration_s": args.duration, "warmup_s": args.warmup, "drain_s": args.timeout,
+        "max_tokens": "output"})
 
 
 def run_table(base: Scenario, loads: tuple[float, ...], policies: tuple[str, ...],
-              args: argparse.Namespace) -> tuple[dict, float]:  # fmt: skip
-    """{Cell: entry} in b3_sweep's shape, and the capacity (requests/s) the loads multiply."""
+              args: argparse.Namespace) -> tuple[dict, dict, float]:  # fmt: skip
+    """{Cell: entry} in b3_sweep's shape through HTTP, the same for the
+    simulator on the same requests (`twin_scenario`), and the capacity
+    (requests/s) the loads multiply: one engine's, times the engines of a fleet."""
     scenario = sweep.cell_scenario(base, MIX, ARRIVALS)
-    capacity = Simulation(scenario, seed=base.seed, quiet=True).capacity_rps * args.speed
+    engines = args.engines if args.fleet else 1
+    capacity = Simulation(scenario, seed=base.seed, quiet=True).capacity_rps * args.speed * engines
     # Interactive demand is a ratio of rates on one engine: the speed factor cancels.
-    own = sweep.interactive_capacity_rps(scenario, base.seed) * args.speed
+    own = sweep.interactive_capacity_rps(scenario, base.seed) * args.speed * engines
     share = sweep.interactive_share(scenario)
+    twin = Simulation(twin_scenario(base, args), seed=base.seed, quiet=True)
     table: dict = {}
+    twins: dict = {}
     with tempfile.TemporaryDirectory(prefix="qosgate-b3-http-") as tmp_name:
         tmp = Path(tmp_name)
         for load in loads:
@@ -165,7 +257,73 @@ def run_table(base: Scenario, loads: tuple[float, ...], policies: tuple[str, ...
             table[cell] = {"capacity_rps": capacity, "rate_rps": rate,
                            "interactive_demand": rate * share / own, "bounds": {},
                            "policies": runs}  # fmt: skip
-    return table, capacity
+            # For a fleet: one engine at the same load (its share of the requests).
+            twins[cell] = {"capacity_rps": capacity / engines, "rate_rps": rate / engines,
+                           "interactive_demand": rate * share / own, "bounds": {},
+                           "policies": twin.run(load, policies)[0]["policies"]}  # fmt: skip
+    return table, twins, capacity
+
+
+def _s(value: float | None, speed: float = 1.0) -> str:
+    return "-" if value is None else f"{value / speed:.1f}"
+
+
+def _a(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+TIER_HEAD = (f"  {'tier':<11} {'':>4} {'sent':>5} {'done':>5} {'503':>4} {'429':>4} {'504':>4} "
+             f"{'cut':>4} {'err':>4} {'TTFT p50':>8} {'p99':>6} {'wait p50':>8} {'p99':>6} "
+             f"{'attain':>6}")  # fmt: skip
+
+
+def tier_counts(table: dict, twins: dict, speed: float) -> str:
+    """Per cell, policy and tier, three rows: what the client saw (`http`:
+    sent, completed, refused 503 / 429, expired 504, errors (timeouts as
+    `cut`), TTFT p50/p99, attainment), what the gateways counted over the
+    whole run, warm-up included (`gw`: their outcomes, `cut` being those
+    cancelled, and queue waits; in a fleet the wait in the shared queue) and
+    what the simulator gives on the same requests (`sim`; `cut`: still
+    running at its horizon), every time in the gateway's seconds."""
+    lines = []
+    for cell in sorted(table, key=sweep.Cell.sort_key):
+        for policy, report in table[cell]["policies"].items():
+            totals = report["totals"]
+            gateway = report.get("gateway", {})
+            cpu = ", ".join(f"{name} {_s(used)}" for name, used in gateway.get("cpu_s", {}).items())
+            lines.append(f"{cell} {policy}: {totals.get('sent')} sent over "
+                         f"{_s(totals.get('wall_s'))} s; CPU s: client "
+                         f"{_s(totals.get('client_cpu_s'))}, {cpu}")  # fmt: skip
+            lines.append(TIER_HEAD)
+            twin = twins[cell]["policies"][policy]
+            for tier, http in report["tiers"].items():
+                kinds = dict(http.get("error_types") or {})
+                cut = kinds.pop("timeout", 0)
+                lines.append(
+                    f"  {tier:<11} {'http':>4} {http['requests']:>5} {http['completed']:>5} "
+                    f"{http['rejected_overload']:>4} {http['rejected_queue_full']:>4} "
+                    f"{http['expired']:>4} {cut:>4} {http['errors'] - cut:>4} "
+                    f"{_s(http['ttft_p50_s']):>8} {_s(http['ttft_p99_s']):>6} {'':>8} {'':>6} "
+                    f"{_a(http['ttft_slo_attainment']):>6}"
+                    + (f"  errors: {kinds}" if kinds else ""))  # fmt: skip
+                counted = gateway.get("outcomes", {}).get(tier, {})
+                wait = (gateway.get("fleet_queue_wait") or gateway.get("queue_wait", {})).get(tier, {})
+                lines.append(
+                    f"  {'':<11} {'gw':>4} {sum(counted.values()):>5} "
+                    f"{counted.get('completed', 0):>5} {counted.get('rejected_overload', 0):>4} "
+                    f"{counted.get('rejected_queue_full', 0):>4} {counted.get('expired', 0):>4} "
+                    f"{counted.get('cancelled', 0):>4} {counted.get('backend_error', 0):>4} "
+                    f"{'':>8} {'':>6} {_s(wait.get('p50_s')):>8} {_s(wait.get('p99_s')):>6}")
+                sim = twin["tiers"][tier]
+                lines.append(
+                    f"  {'':<11} {'sim':>4} {sim['requests']:>5} {sim['completed']:>5} "
+                    f"{sim['rejected_overload']:>4} {sim['rejected_queue_full']:>4} "
+                    f"{sim['expired']:>4} {sim['cancelled']:>4} {sim['backend_error']:>4} "
+                    f"{_s(sim['ttft_p50_s'], speed):>8} {_s(sim['ttft_p99_s'], speed):>6} "
+                    f"{'-':>8} "
+                    f"{_s(sim['queue_wait_p99_s'], speed):>6} "
+                    f"{_a(sim['ttft_slo_attainment']):>6}")  # fmt: skip
+    return "\n".join(lines)
 
 
 def judge(table: dict) -> tuple[int, list]:
@@ -188,13 +346,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loads", help="comma-separated multiples of capacity (default 1,2,4)")
     parser.add_argument("--policies", help=f"comma-separated subset of "
                         f"{', '.join(sweep.POLICIES)}")  # fmt: skip
-    parser.add_argument("--speed", type=float, default=0.1,
-                        help="sim speed factor of the engine (default 0.1)")
-    parser.add_argument("--duration", type=float, default=45.0, help="seconds of arrivals per run")
-    parser.add_argument("--warmup", type=float, default=5.0, help="seconds left out of the metrics")
-    parser.add_argument("--timeout", type=float, default=45.0,
-                        help="seconds the client waits for one request (default 45): a batch "
-                        "request still queued then counts as an error, and the run ends")
+    parser.add_argument("--speed", type=float, default=SPEED,
+                        help=f"sim speed factor of the engine (default {SPEED:g})")
+    parser.add_argument("--duration", type=float, default=DURATION_S,
+                        help=f"seconds of arrivals per run, in the modelled GPU's time "
+                        f"(default {DURATION_S:g}; the run takes duration / speed)")
+    parser.add_argument("--warmup", type=float, default=WARMUP_S,
+                        help=f"modelled seconds left out of the metrics (default {WARMUP_S:g})")
+    parser.add_argument("--timeout", type=float, default=TIMEOUT_S,
+                        help=f"modelled seconds a client waits for one request (default "
+                        f"{TIMEOUT_S:g}); a request still unanswered then is an error")
+    parser.add_argument("--fleet", action="store_true",
+                        help="run each cell on a fleet: a redis-server, --gateways replicas "
+                        "and --engines engine nodes, the load unit being all the engines")
+    parser.add_argument("--gateways", type=int, default=3, help="fleet: gateway replicas")
+    parser.add_argument("--engines", type=int, default=2, help="fleet: engine nodes")
     parser.add_argument("--json", dest="json_path", help="write the per-cell figures and checks")
     args = parser.parse_args(argv)
     try:
@@ -205,19 +371,31 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     base = load_scenario(sweep.SCENARIO)
     try:
-        table, capacity = run_table(base, loads, policies, args)
+        table, twins, capacity = run_table(base, loads, policies, args)
     except (sweep.SweepError, RuntimeError) as exc:
         print(f"ERROR  {exc}")
         return 2
     print(f"engine capacity on the B3 mix at speed {args.speed:g}: {capacity:.2f} req/s; "
           f"load average {os.getloadavg()[0]:.2f}")
+    print(tier_counts(table, twins, args.speed))
+    print()
     rows = sweep.summarise(table)
     print(sweep.format_rows(rows))
+    print()
+    print("the simulator on the same requests:")
+    print(sweep.format_rows(sweep.summarise(twins)))
     print()
     status, checks = judge(table)
     if args.json_path:
         payload = {"speed": args.speed, "duration_s": args.duration, "warmup_s": args.warmup,
-                   "capacity_rps": capacity, "cells": rows,
+                   "timeout_s": args.timeout, "fleet": args.fleet and {
+                       "gateways": args.gateways, "engines": args.engines},
+                   "capacity_rps": capacity, "load_average": os.getloadavg(), "cells": rows,
+                   "simulator_cells": sweep.summarise(twins),
+                   "runs": {str(cell): {policy: {key: report.get(key) for key in
+                                                 ("tiers", "totals", "gateway")}
+                                        for policy, report in entry["policies"].items()}
+                            for cell, entry in table.items()},
                    "checks": [{"cell": str(c.cell), "rule": c.rule, "value": c.value,
                                "threshold": c.threshold, "passed": c.passed} for c in checks]}
         Path(args.json_path).write_text(json.dumps(payload, indent=1))

@@ -71,9 +71,16 @@ def policy(
         "observability": {"log_requests": False},
     }  # fmt: skip
     if redis_url is not None:
-        doc["fleet"] = {"role": "gateway", "url": redis_url, "lease_s": lease_s,
-                        "key_prefix": "fleet-test:", "affinity": affinity}  # fmt: skip
+        doc = with_fleet(doc, redis_url, lease_s=lease_s, affinity=affinity)
     return doc
+
+
+def with_fleet(doc: dict[str, Any], redis_url: str, *, lease_s: float = 2.0,
+               affinity: str = "session") -> dict[str, Any]:  # fmt: skip
+    """`doc` as a fleet's policy: its queue on the Redis at `redis_url` (each
+    process's --role says whether it is a gateway or an engine node)."""
+    return {**doc, "fleet": {"role": "gateway", "url": redis_url, "lease_s": lease_s,
+                             "key_prefix": "fleet-test:", "affinity": affinity}}  # fmt: skip
 
 
 STANDARD = {"Authorization": f"Bearer {KEYS['standard']}"}
@@ -157,6 +164,42 @@ def bucket_quantile(cumulative: dict[float, float], q: float) -> float | None:
     return lower
 
 
+def metric_samples(urls: list[str], name: str) -> list[tuple[dict[str, str], float]]:
+    """The samples of `name` (a sample name, such as a histogram's `_bucket`)
+    on every gateway at `urls` (their API URLs), read with prometheus_client's
+    own parser."""
+    found = []
+    for url in urls:
+        with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+        found += [
+            (sample.labels, sample.value)
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name
+        ]  # fmt: skip
+    return found
+
+
+def tier_quantiles(
+    buckets: list[tuple[dict[str, str], float]],
+) -> dict[str, dict[str, float | None]]:
+    """Per tier, the count and the p50 / p99 of a histogram's `_bucket`
+    samples, the buckets summed over the gateways (each observes only its own
+    requests), read as Prometheus' histogram_quantile reads them."""
+    by_tier: dict[str, dict[float, float]] = {}
+    for labels, value in buckets:
+        per_tier = by_tier.setdefault(labels["tier"], {})
+        le = float(labels["le"])
+        per_tier[le] = per_tier.get(le, 0.0) + value
+    return {
+        tier: {"count": cumulative[max(cumulative)],
+               "p50_s": bucket_quantile(cumulative, 0.50),
+               "p99_s": bucket_quantile(cumulative, 0.99)}
+        for tier, cumulative in sorted(by_tier.items())
+    }  # fmt: skip
+
+
 def environ() -> dict[str, str]:
     env = dict(os.environ)
     env.update({f"QG_FLEET_{tier.upper()}": key for tier, key in KEYS.items()})
@@ -222,27 +265,30 @@ class Fleet:
     `qosgate serve` with the simulated GPU in process (no Redis)."""
 
     def __init__(self, tmp: Path, *, gateways: int = 3, engines: int = 2, single: bool = False,
-                 speed: float, seqs: int, lease_s: float = 2.0,
-                 output_median: int | None = None, affinity: str = "session") -> None:  # fmt: skip
+                 speed: float | None = None, seqs: int | None = None, lease_s: float = 2.0,
+                 output_median: int | None = None, affinity: str = "session",
+                 doc: dict[str, Any] | None = None) -> None:  # fmt: skip
+        """`doc`: the policy every process serves (its fleet section added
+        here); default: `policy` with `speed`, `seqs` and `output_median`."""
         self.redis: RedisServer | None = None
         self.gateways: list[Proc] = []
         self.engines: list[Proc] = []
         tmp.mkdir(parents=True, exist_ok=True)
+        if doc is None:
+            if speed is None or seqs is None:
+                raise TypeError("Fleet needs a policy `doc`, or `speed` and `seqs` for the default")
+            doc = policy(speed=speed, seqs=seqs, redis_url=None, output_median=output_median)
         try:
             if single:
                 config = tmp / "single.yaml"
-                config.write_text(yaml.safe_dump(policy(
-                    speed=speed, seqs=seqs, redis_url=None, output_median=output_median
-                )))  # fmt: skip
+                config.write_text(yaml.safe_dump(doc))
                 self.gateways.append(Proc(config, "single", tmp, None))
                 return
             self.redis = RedisServer()
             self.redis.start()
             config = tmp / "fleet.yaml"
-            config.write_text(yaml.safe_dump(policy(
-                speed=speed, seqs=seqs, redis_url=self.redis.url, lease_s=lease_s,
-                output_median=output_median, affinity=affinity,
-            )))  # fmt: skip
+            config.write_text(yaml.safe_dump(
+                with_fleet(doc, self.redis.url, lease_s=lease_s, affinity=affinity)))
             for index in range(engines):
                 self.engines.append(Proc(config, f"engine-{index + 1}", tmp, "engine"))
             for index in range(gateways):
@@ -257,20 +303,7 @@ class Fleet:
         return ",".join(g.url for g in self.gateways)
 
     def _samples(self, name: str) -> list[tuple[dict[str, str], float]]:
-        """Every gateway's samples of `name` (a sample name, such as a
-        histogram's `_bucket`), read with prometheus_client's own parser."""
-        found = []
-        for gateway in self.gateways:
-            base = gateway.url.removesuffix("/v1")
-            with urllib.request.urlopen(base + "/metrics", timeout=10) as response:
-                text = response.read().decode()
-            found += [
-                (sample.labels, sample.value)
-                for family in text_string_to_metric_families(text)
-                for sample in family.samples
-                if sample.name == name
-            ]  # fmt: skip
-        return found
+        return metric_samples([g.url for g in self.gateways], name)
 
     def outcomes(self) -> dict[str, int]:
         """Every gateway's `qosgate_requests_total`, summed by outcome."""
@@ -281,20 +314,8 @@ class Fleet:
 
     def fleet_waits(self) -> dict[str, dict[str, float | None]]:
         """Per tier, the count and the p50 / p99 (seconds) of
-        qosgate_fleet_queue_wait_seconds, its buckets summed over the gateways
-        (each observes only its own requests), read as Prometheus'
-        histogram_quantile reads them."""
-        buckets: dict[str, dict[float, float]] = {}
-        for labels, value in self._samples("qosgate_fleet_queue_wait_seconds_bucket"):
-            per_tier = buckets.setdefault(labels["tier"], {})
-            le = float(labels["le"])
-            per_tier[le] = per_tier.get(le, 0.0) + value
-        return {
-            tier: {"count": cumulative[max(cumulative)],
-                   "p50_s": bucket_quantile(cumulative, 0.50),
-                   "p99_s": bucket_quantile(cumulative, 0.99)}
-            for tier, cumulative in sorted(buckets.items())
-        }  # fmt: skip
+        qosgate_fleet_queue_wait_seconds over the gateways (`tier_quantiles`)."""
+        return tier_quantiles(self._samples("qosgate_fleet_queue_wait_seconds_bucket"))
 
     def total(self, name: str) -> float:
         """Sample `name` summed over every gateway and label set."""

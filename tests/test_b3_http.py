@@ -10,8 +10,13 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
+from qosgate.bench.plan import plan_open
 from qosgate.bench.scenario import BenchScenario
 from qosgate.config.models import PolicyConfig
+from qosgate.sim.workload import generate_arrivals
+from tests.fleet_support import with_fleet
 
 ROOT = Path(__file__).resolve().parent.parent
 _SPEC = importlib.util.spec_from_file_location("b3_http", ROOT / "benchmarks" / "b3_http.py")
@@ -20,7 +25,7 @@ sys.modules[_SPEC.name] = http
 _SPEC.loader.exec_module(http)
 sweep = http.sweep
 BASE = http.load_scenario(sweep.SCENARIO)
-ARGS = argparse.Namespace(speed=0.1, duration=45.0, warmup=5.0, timeout=45.0)
+ARGS = argparse.Namespace(speed=0.1, duration=60.0, warmup=20.0, timeout=90.0)
 
 
 def bench_report(interactive=1.0, standard=1.0, goodput=1.0, throughput=300.0) -> dict:
@@ -54,6 +59,11 @@ def test_the_gateway_policy_is_b3s_stretched_by_the_speed():
     assert policy.tiers["interactive"].ttft_slo_ms == 5000
     assert policy.tiers["standard"].max_queue_wait_ms == 15000
     assert policy.scheduler.aging.interval_ms == 20000
+    # Durations given in seconds, and those left at their defaults, stretch too.
+    assert policy.scheduler.drain_rate_tau_s == 100
+    assert policy.tiers["batch"].delivery_window_s == 600
+    # A rate shrinks: the tier's delivery floor is per second of the slower engine.
+    assert policy.tiers["batch"].min_delivery_bytes_per_s == pytest.approx(102.4)
     assert [t.id for t in policy.tenants] == [t.id for t in BASE.policy.tenants]
     assert all(len(t.api_keys) == 1 for t in policy.tenants)
 
@@ -86,3 +96,52 @@ def test_no_baseline_load_is_an_error():
 
 def test_an_unknown_policy_on_the_command_line_is_an_error():
     assert http.main(["--policies", "qos,lifo"]) == 2
+
+
+def test_the_simulator_replays_the_benchs_own_requests():
+    # The simulator's figures beside each HTTP figure are for the very requests
+    # the bench sends, at the modelled GPU's pace.
+    args = argparse.Namespace(speed=0.5, duration=20.0, warmup=5.0, timeout=90.0)
+    rate = 8.0
+    bench = BenchScenario.model_validate(
+        http.bench_scenario(BASE, rate * args.speed, args, BASE.seed))
+    planned = plan_open(bench)
+    twin = http.twin_scenario(BASE, args)
+    arrivals = generate_arrivals(twin, twin.policy, rate, BASE.seed)
+    assert len(arrivals) == len(planned) > 100
+    assert [(a.tenant, a.prompt_tokens, a.output_tokens, a.max_tokens) for a in arrivals] == [
+        (bench.classes[cls].tenant_id, prompt, output, output)
+        for _, _, cls, prompt, output in planned
+    ]
+    assert [a.t for a in arrivals] == pytest.approx([t * args.speed for _, t, *_ in planned])
+
+
+def test_a_fleet_serves_the_same_policy():
+    doc = with_fleet(http.serve_policy(BASE, "qos", 0.1), "redis://127.0.0.1:1/0")
+    policy = PolicyConfig.model_validate(doc)
+    assert policy.fleet is not None and policy.fleet.url == "redis://127.0.0.1:1/0"
+    assert policy.tiers == PolicyConfig.model_validate(http.serve_policy(BASE, "qos", 0.1)).tiers
+
+
+def test_the_counts_behind_each_figure_are_printed_per_tier():
+    cell = sweep.Cell(http.MIX, http.ARRIVALS, 2.0)
+    tier = {"requests": 70, "completed": 50, "rejected_overload": 12, "rejected_queue_full": 0,
+            "expired": 5, "errors": 3, "error_types": {"timeout": 2, "stream_error": 1},
+            "ttft_p50_s": 0.2, "ttft_p99_s": 0.45, "ttft_slo_attainment": 0.7}
+    report = {"tiers": {"interactive": tier}, "totals": {"sent": 70, "wall_s": 80.0},
+              "gateway": {"outcomes": {"interactive": {"completed": 60, "expired": 7}},
+                          "queue_wait": {"interactive": {"p50_s": 0.1, "p99_s": 0.3}},
+                          "cpu_s": {"single": 12.5}}}
+    sim = {"requests": 70, "completed": 55, "rejected_overload": 10, "rejected_queue_full": 0,
+           "expired": 5, "cancelled": 0, "backend_error": 0, "ttft_p50_s": 0.02,
+           "ttft_p99_s": 0.04, "queue_wait_p99_s": 0.03, "ttft_slo_attainment": 0.75}
+    text = http.tier_counts({cell: {"policies": {"qos": report}}},
+                            {cell: {"policies": {"qos": {"tiers": {"interactive": sim}}}}}, 0.1)
+    http_row, gw_row, sim_row = text.splitlines()[2:]
+    assert http_row.split()[:10] == ["interactive", "http", "70", "50", "12", "0", "5", "2", "1",
+                                     "0.2"]
+    assert "stream_error" in http_row
+    assert gw_row.split() == ["gw", "67", "60", "0", "0", "7", "0", "0", "0.1", "0.3"]
+    # The simulator's times are the modelled GPU's: at speed 0.1, ten times as long here.
+    assert sim_row.split()[:10] == ["sim", "70", "55", "10", "0", "5", "0", "0", "0.2", "0.4"]
+    assert "single 12.5" in text.splitlines()[0]

@@ -260,6 +260,21 @@ async def test_renew_keeps_the_lease(queue):
     assert await ids(queue, T0 + 30) == []
 
 
+async def test_renew_all_renews_every_lease_still_held_in_one_call(queue):
+    for name in ("a", "b", "c"):
+        await queue.enqueue(item(name, "gold", T0))
+    [a] = (await queue.claim("n1", 1, T0, LEASE)).leases
+    b, c = (await queue.claim("n1", 2, T0 + 1, LEASE)).leases
+    # a runs out and another node takes it over; c is done.
+    [taken] = (await queue.claim("n2", 1, T0 + LEASE, LEASE)).leases
+    assert taken.item.id == "a"
+    assert await queue.complete(c) is True
+    renewed = await queue.renew_all([a, b, c], T0 + LEASE, LEASE)
+    assert renewed == [None, Lease(b.item, "n1", b.token, T0 + 2 * LEASE), None]
+    assert await ids(queue, T0 + 2 * LEASE - 0.001, 1, "n2") == []
+    assert await queue.renew_all([], T0, LEASE) == []
+
+
 async def test_complete_is_true_exactly_once(queue):
     await queue.enqueue(item("a", "gold", T0))
     [lease] = (await queue.claim("n1", 1, T0, LEASE)).leases

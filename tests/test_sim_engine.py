@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qosgate.backends.sim import SimEngine
+from qosgate.backends.sim_live import step_end
 from qosgate.profiles import PROFILES, CostProfile, get_profile
 from qosgate.config import SimBackendConfig, load_model
 from qosgate.sim.seed_tables import SeedTablesSpec, format_seed_tables, run_seed_tables
@@ -103,6 +104,18 @@ def test_single_request_timing_is_the_model() -> None:
     ttft = results[0].duration + results[1].duration
     assert ttft == pytest.approx((expected[0] + expected[1]) / 1000)
     assert engine.capacity().free_kv_tokens == H100.kv_capacity_tokens
+
+
+def test_the_live_engine_runs_its_steps_back_to_back() -> None:
+    # After an idle spell a step starts when the loop takes it up.
+    assert step_end(10.0, None, 0.5) == 10.5
+    # Taken up on time or a little late (delivering the last step's tokens),
+    # it still starts when the last one ended: the host's own time does not
+    # stretch the modelled GPU's.
+    assert step_end(10.5, 10.5, 0.5) == 11.0
+    assert step_end(10.7, 10.5, 0.5) == 11.0
+    # After a stall of more than a step, at most one step's lag is made up.
+    assert step_end(12.0, 10.5, 0.5) == 12.0
 
 
 def test_single_token_output_finishes_with_its_prefill() -> None:

@@ -580,12 +580,16 @@ class EngineNode:
                 )
             except WorkQueueError as exc:
                 log.warning("heartbeat failed: %s", exc)
-        for item_id, lease in list(self._leases.items()):
-            try:
-                renewed = await self.store.renew(lease, now, self.lease_s)
-            except WorkQueueError as exc:
-                log.warning("renewal failed: %s", exc)
-                return
+        held = list(self._leases.items())
+        try:
+            # In one round trip, as of now: a busy node's hundreds of runs,
+            # renewed one by one, can take longer than their leases have left.
+            renewals = await self.store.renew_all(
+                [lease for _, lease in held], time.time(), self.lease_s)
+        except WorkQueueError as exc:
+            log.warning("renewal failed: %s", exc)
+            return
+        for (item_id, _), renewed in zip(held, renewals, strict=True):
             if item_id not in self._leases:
                 continue
             if renewed is None:

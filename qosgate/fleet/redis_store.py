@@ -45,7 +45,7 @@ import asyncio
 import contextlib
 import importlib.resources
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -283,6 +283,18 @@ class RedisWorkQueue(WorkQueue):
         if not await self._run(self._renew, args):
             return None
         return Lease(lease.item, lease.node, lease.token, expires_at)
+
+    async def renew_all(
+        self, leases: Sequence[Lease], now: float, lease_s: float
+    ) -> list[Lease | None]:
+        expires_at = now + lease_s
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for lease in leases:
+                args = [lease.item.id, lease.token, repr(expires_at), *self._tier_args]
+                await self._renew(keys=self._keys, args=args, client=pipe)
+            held = await self._guard(pipe.execute())
+        return [Lease(lease.item, lease.node, lease.token, expires_at) if ok else None
+                for lease, ok in zip(leases, held, strict=True)]  # fmt: skip
 
     async def complete(
         self, lease: Lease, reply: tuple[str, bytes] | None = None, *, used: float | None = None

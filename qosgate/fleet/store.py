@@ -6,6 +6,7 @@ import bisect
 import dataclasses
 import itertools
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Literal
 
 from qosgate.core import ordering
@@ -134,6 +135,14 @@ class WorkQueue(ABC):
     async def renew(self, lease: Lease, now: float, lease_s: float) -> Lease | None:
         """Extend a lease to `now + lease_s`; None if it was lost (reclaimed
         by a `claim` after expiring, released, or completed)."""
+
+    async def renew_all(
+        self, leases: Sequence[Lease], now: float, lease_s: float
+    ) -> list[Lease | None]:
+        """`renew` each of `leases`, in order. A node may hold hundreds of
+        runs and must renew them all well within a third of its lease: a
+        store that can does it in one round trip."""
+        return [await self.renew(lease, now, lease_s) for lease in leases]
 
     @abstractmethod
     async def complete(
