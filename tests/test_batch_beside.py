@@ -79,7 +79,7 @@ def test_the_bench_sends_only_the_latency_classes_for_the_modelled_duration():
     scenario = BenchScenario.model_validate(beside.latency_bench(BASE, 22.0, args))
     tiers = {t.id: t.tier for t in BASE.policy.tenants}
     assert {tiers[c.tenant_id] for c in scenario.classes} == {"interactive", "standard"}
-    assert (scenario.duration_s, scenario.warmup_s) == (150.0, 5.0)
+    assert (scenario.duration_s, scenario.warmup_s, scenario.timeout_s) == (150.0, 5.0, 150.0)
     assert scenario.arrivals.rate_rps == 22.0
     assert scenario.tiers["interactive"].ttft_slo_ms == 250
 
