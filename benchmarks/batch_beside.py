@@ -195,11 +195,9 @@ def gateway_policy(base: Scenario, args: argparse.Namespace, data_dir: Path) -> 
 
 
 def latency_bench(base: Scenario, rate_rps: float, args: argparse.Namespace) -> dict[str, Any]:
-    """b3_http's bench scenario of the latency classes, durations in wall seconds."""
-    wall = argparse.Namespace(speed=args.speed, timeout=args.timeout / args.speed,
-                              duration=args.duration / args.speed,
-                              warmup=args.warmup / args.speed)  # fmt: skip
-    return bench_scenario(only(base, tenants_of(base, LATENCY_TIERS)), rate_rps, wall, base.seed)
+    """b3_http's bench scenario of the latency classes (it turns the modelled
+    durations into wall seconds)."""
+    return bench_scenario(only(base, tenants_of(base, LATENCY_TIERS)), rate_rps, args, base.seed)
 
 
 # -- sampling the gateway ----------------------------------------------------
