@@ -230,7 +230,22 @@ def terms(log: Path, phase: str, trace: Path, engine: dict[str, float | None],
         - (engine["prefill"] or 0.0),
         "gateway_ttft_ms": gateway_ttft, "gateway_queue_wait_ms": gateway_wait,
         "gateway_outside_server_ms": gateway_ttft - gateway_wait - server_ttft,
+        "profile_request_overhead_ms": cost.request_overhead_ms,
+        "profile_chunk_ms": cost.c_chunk,
     }  # fmt: skip
+
+
+def with_overhead(profile: Path, overhead_ms: float, out: Path) -> Path:
+    """The calibrated profile with `request_overhead_ms` set to what a live
+    run measured: not a prediction (the run had to happen first), a test of
+    whether that term is what the prediction lacks."""
+    from qosgate.profiles import load_profile_file
+
+    cost = load_profile_file(profile)
+    doc = cost.model_copy(update={"name": f"{cost.name}-measured-overhead",
+                                  "request_overhead_ms": max(0.0, overhead_ms)}).model_dump()
+    out.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return out
 
 
 def simulate(profile: Path, policy_path: Path, trace: Path, tmp: Path, phase: str,
@@ -337,11 +352,19 @@ def main() -> int:
             phase = f"load{load}"
             predicted = simulate(profile, policy_path, traces[phase], tmp, phase, args.duration)
             gateway = gateway_view(tmp / "qosgate.log", phase, args.duration)
+            measured_terms = terms(tmp / "qosgate.log", phase, traces[phase],
+                                   live[phase]["engine_means"], profile)
+            outside = (measured_terms["server_outside_engine_ms"]
+                       + measured_terms["gateway_outside_server_ms"])
+            diagnosis = with_overhead(profile, outside, tmp / f"profile-{phase}-overhead.yaml")
+            rerun = simulate(diagnosis, policy_path, traces[phase], tmp, f"{phase}-overhead",
+                             args.duration)  # fmt: skip
             results[phase] = {
                 "load": load, "rate_rps": load * capacity,
-                "terms": terms(tmp / "qosgate.log", phase, traces[phase],
-                               live[phase]["engine_means"], profile),
+                "terms": measured_terms,
                 "tiers": compare(live[phase], gateway, predicted, window),
+                "measured_overhead_ms": outside,
+                "tiers_with_measured_overhead": compare(live[phase], gateway, rerun, window),
                 "totals": {
                     "measured_tokens_per_s": live[phase]["totals"]["throughput_tokens_per_s"],
                     "predicted_tokens_per_s": predicted["totals"]["throughput_tokens_per_s"],
@@ -446,22 +469,13 @@ def run_gateway(policy_path: Path, tmp: Path, duration: float, live: dict[str, A
 def report(results: dict, capacity: float, profile: str, load_avg: tuple) -> None:
     print(f"\nFidelity: qosgate simulate against vLLM ({os.cpu_count()} CPUs, load average "
           f"{load_avg[0]:.2f} at start); capacity {capacity:.2f} req/s\n")
-    print("| load | tier | requests | TTFT p50 meas / pred (err) | TTFT p99 meas / pred (err) | "
-          "gateway TTFT p50 / p99 err | queue wait p99 meas / pred (err) | "
-          "throughput meas / pred req/s (err) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for phase, r in results.items():
-        for tier, row in r["tiers"].items():
-            m, p, e = row["measured"], row["predicted"], row["error"]
-            print(f"| {r['load']}x | {tier} | {row['requests']} "
-                  f"| {_ms(m['ttft_p50_s'])} / {_ms(p['ttft_p50_s'])} ({_pct(e['ttft_p50'])}) "
-                  f"| {_ms(m['ttft_p99_s'])} / {_ms(p['ttft_p99_s'])} ({_pct(e['ttft_p99'])}) "
-                  f"| {_pct(e['gateway_ttft_p50'])} / {_pct(e['gateway_ttft_p99'])} "
-                  f"| {_ms(m['queue_wait_p99_s'])} / {_ms(p['queue_wait_p99_s'])} "
-                  f"({_pct(e['queue_wait_p99'])}) "
-                  f"| {m['throughput_rps']:.2f} / {p['throughput_rps']:.2f} "
-                  f"({_pct(e['throughput'])}) |")
-    for phase, r in results.items():
+    table(results, "tiers")
+    print("\nThe same with the profile's request_overhead_ms set to what each live run "
+          "measured outside the engine (" + ", ".join(
+              f"{r['load']}x: {r['measured_overhead_ms']:.0f} ms" for r in results.values())
+          + "): a diagnosis, not a prediction\n")
+    table(results, "tiers_with_measured_overhead")
+    for r in results.values():
         t, m = r["totals"], r["terms"]
         print(f"\n{r['load']}x: tokens/s measured {t['measured_tokens_per_s']:.0f}, predicted "
               f"{t['predicted_tokens_per_s']:.0f}; predicted engine utilisation "
@@ -471,15 +485,33 @@ def report(results: dict, capacity: float, profile: str, load_avg: tuple) -> Non
         print(f"    decode step (engine clock)        {_f(m['engine_decode_step_ms'])} ms | "
               f"{_f(m['profile_decode_step_ms'])} ms at {MAX_NUM_SEQS} sequences")
         print(f"    prefill (engine clock)            {_f(m['engine_prefill_ms'])} ms | "
-              f"{_f(m['profile_prefill_ms'])} ms")
+              f"{_f(m['profile_prefill_ms'])} ms (c_chunk {_f(m['profile_chunk_ms'])} ms)")
         print(f"    engine queue                      {_f(m['engine_queue_ms'])} ms | modelled")
         print(f"    vLLM's server outside the engine  {_f(m['server_outside_engine_ms'])} ms | "
-              "not modelled")
+              f"{_f(m['profile_request_overhead_ms'])} ms with the next (request_overhead_ms)")
         print(f"    gateway queue wait                {_f(m['gateway_queue_wait_ms'])} ms | modelled")
         print(f"    gateway and HTTP to the engine    {_f(m['gateway_outside_server_ms'])} ms | "
-              "not modelled")
+              "in request_overhead_ms")
         print(f"    engine: {m['engine_steps']:.0f} steps, {_f(m['engine_tokens_per_step'])} "
               "tokens a step")
+
+
+def table(results: dict, key: str) -> None:
+    print("| load | tier | requests | TTFT p50 meas / pred (err) | TTFT p99 meas / pred (err) | "
+          "gateway TTFT p50 / p99 err | queue wait p99 meas / pred (err) | "
+          "throughput meas / pred req/s (err) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results.values():
+        for tier, row in r[key].items():
+            m, p, e = row["measured"], row["predicted"], row["error"]
+            print(f"| {r['load']}x | {tier} | {row['requests']} "
+                  f"| {_ms(m['ttft_p50_s'])} / {_ms(p['ttft_p50_s'])} ({_pct(e['ttft_p50'])}) "
+                  f"| {_ms(m['ttft_p99_s'])} / {_ms(p['ttft_p99_s'])} ({_pct(e['ttft_p99'])}) "
+                  f"| {_pct(e['gateway_ttft_p50'])} / {_pct(e['gateway_ttft_p99'])} "
+                  f"| {_ms(m['queue_wait_p99_s'])} / {_ms(p['queue_wait_p99_s'])} "
+                  f"({_pct(e['queue_wait_p99'])}) "
+                  f"| {m['throughput_rps']:.2f} / {p['throughput_rps']:.2f} "
+                  f"({_pct(e['throughput'])}) |")
 
 
 def _f(value: float | None) -> str:

@@ -38,10 +38,11 @@ _Count = Annotated[int, Field(ge=1, le=MAX_TOKENS), BeforeValidator(_no_bool)]
 class CostProfile(BaseModel):
     """One simulated GPU + model: the step cost model and the engine's limits.
 
-    A step costs, in ms, `t0 + c_p*P + c_q*sum(l_i^2) + c_d*D**decode_exponent
-    + c_kv*K` (docs/SIMULATE.md), with P the prefill tokens of the step, l_i
-    each prefill chunk's length, D the decoding sequences and K their total
-    context tokens.
+    A step costs, in ms, `t0 + c_p*P + c_q*sum(l_i^2) + c_chunk*C +
+    c_d*D**decode_exponent + c_kv*K` (docs/SIMULATE.md), with P the prefill
+    tokens of the step, l_i each of its C prefill chunks' length, D the
+    decoding sequences and K their total context tokens. A request also holds
+    its slot for `request_overhead_ms` before the engine sees it.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
@@ -55,6 +56,9 @@ class CostProfile(BaseModel):
     """ms per prefill token."""
     c_q: _Cost
     """ms per squared prefill-chunk token (attention within the chunk)."""
+    c_chunk: _Cost = 0.0
+    """ms per prefill chunk in the step: a sequence's own set-up (blocks,
+    sampling its first token), which a lone prefill pays beside the step's t0."""
     c_d: _Cost
     """ms per decoding sequence (per D**decode_exponent)."""
     c_kv: _Cost
@@ -73,6 +77,11 @@ class CostProfile(BaseModel):
     model can fit sets it (see `a100-llama3-8b`)."""
     enable_chunked_prefill: bool = True
     """Whether the engine splits long prefills across steps."""
+    request_overhead_ms: _Cost = 0.0
+    """Time a dispatched request holds its slot before the engine takes it
+    in: the HTTP hop to the engine and the server's own handling. Zero for a
+    GPU in the gateway's process; a remote engine under load can spend more
+    here than in its steps."""
 
     def step_ms(
         self, prefill_chunks: Sequence[int], decode_seqs: int, decode_context_tokens: int
@@ -87,6 +96,7 @@ class CostProfile(BaseModel):
             self.t0_ms
             + self.c_p * p
             + self.c_q * q
+            + self.c_chunk * len(prefill_chunks)
             + self.c_d * d
             + self.c_kv * decode_context_tokens
         )

@@ -17,7 +17,7 @@ import yaml
 from http_support import live_app
 
 from qosgate.calibrate.commands import (
-    FULL, QUICK, decode_points, engine_decode_samples, fitted_sweep,
+    FULL, QUICK, Measured, decode_points, engine_decode_samples, fitted_profile, fitted_sweep,
 )
 from qosgate.calibrate.fit import DecodeSample, PrefillSample, fit_decode, fit_prefill
 from qosgate.cli import main
@@ -88,6 +88,24 @@ def test_the_fit_is_exact_on_exact_data() -> None:
     assert p.value("c_q") == pytest.approx(1e-5)
     assert p.value("intercept_ms") == pytest.approx(23.0)
     assert d.rms_ms == pytest.approx(0.0, abs=1e-9)
+
+
+def test_the_per_request_terms_come_from_the_clock_that_can_tell_them_apart() -> None:
+    decode = [DecodeSample(d, float(k), KNOWN.step_ms([], d, k))
+              for d in (1, 8, 32) for k in (d * 100, d * 2000)]  # fmt: skip
+    # On the engine's clock a lone prefill is its step plus the chunk's 5 ms of
+    # set-up; the client saw 30 ms more, outside the engine.
+    engine = [PrefillSample(p, KNOWN.step_ms([p], 0, 0) + 5.0) for p in (64, 512, 1024, 2048)]
+    client = [PrefillSample(s.prompt_tokens, s.ttft_ms + 30.0) for s in engine]
+    limits = {"kv_capacity_tokens": 1000, "max_num_seqs": 4, "max_num_batched_tokens": 2048}
+    both = Measured(client, decode, engine_prefill=engine, outside_ms=[30.0] * 4)
+    profile, _, _ = fitted_profile(both, name="m", description="", **limits)
+    assert profile.c_chunk == pytest.approx(5.0)
+    assert profile.request_overhead_ms == pytest.approx(30.0)
+    # The client's clock alone: both in the overhead, none in the steps.
+    profile, _, _ = fitted_profile(Measured(client, decode), name="m", description="", **limits)
+    assert profile.c_chunk == 0.0
+    assert profile.request_overhead_ms == pytest.approx(35.0)
 
 
 def test_a_term_hidden_by_noise_is_zero_not_negative() -> None:

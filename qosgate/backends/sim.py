@@ -37,10 +37,11 @@ class EngineCapacity:
     """max_num_seqs - running - waiting, never below 0."""
     free_kv_tokens: int
     """KV capacity - allocated - what is promised but not yet allocated: the prompts
-    of engine-waiting sequences, and the rest of each prefill in progress with its
+    of engine-waiting sequences (and those on their way), and the rest of each prefill in progress with its
     first output token. Never below 0."""
     running: int
     waiting: int
+    """In the engine's waiting queue or on their way to it."""
     max_num_seqs: int
     kv_capacity_tokens: int
 
@@ -69,6 +70,8 @@ _WAITING = 0
 _PREFILLING = 1
 _DECODING = 2
 _GONE = 3
+_PENDING = 4
+"""Dispatched, not yet in the engine: the profile's request overhead."""
 
 
 class _Seq:
@@ -150,6 +153,10 @@ class SimEngine:
         self._decode_ctx = 0  # sum of prompt + generated over decoding seqs
         self._finish_heap: list[tuple[int, int, _Seq]] = []
         self._kv_used = 0
+        # Dispatched sequences by the time they reach the engine (stale entries skipped).
+        self._pending: list[tuple[float, int, _Seq]] = []
+        self._n_pending = 0
+        self._pending_prompt = 0
 
     @classmethod
     def from_config(cls, cfg: SimBackendConfig) -> SimEngine:
@@ -164,8 +171,19 @@ class SimEngine:
 
     # -- requests ----------------------------------------------------------
 
-    def add(self, seq_id: str, prompt_tokens: int, output_tokens: int, priority: int = 0) -> None:
-        """Queue a sequence; `output_tokens` is how many it will really generate."""
+    @property
+    def request_overhead_s(self) -> float:
+        """How long after its dispatch a sequence reaches the engine (modelled seconds)."""
+        return self.profile.request_overhead_ms / 1000.0
+
+    def add(
+        self, seq_id: str, prompt_tokens: int, output_tokens: int, priority: int = 0,
+        *, ready_at: float | None = None,
+    ) -> None:  # fmt: skip
+        """Queue a sequence; `output_tokens` is how many it will really generate.
+
+        With `ready_at` (the caller's clock) it holds a slot but reaches the
+        engine's waiting queue only when `take_ready` passes that time."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already in the engine")
         if prompt_tokens < 1 or output_tokens < 1:
@@ -180,7 +198,30 @@ class SimEngine:
         self._counter += 1
         seq = _Seq(seq_id, prompt_tokens, output_tokens, priority, self._counter)
         self._seqs[seq_id] = seq
-        self._enqueue(seq, front=False)
+        if ready_at is None:
+            self._enqueue(seq, front=False)
+            return
+        seq.state = _PENDING
+        self._n_pending += 1
+        self._pending_prompt += prompt_tokens
+        heapq.heappush(self._pending, (ready_at, self._counter, seq))
+
+    def next_ready_at(self) -> float | None:
+        """When the next dispatched sequence reaches the engine; None if none is on its way."""
+        heap = self._pending
+        while heap and heap[0][2].state != _PENDING:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def take_ready(self, now: float) -> None:
+        """Move the sequences whose overhead has passed by `now` into the engine."""
+        heap = self._pending
+        while heap and (heap[0][2].state != _PENDING or heap[0][0] <= now):
+            seq = heapq.heappop(heap)[2]
+            if seq.state == _PENDING:
+                self._n_pending -= 1
+                self._pending_prompt -= seq.prompt
+                self._enqueue(seq, front=False)
 
     def abort(self, seq_id: str) -> bool:
         seq = self._seqs.pop(seq_id, None)
@@ -189,6 +230,9 @@ class SimEngine:
         if seq.state == _WAITING:
             self._n_waiting -= 1
             self._waiting_prompt -= seq.prompt
+        elif seq.state == _PENDING:
+            self._n_pending -= 1
+            self._pending_prompt -= seq.prompt
         else:
             self._release(seq)
         seq.state = _GONE
@@ -203,23 +247,25 @@ class SimEngine:
 
     def capacity(self) -> EngineCapacity:
         running = len(self._running)
-        reserved = self._kv_used + self._waiting_prompt + self._prefill_left
+        waiting = self._n_waiting + self._n_pending
+        reserved = self._kv_used + self._waiting_prompt + self._pending_prompt + self._prefill_left
         return EngineCapacity(
-            free_slots=max(0, self.max_num_seqs - running - self._n_waiting),
+            free_slots=max(0, self.max_num_seqs - running - waiting),
             free_kv_tokens=max(0, self.kv_capacity_tokens - reserved),
             running=running,
-            waiting=self._n_waiting,
+            waiting=waiting,
             max_num_seqs=self.max_num_seqs,
             kv_capacity_tokens=self.kv_capacity_tokens,
         )
 
     def has_work(self) -> bool:
-        return bool(self._seqs)
+        """Whether a step has anything to do (sequences still on their way do not count)."""
+        return len(self._seqs) > self._n_pending
 
     # -- the step ----------------------------------------------------------
 
     def step(self) -> StepResult:
-        if not self._seqs:
+        if not self.has_work():
             raise RuntimeError("SimEngine.step() called with no work (check has_work())")
         step = self._step + 1
         budget_total = self.max_num_batched_tokens

@@ -156,7 +156,9 @@ class SimBackend(Backend):
             # stops where the cache is full.
             output = kv - prompt
             finish = "length"
-        self.engine.add(job.request_id, prompt, output, job.priority)
+        overhead = self.engine.request_overhead_s / self._speed
+        ready_at = asyncio.get_running_loop().time() + overhead if overhead else None
+        self.engine.add(job.request_id, prompt, output, job.priority, ready_at=ready_at)
         live = _Live(job.request_id, prompt, output, finish)
         self._live[job.request_id] = live
         self._work.set()
@@ -194,10 +196,15 @@ class SimBackend(Backend):
         loop = asyncio.get_running_loop()
         ended: float | None = None
         while True:
+            engine.take_ready(loop.time())
             if not engine.has_work():
                 ended = None
                 self._work.clear()
-                await self._work.wait()
+                ready = engine.next_ready_at()
+                # Until a new request, or until the next dispatched one reaches the engine.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout_at(ready):
+                        await self._work.wait()
                 continue
             step = engine.step()
             self.steps += 1

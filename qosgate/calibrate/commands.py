@@ -409,10 +409,18 @@ def fitted_profile(
 ) -> tuple[CostProfile, Regression, Regression]:  # fmt: skip
     decode = fit_decode(measured.decode_fitted)
     prefill = fit_prefill(measured.prefill_fitted)
+    t0 = decode.value("t0_ms")
+    # On the engine's clock a lone prefill is one step: what its intercept has
+    # beyond the step's t0 is the sequence's own set-up. On the client's clock
+    # that cannot be told apart from the time outside the engine.
+    on_engine_clock = measured.prefill_fitted is measured.engine_prefill
+    chunk_ms = prefill.value("intercept_ms") - t0 if on_engine_clock else 0.0
     profile = CostProfile(
-        name=name, description=description, t0_ms=decode.value("t0_ms"),
-        c_p=prefill.value("c_p"), c_q=prefill.value("c_q"), c_d=decode.value("c_d"),
-        c_kv=decode.value("c_kv"), kv_capacity_tokens=kv_capacity_tokens,
+        name=name, description=description, t0_ms=t0,
+        c_p=prefill.value("c_p"), c_q=prefill.value("c_q"), c_chunk=max(0.0, chunk_ms),
+        c_d=decode.value("c_d"), c_kv=decode.value("c_kv"),
+        request_overhead_ms=max(0.0, measured.overhead_ms(prefill, t0)),
+        kv_capacity_tokens=kv_capacity_tokens,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
     )  # fmt: skip
     return profile, decode, prefill
@@ -424,7 +432,7 @@ def residual_report(decode: Regression, prefill: Regression, overhead_ms: float)
     lines += [f"  {t.name:<12} {t.value:.6g} +/- {t.stderr:.2g}" for t in decode.terms]
     lines.append(f"prefill ({prefill.samples} samples): rms residual {prefill.rms_ms:.3f} ms")
     lines += [f"  {t.name:<12} {t.value:.6g} +/- {t.stderr:.2g}" for t in prefill.terms]
-    lines.append(f"  request overhead outside the engine (the simulator leaves it out): "
+    lines.append(f"  request overhead outside the engine (request_overhead_ms): "
                  f"{overhead_ms:.3f} ms")
     return lines
 
@@ -525,8 +533,9 @@ def calibrate_command(args: argparse.Namespace) -> int:
     except (CalibrationFailed, ValueError, aiohttp.ClientError, OSError) as exc:
         print(f"qosgate calibrate: {exc}", file=sys.stderr)
         return 1
-    overhead = measured.overhead_ms(prefill, profile.t0_ms)
+    overhead = profile.request_overhead_ms
     report = residual_report(decode, prefill, overhead)
+    report.append(f"  a prefill chunk's own set-up (c_chunk): {profile.c_chunk:.3f} ms")
     report.insert(0, "decode steps timed by the engine (vLLM's inter-token latency)"
                   if measured.decode_fitted is measured.engine_decode
                   else "decode steps timed by the client")

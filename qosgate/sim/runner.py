@@ -87,10 +87,13 @@ def run_policy(
     next_sample = 0.0
     next_progress = 0
 
+    overhead = engine.request_overhead_s
+
     def carry_out(plan: SchedulePlan) -> None:
         nonlocal wakeup
         for req in plan.dispatch:
-            engine.add(req.id, req.prompt_tokens, true_output[req.id], scheduler.engine_priority(req))
+            engine.add(req.id, req.prompt_tokens, true_output[req.id],
+                       scheduler.engine_priority(req), ready_at=now + overhead if overhead else None)
         for req in plan.preempt:
             engine.abort(req.id)
             run.gateway_preemptions += 1
@@ -109,10 +112,12 @@ def run_policy(
 
     while True:
         t_arrival = arrivals[next_arrival].t if next_arrival < n else _INF
-        now = min(t_arrival, step_end, wakeup)
+        t_ready = engine.next_ready_at()
+        now = min(t_arrival, step_end, wakeup, _INF if t_ready is None else t_ready)
         if now == _INF or now > drain_until:
             now = min(now, drain_until)
             break
+        engine.take_ready(now)
         while next_sample <= now:
             run.samples.append((next_sample, scheduler.depth_by_tier()))
             next_sample += sample_every_s
@@ -180,6 +185,7 @@ def measure_capacity(
     completions so the fill-up and drain transients do not count.
     """
     engine = SimEngine.from_config(engine_cfg)
+    overhead = engine.request_overhead_s
     pending = list(workload)
     pending.reverse()
     sizes = {a.id: a.prompt_tokens + a.output_tokens for a in workload}
@@ -195,11 +201,17 @@ def measure_capacity(
             if need > free_kv:
                 break
             pending.pop()
-            engine.add(nxt.id, nxt.prompt_tokens, nxt.output_tokens, 0)
+            engine.add(nxt.id, nxt.prompt_tokens, nxt.output_tokens, 0,
+                       ready_at=now + overhead if overhead else None)
             free_slots -= 1
             free_kv -= need
+        engine.take_ready(now)
         if not engine.has_work():
-            raise RuntimeError("capacity measurement stalled: a request does not fit the engine")
+            ready = engine.next_ready_at()
+            if ready is None:
+                raise RuntimeError("capacity measurement stalled: a request does not fit the engine")
+            now = ready
+            continue
         result = engine.step()
         now += result.duration
         for seq_id in result.finished:
