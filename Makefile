@@ -3,7 +3,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 POLICY ?= policies/example.yaml
 
-.PHONY: demo test test-vllm install dev bench bench-fleet soak clean redis-server chromium promtool k8s-rules schema lock
+.PHONY: demo test test-vllm install dev bench bench-fleet soak clean redis-server chromium promtool k8s-rules k8s-schemas schema lock
 
 # Root installs system packages itself; anyone else through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -97,6 +97,11 @@ soak: install
 ## deploy/k8s's PrometheusRule, from docker/prometheus/alerts.yml (the one source).
 k8s-rules: install
 	$(BIN)/python deploy/k8s/prometheusrule.py
+
+## deploy/k8s/schemas/: the custom resources' schemas, from the CRDs of the
+## operator versions docs/DEPLOY.md installs (downloads them from GitHub).
+k8s-schemas: install
+	$(BIN)/python deploy/k8s/crd_schemas.py
 
 ## policies/policy.schema.json, the published JSON Schema of policy files
 ## (`qosgate schema`; tests/test_packaging.py fails when they differ).

