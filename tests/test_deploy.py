@@ -59,6 +59,13 @@ def alert_exprs() -> list[str]:
 
 async def exported_sample_names() -> set[str]:
     """Every sample name /metrics has once a request has gone through."""
+    return set(await exported_samples())
+
+
+async def exported_samples() -> dict[str, set[str]]:
+    """Every sample name /metrics has once a request has gone through, and
+    the label names its samples carry (none for a declared family without a
+    sample yet)."""
     async with live_app() as live, aiohttp.ClientSession() as http:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         async with http.post(live.url + "/v1/chat/completions", json=body,
@@ -66,13 +73,15 @@ async def exported_sample_names() -> set[str]:
             assert r.status == 200
         async with http.get(live.url + "/metrics") as r:
             text = await r.text()
-    names = set()
+    names: dict[str, set[str]] = {}
     suffixes = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",), "gauge": ("",)}
     for family in text_string_to_metric_families(text):
         # A declared family counts even before its first labelled series (a
         # counter of SLO misses before the first miss).
-        names.update(family.name + s for s in suffixes.get(family.type, ()))
-        names.update(s.name for s in family.samples)
+        for suffix in suffixes.get(family.type, ()):
+            names.setdefault(family.name + suffix, set())
+        for sample in family.samples:
+            names.setdefault(sample.name, set()).update(sample.labels)
     return names
 
 
@@ -83,6 +92,31 @@ async def test_grafana_and_alerts_query_only_metrics_that_exist():
         assert used, expr
         missing = used - exported
         assert not missing, f"{expr!r} queries {sorted(missing)}, which /metrics does not export"
+
+
+SELECTOR = re.compile(r"\b(qosgate_[a-z0-9_]+)\{([^}]*)\}")
+MATCHER = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)")
+BY = re.compile(r"\bby \(([^)]*)\)")
+
+
+async def test_grafana_and_alerts_select_and_group_by_labels_the_metrics_carry():
+    """A filter or a grouping on a label a metric lacks (`model` on a queue
+    gauge) draws nothing rather than failing: checked against the labels of
+    a live /metrics, for each metric that has samples there."""
+    exported = await exported_samples()
+    checked = 0
+    for expr in dashboard_exprs() + alert_exprs():
+        for name, matchers in SELECTOR.findall(expr):
+            if exported[name]:
+                missing = set(MATCHER.findall(matchers)) - exported[name]
+                assert not missing, f"{expr!r} selects {name} by {sorted(missing)}"
+                checked += 1
+        grouped = {label.strip() for labels in BY.findall(expr) for label in labels.split(",")}
+        for name in set(METRIC.findall(expr)):
+            if exported[name]:
+                missing = grouped - exported[name] - {""}
+                assert not missing, f"{expr!r} groups {name} by {sorted(missing)}"
+    assert checked >= 10
 
 
 def test_every_design_metric_is_on_the_dashboard():

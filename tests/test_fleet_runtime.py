@@ -151,7 +151,9 @@ def fleet_waits(fleet: Fleet, tier: str = "interactive") -> float | None:
     """How many of the replica's requests engine nodes started (the count of
     qosgate_fleet_queue_wait_seconds)."""
     registry = fleet.gateway.observer.metrics.registry
-    return registry.get_sample_value("qosgate_fleet_queue_wait_seconds_count", {"tier": tier})
+    return registry.get_sample_value(
+        "qosgate_fleet_queue_wait_seconds_count", {"tier": tier, "model": "sim-llama3-8b"}
+    )
 
 
 async def crash(backend: FleetBackend) -> None:
@@ -483,12 +485,14 @@ async def test_a_replicas_metrics_show_the_fleet_queue_read_from_redis(redis_ser
             }
             # Only the held one has been started by a node, and has its wait.
             waits = [
-                (s.name, s.labels.get("tier"), s.value)
+                (s.name, s.labels.get("tier"), s.labels.get("model"), s.value)
                 for family in text_string_to_metric_families(text)
                 for s in family.samples
                 if s.name == "qosgate_fleet_queue_wait_seconds_count"
             ]
-            assert waits == [("qosgate_fleet_queue_wait_seconds_count", "interactive", 1.0)]
+            assert waits == [
+                ("qosgate_fleet_queue_wait_seconds_count", "interactive", "sim-llama3-8b", 1.0)
+            ]
             # The replica's own queue is empty: everything waits in Redis.
             assert samples == {
                 ("qosgate_fleet_queue_depth", "interactive"): 2.0,

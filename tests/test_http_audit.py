@@ -109,7 +109,7 @@ async def test_quota_refusals_are_audited_and_counted_per_tenant():
         assert CANARY not in repr(events)
         registry = live.gateway.observer.metrics.registry
         assert registry.get_sample_value("qosgate_requests_total", {
-            "tier": "batch", "tenant": "bob", "outcome": "rejected_quota",
+            "tier": "batch", "tenant": "bob", "outcome": "rejected_quota", "model": MODEL,
         }) == 1  # fmt: skip
 
 

@@ -115,7 +115,8 @@ async def test_failed_authentications_are_limited_per_address():
         async with http.get(url + "/metrics") as r:
             metrics = await r.text()
         assert re.search(
-            r'qosgate_requests_total\{outcome="unauthorized",tenant="none",tier="none"\} 3.0',
+            r'qosgate_requests_total\{model="none",outcome="unauthorized",tenant="none",'
+            r'tier="none"\} 3.0',
             metrics,
         ), metrics
 

@@ -4,6 +4,7 @@ with prometheus-client's own parser, and moves as the load does."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -22,6 +23,7 @@ from tests.http_support import (
     make_policy,
     words,
 )
+from tests.upstream_support import FakeUpstream, over_upstream
 
 # Metric families (counters without their _total suffix), by their documented names.
 DESIGN_METRICS = {
@@ -117,17 +119,21 @@ async def test_every_design_metric_is_exported_and_moves_with_the_load():
 
         after = await scrape(http, live.url)
     requests = "qosgate_requests_total"
-    assert value(after, requests, tier="interactive", tenant="alice", outcome="completed") == 3
-    assert value(after, requests, tier="batch", tenant="bob", outcome="completed") == 3
-    assert value(after, requests, tier="none", tenant="none", outcome="unauthorized") == 1
+    served = {"model": MODEL}
+    assert value(after, requests, tier="interactive", tenant="alice", outcome="completed",
+                 **served) == 3
+    assert value(after, requests, tier="batch", tenant="bob", outcome="completed", **served) == 3
+    # Refused before its body was read: no model yet.
+    assert value(after, requests, tier="none", tenant="none", outcome="unauthorized",
+                 model="none") == 1
     assert value(after, "qosgate_queue_depth", tier="interactive") == 0
     assert value(after, "qosgate_backend_inflight") == 0
     for name in ("qosgate_queue_wait_seconds_count", "qosgate_ttft_seconds_count",
                  "qosgate_tpot_seconds_count", "qosgate_e2e_seconds_count"):
-        assert value(after, name, tier="interactive") == 3, name
-        assert value(after, name, tier="batch") == 3, name
-    assert value(after, "qosgate_slo_missed_total", tier="interactive") == 3
-    assert value(after, "qosgate_slo_attained_total", tier="batch") == 3
+        assert value(after, name, tier="interactive", **served) == 3, name
+        assert value(after, name, tier="batch", **served) == 3, name
+    assert value(after, "qosgate_slo_missed_total", tier="interactive", **served) == 3
+    assert value(after, "qosgate_slo_attained_total", tier="batch", **served) == 3
     assert value(after, "qosgate_batch_size_count") >= 3
     assert value(after, "qosgate_batch_size_sum") == 6
     assert value(after, "qosgate_batch_wait_seconds_count") == value(after, "qosgate_batch_size_count")
@@ -145,6 +151,79 @@ async def test_every_design_metric_is_exported_and_moves_with_the_load():
     assert all(line["queue_wait_ms"] is not None and line["ttft_ms"] is not None for line in lines)
     assert {line["tenant"] for line in lines} == {"alice", "bob"}
     assert not any("hi" == str(v) for line in lines for v in line.values())  # no prompt text
+
+
+PER_REQUEST = (
+    "qosgate_requests_total", "qosgate_queue_wait_seconds_count", "qosgate_ttft_seconds_count",
+    "qosgate_tpot_seconds_count", "qosgate_e2e_seconds_count", "qosgate_tokens_total",
+)  # fmt: skip
+"""The per-request series that carry `model` (SLO attained and missed do too)."""
+
+
+def models_of(samples, *names: str) -> set[str]:
+    return {dict(labels)["model"] for (name, labels) in samples if name in names}
+
+
+@contextlib.asynccontextmanager
+async def over_models(*models: str) -> AsyncIterator[tuple[str, aiohttp.ClientSession]]:
+    """The gateway over an openai backend whose one upstream lists `models`
+    (none: it cannot say), and a client for it: the URL and the session."""
+    upstream = FakeUpstream("up", models)
+    await upstream.start()
+    try:
+        policy = make_policy(over_upstream(POLICY_YAML, upstream.url))
+        async with live_app(policy) as live, aiohttp.ClientSession(
+            headers={"Authorization": f"Bearer {ALICE_KEY}"}
+        ) as http:
+            yield live.url, http
+    finally:
+        await upstream.stop()
+
+
+async def chat(http: aiohttp.ClientSession, url: str, model: str, stream: bool = False) -> int:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    async with http.post(url + "/v1/chat/completions", json=body) as r:
+        await r.read()
+        return r.status
+
+
+async def test_two_served_models_have_series_of_their_own():
+    async with over_models("alpha", "beta") as (url, http):
+        for model, stream in (("alpha", False), ("alpha", True), ("beta", True)):
+            assert await chat(http, url, model, stream) == 200
+        # Not served: refused at the door (404), and counted under `other`.
+        assert await chat(http, url, "made-up-name") == 404
+        samples = await scrape(http, url)
+    completed = {"tier": "interactive", "tenant": "alice", "outcome": "completed"}
+    for model, n in (("alpha", 2), ("beta", 1)):
+        assert value(samples, "qosgate_requests_total", **completed, model=model) == n
+        for name in ("qosgate_queue_wait_seconds_count", "qosgate_ttft_seconds_count",
+                     "qosgate_tpot_seconds_count", "qosgate_e2e_seconds_count"):
+            assert value(samples, name, tier="interactive", model=model) == n, (name, model)
+        slo = sum(value(samples, f"qosgate_slo_{judged}_total", tier="interactive", model=model)
+                  for judged in ("attained", "missed"))
+        assert slo == n, model
+        assert value(samples, "qosgate_tokens_total", tenant="alice", kind="completion",
+                     model=model) == 3 * n  # the fake upstream's three deltas
+    assert value(samples, "qosgate_requests_total", tier="interactive", tenant="alice",
+                 outcome="bad_request", model="other") == 1
+    assert models_of(samples, *PER_REQUEST) == {"alpha", "beta", "other"}
+
+
+async def test_a_name_the_backend_does_not_list_adds_no_series():
+    """An upstream that lists no models lets every name through to it (it
+    judges them): each is served, and counted under `other`, so that the
+    names a client makes up never become label values."""
+    async with over_models() as (url, http):
+        for model in ("invented-1", "invented-2"):
+            assert await chat(http, url, model, stream=True) == 200
+        async with http.get(url + "/metrics") as r:
+            text = await r.text()
+        samples = await scrape(http, url)
+    assert "invented" not in text
+    assert models_of(samples, *PER_REQUEST) == {"other"}
+    assert value(samples, "qosgate_requests_total", tier="interactive", tenant="alice",
+                 outcome="completed", model="other") == 2
 
 
 async def test_tenant_labels_can_be_switched_off():
@@ -255,6 +334,24 @@ async def test_one_node_declares_the_fleet_families_without_samples():
         samples = await scrape(http, live.url)
     assert not [k for k in samples if k[0].startswith("qosgate_fleet_")]
     assert {"qosgate_fleet_queue_depth", "qosgate_fleet_running"} <= samples[("families", ())]
+
+
+def test_admin_stats_sum_each_tiers_counts_over_the_models():
+    from prometheus_client import CollectorRegistry
+
+    from qosgate.core.request import Outcome, Request
+    from qosgate.observability.metrics import GatewayMetrics, stats_view
+
+    metrics = GatewayMetrics(make_policy(POLICY_YAML), CollectorRegistry())
+    metrics.watch_models(lambda: ("alpha", "beta"))
+    for i, model in enumerate(("alpha", "beta", "beta")):
+        request = Request(f"r{i}", "alice", "interactive", 5, 4, arrival=0.0)
+        request.first_token_at, request.finished_at = 0.1, 0.2
+        request.outcome, request.output_tokens = Outcome.COMPLETED, 4
+        metrics.finished(request, (5, 4), model)
+    view = stats_view(metrics)
+    assert view["requests"]["interactive"]["completed"] == 3
+    assert view["slo"]["interactive"] == {"attained": 3}
 
 
 def test_admin_stats_percentiles_are_the_reports_percentiles():

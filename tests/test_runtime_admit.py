@@ -31,7 +31,8 @@ def ask(request_id: str, **fields) -> Ask:
 
 def refused(gw: Gateway, outcome: Outcome) -> float:
     value = gw.observer.metrics.registry.get_sample_value(
-        "qosgate_requests_total", {"tier": "gold", "tenant": "t", "outcome": outcome.value}
+        "qosgate_requests_total",
+        {"tier": "gold", "tenant": "t", "outcome": outcome.value, "model": "fake-model"},
     )
     return value or 0.0
 

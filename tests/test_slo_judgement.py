@@ -57,9 +57,9 @@ def test_the_core_judges_each_request_once(tier, first, end, outcome, met):
 def test_metrics_and_simulator_agree(tier, first, end, outcome, met):
     metrics = GatewayMetrics(POLICY)
     request = finished(tier, first=first, end=end, outcome=outcome)
-    metrics.finished(request, None)
-    attained = metrics.slo_attained.labels(tier=tier)._value.get()
-    missed = metrics.slo_missed.labels(tier=tier)._value.get()
+    metrics.finished(request, None, None)
+    attained = metrics.slo_attained.labels(tier=tier, model="none")._value.get()
+    missed = metrics.slo_missed.labels(tier=tier, model="none")._value.get()
     if met is None:
         assert (attained, missed) == (0, 0)
         assert met_slo(request, POLICY.tiers[tier])  # the simulator: completing is enough

@@ -216,9 +216,10 @@ class Backend:
         if self._listener is not None:
             self._listener()
 
-    def set_start_listener(self, listener: Callable[[str, float], None]) -> None:
+    def set_start_listener(self, listener: Callable[[str, object, float], None]) -> None:
         """For a backend that queues what it takes (the fleet's):
-        `listener(tier, waited_s)` is called when a request starts there.
+        `listener(tier, model, waited_s)` is called when a request starts
+        there (`model`: the one its client asked for, as written).
         Others start what they take at once, and never call it."""
 
     def count_prompt_tokens(self, endpoint: str, body: dict[str, Any]) -> int:

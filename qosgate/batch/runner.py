@@ -504,7 +504,8 @@ class Job:
             if parsed.stream:
                 raise BadRequest("stream is not supported in a batch", param="stream")
         except GatewayError as exc:
-            gateway.refused(record.tier, exc.outcome, tenant=record.tenant)
+            model = body.get("model") if isinstance(body, dict) else None
+            gateway.refused(record.tier, exc.outcome, tenant=record.tenant, model=model)
             await self._record(number, custom_id, False, _error_line(custom_id, request_id, exc))
             return
         if gateway.quotas.limits(record.tenant) is not None:

@@ -99,6 +99,8 @@ class _Waiting:
     started: bool = False
     """An engine node has started it (its `started` event, or any output, came)."""
     tier: str = ""
+    model: object = None
+    """The model its client asked for, as written."""
     queued_at: float | None = None
     """Wall-clock time it went into the shared queue."""
 
@@ -158,7 +160,7 @@ class FleetBackend(Backend):
         self._replies = Subscription(self.store, self.reply_channel, what="reply channel")
         self._reader: asyncio.Task[None] | None = None
         self._ready = False
-        self._start_listener: Callable[[str, float], None] | None = None
+        self._start_listener: Callable[[str, object, float], None] | None = None
         # Cancellations in flight, so that close() can wait for them.
         self._chores: set[asyncio.Task[Any]] = set()
 
@@ -201,9 +203,10 @@ class FleetBackend(Backend):
     def capacity(self) -> BackendCapacity:
         return _UNBOUNDED
 
-    def set_start_listener(self, listener: Callable[[str, float], None]) -> None:
-        """`listener(tier, waited_s)` is called when an engine node starts a
-        request of this replica, with how long it waited in the shared queue."""
+    def set_start_listener(self, listener: Callable[[str, object, float], None]) -> None:
+        """`listener(tier, model, waited_s)` is called when an engine node
+        starts a request of this replica, with how long it waited in the
+        shared queue."""
         self._start_listener = listener
 
     def count_prompt_tokens(self, endpoint: str, body: dict[str, Any]) -> int:
@@ -250,7 +253,7 @@ class FleetBackend(Backend):
     def _started(self, waiting: _Waiting) -> None:
         listener = self._start_listener
         if listener is not None and waiting.queued_at is not None:
-            listener(waiting.tier, time.time() - waiting.queued_at)
+            listener(waiting.tier, waiting.model, time.time() - waiting.queued_at)
 
     # -- requests ------------------------------------------------------------
 
@@ -259,7 +262,7 @@ class FleetBackend(Backend):
             raise BackendUnavailable("the fleet's queue is not reachable")
         if job.request_id in self._waiting:
             raise BackendError(f"request {job.request_id!r} is already running")
-        waiting = _Waiting(tier=job.tier)
+        waiting = _Waiting(tier=job.tier, model=job.body.get("model"))
         self._waiting[job.request_id] = waiting
         return _FleetStream(self._stream(job, waiting), waiting)
 

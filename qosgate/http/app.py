@@ -39,7 +39,7 @@ from .errors import (
 from .identity import AuthFailureLimiter
 from .openapi import build_openapi
 from .state import (
-    ADMITTED, BAD_FORWARDING, CLIENT_REQUEST_ID, OUTCOME, RATELIMIT, RECORD, REQUEST_ID,
+    ADMITTED, BAD_FORWARDING, CLIENT_REQUEST_ID, MODEL, OUTCOME, RATELIMIT, RECORD, REQUEST_ID,
     REQUEST_ID_HEADER, STATE, TENANT, TIER, TRACE_HEADERS, AppState, identify,
     valid_client_request_id,
 )
@@ -239,7 +239,10 @@ def _count_refusal(request: web.Request, outcome: Outcome) -> None:
     if request.get(ADMITTED) or not request.path.startswith("/v1/"):
         return
     gateway = request.app[STATE].gateway
-    gateway.refused(request.get(TIER, "none"), outcome, tenant=request.get(TENANT, "none"))
+    gateway.refused(
+        request.get(TIER, "none"), outcome,
+        tenant=request.get(TENANT, "none"), model=request.get(MODEL),
+    )  # fmt: skip
 
 
 def _from_http_exception(

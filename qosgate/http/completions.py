@@ -25,7 +25,7 @@ from .protocol import describe_parse_error
 from .ratelimit import ratelimit_headers
 from .render import Call, answer_body
 from .state import (
-    ADMITTED, RATELIMIT, RECORD, REQUEST_ID, STATE, TRACE_HEADERS, AppState, identify,
+    ADMITTED, MODEL, RATELIMIT, RECORD, REQUEST_ID, STATE, TRACE_HEADERS, AppState, identify,
 )  # fmt: skip
 from .streaming import Pace, stream_response
 from .validation import MAX_PRIORITY_OFFSET, Endpoint, parse_json, validate_body
@@ -76,6 +76,7 @@ async def _generate(request: web.Request, endpoint: Endpoint) -> web.StreamRespo
     identity = identify(request, state)
     structlog.contextvars.bind_contextvars(tenant=identity.tenant, tier=identity.tier)
     raw = await read_json(request, state)
+    request[MODEL] = raw.get("model") if isinstance(raw, dict) else None
     gateway = state.gateway
     backend = gateway.backend
     parsed = validate_body(endpoint, raw, backend.models, backend.support)

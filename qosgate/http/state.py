@@ -40,6 +40,9 @@ then on counts its outcome, refused or not."""
 TIER = _key("qosgate.tier", str)
 TENANT = _key("qosgate.tenant", str)
 """The tenant and tier, once the request's identity is known."""
+MODEL = _key("qosgate.model", object)
+"""The `model` of the request's body as its client wrote it, once the body is
+read (the metrics count a refusal under it, bounded to the served names)."""
 OUTCOME = _key("qosgate.outcome", str)
 """The outcome of a request refused with an error status (the admitted
 request's own is on its record)."""

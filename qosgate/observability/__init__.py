@@ -44,27 +44,36 @@ class Observer:
         if self.tracing is not None:
             self.tracing.close()
 
+    # `model`: the name the request's client wrote (None: not read yet); the
+    # metrics bound it (`GatewayMetrics.model_label`).
+
     def refused(
-        self, tier: str, outcome: Outcome, request: Request | None = None, tenant: str = "none"
+        self,
+        tier: str,
+        outcome: Outcome,
+        request: Request | None = None,
+        tenant: str = "none",
+        model: object = None,
     ) -> None:
         """A request refused before it was queued; `request` when it was far
         enough to have a tenant and counted lengths (it goes into the trace);
         `tenant` otherwise, once known."""
-        self.metrics.refused(tier, outcome, request.tenant if request is not None else tenant)
+        tenant = request.tenant if request is not None else tenant
+        self.metrics.refused(tier, outcome, tenant, model)
         if request is not None:
             self._trace(request, outcome, None)
 
-    def dispatched(self, req: Request, now: float) -> None:
-        self.metrics.dispatched(req, now)
+    def dispatched(self, req: Request, now: float, model: object) -> None:
+        self.metrics.dispatched(req, now, model)
 
     def released(self, batches: Iterable[tuple[str, int, float]]) -> None:
         self.metrics.released(batches)
 
-    def first_token(self, req: Request, now: float) -> None:
-        self.metrics.first_token(req, now)
+    def first_token(self, req: Request, now: float, model: object) -> None:
+        self.metrics.first_token(req, now, model)
 
-    def finished(self, req: Request, usage: tuple[int, int] | None, model: str = "") -> None:
-        """An admitted request ended; `model`: the served model it asked for."""
+    def finished(self, req: Request, usage: tuple[int, int] | None, model: object) -> None:
+        """An admitted request ended."""
         assert req.outcome is not None
         self.metrics.finished(req, usage, model)
         self._trace(req, req.outcome, usage)

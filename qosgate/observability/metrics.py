@@ -10,6 +10,12 @@ gateway when Prometheus scrapes, so the hot path pays nothing for it.
 With `tenant_labels` off, the per-tenant series (`requests_total`,
 `tokens_total`, `quota_remaining_tokens`) carry `tenant="all"`: a fleet with many thousand
 tenants keeps a bounded number of series.
+
+The per-request series (requests, the latency histograms, SLO attained and
+missed, tokens) carry `model` too, as `model_label` bounds it: the client
+writes the name, so only the names the backend serves become label values.
+The levels (queue depth, oldest wait, backend in flight) do not: the queues
+are per tier and hold every model's requests, and the backend is one.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from __future__ import annotations
 import collections
 import importlib.metadata
 import platform
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import (
@@ -41,6 +47,11 @@ BATCH_WAIT_BUCKETS = (0.0, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2
 
 RECENT = 512
 """First-token times kept per tier for /admin/stats percentiles."""
+
+MODEL_NONE = "none"
+"""`model` of a request refused before its body was read."""
+MODEL_OTHER = "other"
+"""`model` of a request for a name the backend does not list as served."""
 
 
 class _Levels(Collector):
@@ -255,16 +266,20 @@ class GatewayMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.tenant_labels = tenant_labels
         self._tiers = policy.tiers
+        self._served: Callable[[], Collection[str]] = tuple
         r = self.registry
 
-        def histogram(name: str, text: str, buckets: Any, labels: Any = ("tier",)) -> Histogram:
+        def histogram(
+            name: str, text: str, buckets: Any, labels: Any = ("tier", "model")
+        ) -> Histogram:
             return Histogram(f"{PREFIX}{name}", text, labels, buckets=buckets, registry=r)
 
         self.requests = Counter(
             f"{PREFIX}requests",
             "Requests by tier, tenant (`all` with tenant labels off; `none` refused before "
-            "it was known) and outcome",
-            ["tier", "tenant", "outcome"], registry=r,
+            "it was known), outcome and model (`none` refused before it was read; `other` "
+            "a name the backend does not serve)",
+            ["tier", "tenant", "outcome", "model"], registry=r,
         )  # fmt: skip
         self.queue_wait = histogram(
             "queue_wait_seconds", "Time queued before dispatch", LATENCY_BUCKETS
@@ -279,11 +294,13 @@ class GatewayMetrics:
         self.tpot = histogram("tpot_seconds", "Time per output token after the first", TPOT_BUCKETS)
         self.e2e = histogram("e2e_seconds", "Arrival to last token", LATENCY_BUCKETS)
         self.slo_attained = Counter(
-            f"{PREFIX}slo_attained", "Completed within the tier's SLO", ["tier"], registry=r
-        )
+            f"{PREFIX}slo_attained", "Completed within the tier's SLO", ["tier", "model"],
+            registry=r,
+        )  # fmt: skip
         self.slo_missed = Counter(
-            f"{PREFIX}slo_missed", "Completed outside the tier's SLO", ["tier"], registry=r
-        )
+            f"{PREFIX}slo_missed", "Completed outside the tier's SLO", ["tier", "model"],
+            registry=r,
+        )  # fmt: skip
         self.batch_size = histogram(
             "batch_size", "Requests released together by a batch window", BATCH_SIZE_BUCKETS, ()
         )
@@ -335,6 +352,20 @@ class GatewayMetrics:
     def batch_line(self, tenant: str, ok: bool) -> None:
         self._child(self.batch_lines, self._tenant(tenant), "completed" if ok else "failed").inc()
 
+    def watch_models(self, served: Callable[[], Collection[str]]) -> None:
+        """Read the names the backend serves from `served` (a backend may
+        learn them after it starts): the values `model_label` lets through."""
+        self._served = served
+
+    def model_label(self, name: object) -> str:
+        """The `model` label of a request for `name`, the model its client
+        wrote (None: not read yet). Only a name the backend serves is its own
+        label; any other is `other`, so that no client can add series by
+        making names up (a backend that lists no names labels all `other`)."""
+        if name is None:
+            return MODEL_NONE
+        return name if isinstance(name, str) and name in self._served() else MODEL_OTHER
+
     def watch(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         """Read the queue and backend levels from `snapshot` at scrape time."""
         self.registry.register(_Levels(snapshot))
@@ -355,16 +386,26 @@ class GatewayMetrics:
 
     # -- events -------------------------------------------------------------------
 
-    def refused(self, tier: str, outcome: Outcome, tenant: str = "none") -> None:
+    # `model`, where a method takes it, is the name the request's client wrote
+    # (None: not read yet); `model_label` makes it a label.
+
+    def refused(
+        self, tier: str, outcome: Outcome, tenant: str = "none", model: object = None
+    ) -> None:
         """A request that never entered a queue (unknown key, bad body, quota...)."""
-        self._child(self.requests, tier, self._tenant(tenant), outcome.value).inc()
+        labels = (tier, self._tenant(tenant), outcome.value, self.model_label(model))
+        self._child(self.requests, *labels).inc()
 
-    def dispatched(self, req: Request, now: float) -> None:
-        self._child(self.queue_wait, req.tier).observe(max(0.0, now - req.arrival))
+    def dispatched(self, req: Request, now: float, model: object) -> None:
+        self._child(self.queue_wait, req.tier, self.model_label(model)).observe(
+            max(0.0, now - req.arrival)
+        )
 
-    def fleet_started(self, tier: str, waited_s: float) -> None:
+    def fleet_started(self, tier: str, model: object, waited_s: float) -> None:
         """An engine node started a request this replica queued in the fleet."""
-        self._child(self.fleet_queue_wait, tier).observe(max(0.0, waited_s))
+        self._child(self.fleet_queue_wait, tier, self.model_label(model)).observe(
+            max(0.0, waited_s)
+        )
 
     def released(self, batches: Iterable[tuple[str, int, float]]) -> None:
         for _tier, size, wait in batches:
@@ -372,28 +413,29 @@ class GatewayMetrics:
             self.batch_wait.observe(max(0.0, wait))
             self.batches_recent.append(size)
 
-    def first_token(self, req: Request, now: float) -> None:
+    def first_token(self, req: Request, now: float, model: object) -> None:
         ttft = max(0.0, now - req.arrival)
-        self._child(self.ttft, req.tier).observe(ttft)
+        self._child(self.ttft, req.tier, self.model_label(model)).observe(ttft)
         self.recent_ttft[req.tier].append(ttft)
 
-    def finished(self, req: Request, charged: tuple[int, int] | None, model: str = "") -> None:
+    def finished(self, req: Request, charged: tuple[int, int] | None, model: object) -> None:
         """A request that was admitted has ended. `charged`: (prompt, completion)
-        tokens it used, when it ran; `model`: the served model it asked for."""
+        tokens it used, when it ran."""
         assert req.outcome is not None and req.finished_at is not None
         tier = req.tier
-        self._child(self.requests, tier, self._tenant(req.tenant), req.outcome.value).inc()
+        tenant = self._tenant(req.tenant)
+        label = self.model_label(model)
+        self._child(self.requests, tier, tenant, req.outcome.value, label).inc()
         if charged is not None:
             prompt, completion = charged
-            tenant = self._tenant(req.tenant)
-            self._child(self.tokens, tenant, "prompt", model).inc(prompt)
-            self._child(self.tokens, tenant, "completion", model).inc(completion)
+            self._child(self.tokens, tenant, "prompt", label).inc(prompt)
+            self._child(self.tokens, tenant, "completion", label).inc(completion)
         if req.outcome is not Outcome.COMPLETED:
             return
         e2e = req.finished_at - req.arrival
-        self._child(self.e2e, tier).observe(e2e)
+        self._child(self.e2e, tier, label).observe(e2e)
         if req.first_token_at is not None and req.output_tokens > 1:
-            self._child(self.tpot, tier).observe(
+            self._child(self.tpot, tier, label).observe(
                 (req.finished_at - req.first_token_at) / (req.output_tokens - 1)
             )
         cfg = self._tiers.get(tier)
@@ -402,7 +444,7 @@ class GatewayMetrics:
         met = req.met_objective(*cfg.objectives_s)
         if met is None:
             return
-        self._child(self.slo_attained if met else self.slo_missed, tier).inc()
+        self._child(self.slo_attained if met else self.slo_missed, tier, label).inc()
 
     def quota(self, tenant: str, remaining: int) -> None:
         self._child(self.quota_remaining, self._tenant(tenant)).set(remaining)
@@ -416,11 +458,11 @@ def stats_view(metrics: GatewayMetrics) -> dict[str, Any]:
     for sample in metrics.requests.collect()[0].samples:
         if sample.name.endswith("_total"):
             requests[sample.labels["tier"]][sample.labels["outcome"]] += sample.value
-    slo: dict[str, dict[str, float]] = collections.defaultdict(dict)
+    slo: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for key, counter in (("attained", metrics.slo_attained), ("missed", metrics.slo_missed)):
         for sample in counter.collect()[0].samples:
             if sample.name.endswith("_total"):
-                slo[sample.labels["tier"]][key] = sample.value
+                slo[sample.labels["tier"]][key] += sample.value
     ttft = {
         tier: {"p50_s": percentile(v, 50), "p99_s": percentile(v, 99), "n": len(v)}
         for tier, v in metrics.recent_ttft.items()

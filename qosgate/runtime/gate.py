@@ -89,6 +89,7 @@ class Gateway:
         self.observer = observer if observer is not None else Observer(policy)
         """Metrics and the request log, fed at each event of a request."""
         self.observer.metrics.watch(self.snapshot)
+        self.observer.metrics.watch_models(lambda: self._backend.models)
         if backend.engine_metrics is not None:
             self.observer.metrics.include(backend.engine_metrics)
         # A backend that queues what it takes (the fleet's) reports when the
@@ -253,7 +254,7 @@ class Gateway:
                 self._backend.count_prompt_tokens, self._backend.max_model_len,
             )  # fmt: skip
         except GatewayError as exc:
-            self.refused(ask.tier, exc.outcome, tenant=ask.tenant)
+            self.refused(ask.tier, exc.outcome, tenant=ask.tenant, model=ask.body.get("model"))
             raise
         if self._policy.observability.log_prompts:
             body = shaped.body
@@ -268,7 +269,7 @@ class Gateway:
                 ask.request_id, ask.tenant, ask.tier, shaped.prompt_tokens, shaped.max_tokens,
                 arrival, priority_offset=ask.priority_offset,
             )  # fmt: skip
-            self.refused(ask.tier, exc.outcome, refused)
+            self.refused(ask.tier, exc.outcome, refused, model=ask.body.get("model"))
             raise
         return self.submit(
             request_id=ask.request_id, tenant=ask.tenant, tier=ask.tier, endpoint=ask.endpoint,
@@ -326,13 +327,14 @@ class Gateway:
             request_id, tenant, tier, prompt_tokens, max_tokens, now,
             priority_offset=priority_offset,
         )  # fmt: skip
+        model = body.get("model")
         if self.draining:
-            raise self._refuse(req, reservation, GatewayClosing())
+            raise self._refuse(req, model, reservation, GatewayClosing())
         down = self._backend_down()
         if down is not None:
             # Gone for good (not starting): queueing would only make the
             # client wait out its budget for the same answer.
-            raise self._refuse(req, reservation, down)
+            raise self._refuse(req, model, reservation, down)
         try:
             decision = self._scheduler.submit(req, now)
         except BaseException:
@@ -341,8 +343,9 @@ class Gateway:
         if not decision.admitted:
             error = QueueFull if decision.outcome is Outcome.REJECTED_QUEUE_FULL else Overloaded
             raise self._refuse(
-                req, reservation, error(decision.reason, retry_after_s=decision.retry_after_s)
-            )
+                req, model, reservation,
+                error(decision.reason, retry_after_s=decision.retry_after_s),
+            )  # fmt: skip
         job = GenerationJob(
             request_id=request_id,
             endpoint=endpoint,
@@ -365,21 +368,29 @@ class Gateway:
         self._dispatch(now)
         return stream
 
-    def _refuse(self, req: Request, reservation: _Held, error: GatewayError) -> GatewayError:
+    def _refuse(
+        self, req: Request, model: object, reservation: _Held, error: GatewayError
+    ) -> GatewayError:
         """Admission refused the request: its quota back, its outcome counted."""
         self._settle(reservation, 0, served=False)
-        self.refused(req.tier, error.outcome, req)
+        self.refused(req.tier, error.outcome, req, model=model)
         return error
 
     def refused(
-        self, tier: str, outcome: Outcome, request: Request | None = None, *, tenant: str = "none"
+        self,
+        tier: str,
+        outcome: Outcome,
+        request: Request | None = None,
+        *,
+        tenant: str = "none",
+        model: object = None,
     ) -> None:
         """Count a request refused before it reached a queue: where every
         refusal is counted, `admit`'s and `submit`'s and those of the HTTP
         layer before it has a request to admit (no key, a bad body).
         `request`, once its prompt is counted, goes into the trace; `tenant`,
-        without it, once known."""
-        self.observer.refused(tier, outcome, request, tenant)
+        without it, once known; `model`, the name its client wrote, once read."""
+        self.observer.refused(tier, outcome, request, tenant, model)
 
     # -- the stream's host (StreamHost) --------------------------------------
 
@@ -390,10 +401,11 @@ class Gateway:
         self._unreserve(job.request_id)
         return self._backend.generate(job)
 
-    def first_token(self, request: Request, now: float) -> None:
+    def first_token(self, stream: RequestStream, now: float) -> None:
+        request = stream.request
         if self._scheduler.on_first_token(request.id, now):
             self._wake()  # work held back for the prefill budget may go now
-        self.observer.first_token(request, now)
+        self.observer.first_token(request, now, stream.model)
 
     def finish(self, stream: RequestStream, outcome: Outcome, now: float) -> None:
         self._scheduler.finish(stream.request.id, now, outcome, stream.output_tokens)
@@ -492,12 +504,13 @@ class Gateway:
         if plan.batches:
             observer.released(plan.batches)
         for req in plan.dispatch:
-            observer.dispatched(req, now)
+            stream = streams[req.id]
+            observer.dispatched(req, now, stream.model)
             # What the scheduler counted against free KV for it.
             need = req.work if kv_total is None else min(req.work, kv_total)
             self._reserved[req.id] = need
             self._reserved_kv += need
-            streams[req.id].dispatched()
+            stream.dispatched()
         for req in plan.expired:
             stream = streams[req.id]
             if req.outcome is Outcome.EXPIRED:
@@ -543,8 +556,7 @@ class Gateway:
                     stream.owed = (charged, usage is not None)
                 else:
                     self._settle(stream.reservation, charged, served=usage is not None)
-            model = stream.job.body.get("model")
-            self.observer.finished(stream.request, usage, model if isinstance(model, str) else "")
+            self.observer.finished(stream.request, usage, stream.model)
         if self._idle is not None and not self._streams and not self._idle.done():
             self._idle.set_result(None)
         self._wake()
@@ -592,7 +604,7 @@ class StreamHost(Protocol):
     def hand_over(self, job: GenerationJob) -> AsyncIterator[Chunk]:
         """Start the dispatched job in the backend."""
 
-    def first_token(self, request: Request, now: float) -> None:
+    def first_token(self, stream: RequestStream, now: float) -> None:
         """The request's first output reached its consumer."""
 
     def finish(self, stream: RequestStream, outcome: Outcome, now: float) -> None:
@@ -649,6 +661,11 @@ class RequestStream:
         # last one read: their abilities.
         self._reading: BackendStream = PLAIN_STREAM
         self._last_read: BackendStream = PLAIN_STREAM
+
+    @property
+    def model(self) -> object:
+        """The model its client asked for, as written."""
+        return self.job.body.get("model")
 
     def __aiter__(self) -> AsyncIterator[Chunk]:
         if self._agen is None:
@@ -772,7 +789,7 @@ class RequestStream:
                         if req.first_token_at is None:
                             # From here the core will not preempt it: the
                             # client has output that cannot be taken back.
-                            host.first_token(req, now)
+                            host.first_token(self, now)
                         self.output_tokens += chunk.tokens
                         if chunk.finish_reason is not None:
                             usage = chunk.usage or {}
