@@ -92,8 +92,8 @@ class Watch(Observer):
         self.usage: dict[str, tuple[int, int] | None] = {}
         self.changed = asyncio.Event()
 
-    def first_token(self, req: Request, now: float) -> None:
-        super().first_token(req, now)
+    def first_token(self, req: Request, now: float, model: object) -> None:
+        super().first_token(req, now, model)
         self.changed.set()
 
     def finished(self, req: Request, usage: tuple[int, int] | None, model: str = "") -> None:
