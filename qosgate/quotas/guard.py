@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -290,22 +291,18 @@ class QuotaGuard:
         self, tenant: str, limits: TenantLimits, tokens: int, request_id: str, now: float,
         record: bool,
     ) -> QuotaDecision:  # fmt: skip
-        lease = self._cfg.lease_s
-        holds = self._ledger.holds(tenant, now)
+        reserve = functools.partial(
+            self.store.reserve, tenant, limits, tokens, request_id, now,
+            lease_s=self._cfg.lease_s, record=record,
+        )  # fmt: skip
         try:
-            return await self.store.reserve(
-                tenant, limits, tokens, request_id, now, lease_s=lease, holds=holds,
-                record=record,
-            )  # fmt: skip
+            return await reserve(holds=self._ledger.holds(tenant, now))
         except StoreReset:
             # The store lost what this gateway admitted: not one reservation
             # there before it has it back. (A second loss meanwhile is a
             # store failure like any other.)
             await self._carry(tenant, whole=True)
-            return await self.store.reserve(
-                tenant, limits, tokens, request_id, now, lease_s=lease, holds=True,
-                record=record,
-            )  # fmt: skip
+            return await reserve(holds=True)
 
     def _refund_orphan(self, task: asyncio.Future[QuotaDecision]) -> None:
         if task.cancelled() or task.exception() is not None:

@@ -102,11 +102,22 @@ def limit_state(
     return LimitState(rule.kind, rule.limit, used, max(0, remaining), reset)
 
 
-def refusal(rule: RateRule, need: int, wait: float | None) -> tuple[str, int, int, float | None]:
-    """(limit named, its value, need, wait) for a refused check."""
+_Refusal = tuple[str, int, int, float | None]
+"""(limit named, its value, need, wait) of a refused check."""
+
+
+def refusal(rule: RateRule, need: int, wait: float | None) -> _Refusal:
     if wait is None and need <= rule.limit:
         return (f"{rule.kind}.burst", rule.burst, need, None)
     return (rule.kind, rule.limit, need, wait)
+
+
+def refused(why: _Refusal, states: tuple[LimitState, ...]) -> QuotaDecision:
+    kind, limit, need, wait = why
+    return QuotaDecision(
+        admitted=False, exceeded=kind, retry_after_s=wait,
+        reason=refusal_reason(kind, limit, need, wait), states=states,
+    )  # fmt: skip
 
 
 def concurrency_state(max_concurrency: int, inflight: int) -> LimitState:
@@ -118,6 +129,10 @@ def concurrency_state(max_concurrency: int, inflight: int) -> LimitState:
 CONCURRENCY_RETRY_S = 1.0
 """Retry-After for a tenant at max_concurrency: a slot frees when one of its
 requests ends, which no clock can predict."""
+
+
+def concurrency_refusal(max_concurrency: int) -> _Refusal:
+    return ("max_concurrency", max_concurrency, 1, CONCURRENCY_RETRY_S)
 
 
 def settle_deltas(
@@ -181,42 +196,26 @@ class LocalLimiter:
     ) -> QuotaDecision:
         """Reserve `tokens` (and one request, and one concurrency slot) under
         every limit, or nothing at all."""
-        checks = []
-        refused: tuple[str, int, int, float | None] | None = None
+        why: _Refusal | None = None
         for rule in limits.rates:
             window = self._window(tenant, rule.kind)
             need = 1 if rule.counts_requests else tokens
             used = window.prune(rule.kind, now)
-            level = window.bucket(rule, now)
-            checks.append((rule, window, need, used, level))
-            if refused is None:
-                fits, wait = evaluate(rule, window.slots, used, level, need, now)
-                if not fits:
-                    refused = refusal(rule, need, wait)
+            fits, wait = evaluate(rule, window.slots, used, window.bucket(rule, now), need, now)
+            if not fits:
+                why = refusal(rule, need, wait)
+                break
         inflight = self._live(tenant, now) if limits.max_concurrency is not None else {}
-        if (
-            refused is None
-            and limits.max_concurrency is not None
-            and len(inflight) >= limits.max_concurrency
-        ):
-            refused = ("max_concurrency", limits.max_concurrency, 1, CONCURRENCY_RETRY_S)
-        if refused is not None:
-            kind, limit, need, wait = refused
-            return QuotaDecision(
-                admitted=False,
-                exceeded=kind,
-                retry_after_s=wait,
-                reason=refusal_reason(kind, limit, need, wait),
-                states=self.usage(tenant, limits, now),
-            )
-        for rule, window, need, _, level in checks:
-            k = rule.slot(now)
-            window.slots[k] = window.slots.get(k, 0) + need
-            if rule.bucketed:
-                window.set_bucket(rule, now, level - need)
+        if why is None and limits.max_concurrency is not None:
+            if len(inflight) >= limits.max_concurrency:
+                why = concurrency_refusal(limits.max_concurrency)
+        if why is not None:
+            return refused(why, self.usage(tenant, limits, now))
+        reservation = Reservation(tenant, request_id, tokens, now, limits, store=store)
+        # Counted as any admission is; its lease, not `record`'s endless one.
+        self.record(reservation, now)
         if limits.max_concurrency is not None:
             inflight[request_id] = now + lease_s
-        reservation = Reservation(tenant, request_id, tokens, now, limits, store=store)
         return QuotaDecision(
             admitted=True, reservation=reservation, states=self.usage(tenant, limits, now)
         )

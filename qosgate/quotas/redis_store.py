@@ -42,12 +42,13 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .local import (
-    CONCURRENCY_RETRY_S,
+    concurrency_refusal,
     concurrency_state,
     evaluate,
     limit_state,
     mark_settled,
     refusal,
+    refused,
     settle_deltas,
 )
 from .model import (
@@ -60,7 +61,6 @@ from .model import (
     Renewal,
     Reservation,
     TenantLimits,
-    refusal_reason,
 )
 from .store import QuotaStore, QuotaStoreError, StoreRecovering, StoreReset
 
@@ -244,22 +244,12 @@ class RedisQuotaStore(QuotaStore):
         failed = int(result["failed"])
         if failed == -1:
             assert limits.max_concurrency is not None
-            kind, limit, need, wait = (
-                "max_concurrency", limits.max_concurrency, 1, CONCURRENCY_RETRY_S
-            )  # fmt: skip
-        else:
-            rule = limits.rates[failed - 1]
-            slots, used, level = views[failed - 1]
-            need = 1 if rule.counts_requests else tokens
-            _, wait = evaluate(rule, slots, used, level, need, now)
-            kind, limit, need, wait = refusal(rule, need, wait)
-        return QuotaDecision(
-            admitted=False,
-            exceeded=kind,
-            retry_after_s=wait,
-            reason=refusal_reason(kind, limit, need, wait),
-            states=states,
-        )
+            return refused(concurrency_refusal(limits.max_concurrency), states)
+        rule = limits.rates[failed - 1]
+        slots, used, level = views[failed - 1]
+        need = 1 if rule.counts_requests else tokens
+        _, wait = evaluate(rule, slots, used, level, need, now)
+        return refused(refusal(rule, need, wait), states)
 
     async def settle(self, reservation: Reservation, charged: int, served: bool, now: float) -> None:
         changes = settle_deltas(reservation, charged, served)
