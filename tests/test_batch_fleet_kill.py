@@ -17,6 +17,8 @@ adds up to: each line charged once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -70,13 +72,29 @@ def _stop(procs: list[Proc]) -> dict[str, int]:
     return {proc.name: proc.stop() for proc in procs}
 
 
+@contextlib.asynccontextmanager
+async def _running(procs: list[Proc]) -> AsyncIterator[dict[str, int]]:
+    """The processes in `procs` (as the list stands at the end) stopped after
+    the block, their exit codes put in what it yields; their logs printed
+    if the block fails."""
+    codes: dict[str, int] = {}
+    try:
+        yield codes
+    except BaseException:
+        print("\n".join(f"--- {p.name}\n{p.tail()}" for p in procs))
+        raise
+    finally:
+        codes.update(await asyncio.to_thread(_stop, procs))
+
+
 async def test_an_engine_node_killed_mid_job(tmp_path: Path) -> None:
     with RedisServer() as redis:
         config = _config(tmp_path, redis.url)
         engine = Proc(config, "engine-1", tmp_path, "engine")
-        gateway = Proc(config, "gateway-1", tmp_path, "gateway")
-        procs = [gateway, engine]
-        try:
+        procs = [engine]
+        async with _running(procs) as codes:
+            gateway = Proc(config, "gateway-1", tmp_path, "gateway")
+            procs.append(gateway)
             client = _client(gateway)
             batch = await submit(client, LINES)
             await until(client, batch.id, lambda b: b.request_counts.completed >= KILL_AFTER)
@@ -87,15 +105,9 @@ async def test_an_engine_node_killed_mid_job(tmp_path: Path) -> None:
             assert stalled.request_counts.completed < LINES, "the kill came after the end"
             # The only engine node, started again: it takes back what the
             # dead one held once those leases run out.
-            engine = Proc(config, "engine-1", tmp_path, "engine")
-            procs = [gateway, engine]
+            procs[0] = Proc(config, "engine-1", tmp_path, "engine")
             found = await _finish(client, batch.id)
             await client.close()
-        except BaseException:
-            print("\n".join(f"--- {p.name}\n{p.tail()}" for p in procs))
-            raise
-        finally:
-            codes = await asyncio.to_thread(_stop, procs)
         assert codes == {"gateway-1": 0, "engine-1": 0}, codes
         assert await day_used(redis.url, QUOTA_PREFIX) == usage(found)
 
@@ -104,7 +116,7 @@ async def test_the_replica_driving_a_job_killed_mid_job(tmp_path: Path) -> None:
     with RedisServer() as redis:
         config = _config(tmp_path, redis.url)
         procs = [Proc(config, "engine-1", tmp_path, "engine")]
-        try:
+        async with _running(procs) as codes:
             driver = Proc(config, "gateway-1", tmp_path, "gateway")
             procs.append(driver)
             other = Proc(config, "gateway-2", tmp_path, "gateway")
@@ -127,11 +139,6 @@ async def test_the_replica_driving_a_job_killed_mid_job(tmp_path: Path) -> None:
             assert left.request_counts.completed < LINES, "the kill came after the end"
             found = await _finish(on_other, batch.id)
             await on_other.close()
-        except BaseException:
-            print("\n".join(f"--- {p.name}\n{p.tail()}" for p in procs))
-            raise
-        finally:
-            codes = await asyncio.to_thread(_stop, procs)
         assert codes == {"engine-1": 0, "gateway-1": -9, "gateway-2": 0}, codes
         assert "taken over" in procs[2].tail()
         assert await day_used(redis.url, QUOTA_PREFIX) == usage(found)

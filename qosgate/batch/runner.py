@@ -194,6 +194,15 @@ class BatchService:
         self._arm_tick()
 
     async def _tick(self) -> None:
+        try:
+            await self._round()
+        except (BatchStoreUnavailable, LeaseLost) as exc:
+            log.warning("batch jobs: the lease timer's round stopped short: %s", exc)
+        except Exception:
+            # The next round tries again; a round must not fail unseen.
+            log.exception("batch jobs: the lease timer's round failed")
+
+    async def _round(self) -> None:
         """Renew the leases held here (a job whose lease is lost, or could
         not be renewed for `lease_s`, stops), act on cancels asked
         elsewhere, take over the jobs no replica holds, and read the jobs'
@@ -218,16 +227,9 @@ class BatchService:
                 job.renewed_at = asked
                 if cancel_at:
                     await job.cancel(cancel_at)
-        if self._stopping:
-            return
-        try:
+        if not self._stopping:
             await self._take_over()
             self._status_counts = await self.store.status_counts()
-        except (BatchStoreUnavailable, LeaseLost) as exc:
-            log.warning("could not look for batch jobs to take over: %s", exc)
-        except Exception:
-            # The next tick tries again; a tick must not die unseen.
-            log.exception("batch jobs: the lease timer's round failed")
 
     async def _take_over(self) -> None:
         assert self.leases is not None
