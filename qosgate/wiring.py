@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -81,17 +82,37 @@ def build_gateway(policy: PolicyConfig, *, quotas: QuotaGuard | None = None) -> 
 
 def build_batches(gateway: Gateway, live: LivePolicy) -> BatchService | None:
     """The Batch API's service over the policy's `batch.data_dir` (None when
-    it is unset), its metrics in the gateway's registry."""
-    data_dir = live.policy.batch.data_dir
+    it is unset), its metrics in the gateway's registry: jobs in SQLite
+    there, or (`batch.store: redis`) in the fleet's Redis, driven under
+    leases, with the files in `data_dir`."""
+    policy = live.policy
+    data_dir = policy.batch.data_dir
     if data_dir is None:
         return None
     from qosgate.batch.runner import BatchService
-    from qosgate.batch.sqlite_store import SqliteBatchStore
 
-    return BatchService(
-        gateway, lambda: live.policy, SqliteBatchStore(data_dir),
-        metrics=gateway.observer.metrics,
+    if policy.batch_store() == "sqlite":
+        from qosgate.batch.sqlite_store import SqliteBatchStore
+
+        return BatchService(
+            gateway, lambda: live.policy, SqliteBatchStore(data_dir),
+            metrics=gateway.observer.metrics,
+        )  # fmt: skip
+    from qosgate.batch.redis_store import RedisBatchStore
+    from qosgate.config.secrets import redis_password, redis_url
+    from qosgate.fleet.gateway import default_node_id
+
+    fleet = policy.fleet
+    assert fleet is not None  # the policy's validation says so
+    store = RedisBatchStore(
+        redis_url(fleet.url, fleet.url_env), Path(data_dir) / "files",
+        key_prefix=fleet.key_prefix, owner=fleet.node_id or default_node_id(),
+        lease_s=policy.batch.lease_s, password=redis_password(fleet.password_env),
+        timeout_s=fleet.timeout_ms / 1000.0,
     )  # fmt: skip
+    return BatchService(
+        gateway, lambda: live.policy, store, leases=store, metrics=gateway.observer.metrics
+    )
 
 
 class LivePolicy:

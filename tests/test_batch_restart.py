@@ -6,29 +6,21 @@ window holds is what the output's usage adds up to."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import sqlite3
-import time
 from pathlib import Path
 from typing import Any
 
 import openai
 import yaml
+from batch_support import (
+    ENDED, QUOTAS, TENANT, assert_each_line_once, day_used, results, submit, until, usage,
+)  # fmt: skip
 from fleet_support import KEYS, Proc
 
-from qosgate.config.models import TenantQuotas
-from qosgate.quotas import TenantLimits
-from qosgate.quotas.redis_store import RedisQuotaStore
 from tests.redis_server import RedisServer
 
-TENANT = "fleet-batch"
 LINES = 240
 KILL_AFTER = 40
-POLL_S = 0.1
-MAX_POLLS = 1200
-"""Bounded: two minutes of polls at most for either half of the job."""
-QUOTAS = TenantQuotas(tokens_per_day=10**9)
 
 
 def _policy(data_dir: Path, redis_url: str) -> dict[str, Any]:
@@ -51,23 +43,6 @@ def _policy(data_dir: Path, redis_url: str) -> dict[str, Any]:
     }
 
 
-def _line(i: int) -> bytes:
-    return json.dumps({
-        "custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
-        "body": {"model": "sim-llama3-8b", "max_tokens": 8 + i % 9,
-                 "messages": [{"role": "user", "content": f"question {i} " * (1 + i % 5)}]},
-    }).encode() + b"\n"  # fmt: skip
-
-
-async def _until(client: openai.AsyncOpenAI, batch_id: str, done: Any) -> Any:
-    for _ in range(MAX_POLLS):
-        batch = await client.batches.retrieve(batch_id)
-        if done(batch):
-            return batch
-        await asyncio.sleep(POLL_S)
-    raise AssertionError(f"batch {batch_id} never got there: {batch}")
-
-
 async def test_a_job_killed_mid_way_resumes_and_charges_each_line_once(tmp_path: Path) -> None:
     with RedisServer() as redis:
         config = tmp_path / "policy.yaml"
@@ -75,14 +50,9 @@ async def test_a_job_killed_mid_way_resumes_and_charges_each_line_once(tmp_path:
         first = Proc(config, "first", tmp_path, None)
         try:
             client = openai.AsyncOpenAI(base_url=first.url, api_key=KEYS["batch"], max_retries=0)
-            source = b"".join(_line(i) for i in range(LINES))
-            uploaded = await client.files.create(file=("in.jsonl", source), purpose="batch")
-            batch = await client.batches.create(
-                input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                completion_window="24h",
-            )  # fmt: skip
-            seen = await _until(client, batch.id,
-                                lambda b: b.request_counts.completed >= KILL_AFTER)  # fmt: skip
+            batch = await submit(client, LINES)
+            seen = await until(client, batch.id,
+                               lambda b: b.request_counts.completed >= KILL_AFTER)  # fmt: skip
             assert seen.status == "in_progress"
             first.kill()
         finally:
@@ -104,24 +74,14 @@ async def test_a_job_killed_mid_way_resumes_and_charges_each_line_once(tmp_path:
             resumed = await client.batches.retrieve(batch.id)
             assert resumed.request_counts.completed >= KILL_AFTER
             assert resumed.request_counts.completed < LINES, "the kill came after the end"
-            ended = await _until(client, batch.id, lambda b: b.status not in (
-                "validating", "in_progress", "finalizing"))  # fmt: skip
+            ended = await until(client, batch.id, lambda b: b.status in ENDED)
             assert ended.status == "completed", ended
             assert (ended.request_counts.completed, ended.request_counts.failed) == (LINES, 0)
             assert ended.error_file_id is None
-            content = await client.files.content(ended.output_file_id)
-            out = [json.loads(line) for line in content.text.splitlines()]
+            out = await results(client, ended)
             await client.close()
         finally:
             assert second.stop() == 0, second.tail()
 
-        ids = [o["custom_id"] for o in out]
-        assert sorted(ids) == sorted(f"line-{i}" for i in range(LINES))  # each exactly once
-        used = sum(o["response"]["body"]["usage"]["total_tokens"] for o in out)
-        store = RedisQuotaStore(redis.url, key_prefix="batch-restart:")
-        try:
-            states = await store.usage(TENANT, TenantLimits.from_config(QUOTAS), time.time())
-        finally:
-            await store.close()
-        (day,) = states
-        assert day.used == used, (day.used, used)
+        assert_each_line_once(out, LINES)
+        assert await day_used(redis.url, "batch-restart:") == usage(out)

@@ -164,6 +164,30 @@ def test_negative_batch_window() -> None:
     assert "greater than or equal to 0" in issue.message
 
 
+@pytest.mark.parametrize(("batch", "fleet", "says"), [
+    ("  data_dir: /tmp/b\n  store: redis\n", False, "needs a `fleet:` section"),
+    ("  store: sqlite\n", False, "needs batch.data_dir"),
+    ("  store: redis\n", True, "needs batch.data_dir"),
+])  # fmt: skip
+def test_a_batch_store_without_what_it_needs_names_the_field(
+    batch: str, fleet: bool, says: str
+) -> None:
+    text = GOOD + "batch:\n" + batch
+    if fleet:
+        text += "fleet:\n  role: gateway\n"
+    issue = the_issue(text, "batch.store")
+    assert says in issue.message
+
+
+def test_batch_jobs_are_in_redis_by_default_in_fleet_mode_only() -> None:
+    alone = load_policy_text(GOOD + "batch:\n  data_dir: /tmp/b\n", source="x.yaml")
+    assert alone.batch_store() == "sqlite"
+    fleet = load_policy_text(
+        GOOD + "batch:\n  data_dir: /tmp/b\nfleet:\n  role: gateway\n", source="x.yaml"
+    )
+    assert fleet.batch_store() == "redis"
+
+
 def test_duplicate_tenant_id() -> None:
     text = GOOD.replace("  - id: bob\n    tier: slow", "  - tier: slow\n    id: alice")
     issue = the_issue(text, "tenants.1.id")

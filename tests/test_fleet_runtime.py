@@ -852,3 +852,36 @@ async def test_a_replica_judges_requests_by_its_engines_backend(redis_server, pr
     assert backend.support is SIM
     assert backend.max_model_len == SIM_MAX_MODEL_LEN
     await backend.store.redis.aclose()
+
+
+async def test_a_run_cancelled_before_it_starts_lets_its_item_go(redis_server, prefix):
+    """A run's task cancelled in the claim's own step (a cancel, a
+    preemption, a lost lease) never starts: its item is let go all the same,
+    not renewed forever, and its work is not left unawaited."""
+    import gc
+    import warnings
+
+    policy = make_policy(redis_server.url, prefix)
+    assert policy.fleet is not None
+    node = EngineNode(
+        policy, policy.fleet.model_copy(update={"node_id": "e0", "role": "engine"}),
+        SimBackend(policy.backend),
+    )  # fmt: skip
+    ran: list[str] = []
+
+    async def work() -> None:
+        ran.append("x")
+
+    node._leases["x"] = None  # type: ignore[assignment]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        node._hold("x", work())
+        task = node._runs["x"]
+        task.cancel()
+        # Its done callbacks run in order: the letting go first.
+        await asyncio.gather(task, return_exceptions=True)
+        gc.collect()
+    assert ran == [] and task.cancelled()
+    assert "x" not in node._runs and "x" not in node._leases
+    assert not [w for w in caught if "never awaited" in str(w.message)]
+    await node.store.close()

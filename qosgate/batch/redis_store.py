@@ -1,50 +1,45 @@
 """A `BatchStore` in Redis, for gateways that share their batches: the
 records and journals in Redis (as durable as its persistence: an append-only
 file synced on every write for a journal that survives Redis too), the file
-contents on a directory every replica mounts.
+contents on a directory every replica mounts. It is also the `JobLeases`
+that say which replica drives each job.
 
-Every write that must be whole (a result with its counts and its journal
-entry; a status with the counts by status) is one Lua script.
+Every write that must be whole (a result with its counts; a status with the
+counts by status) is one Lua script (in `lua/`), and so is every write a
+driver makes for its job: it carries the job's lease, and lands only while
+the lease is still the driver's (`lua/fence.lua`).
+
+Keys, under `<prefix>batch:`: `seq` (the order of records), `file:<id>`,
+`files:<tenant>`, `batch:<id>` (the record; `cancel_at` once a cancel was
+asked), `batches:<tenant>`, `statuses`, `active`, `sent:<id>` (the journal),
+`results:<id>` and `resultidx:<id>`, `lease:<id>` (the driver's token).
 """
 
 from __future__ import annotations
 
+import importlib.resources
+import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
-from .store import ACTIVE, BatchRecord, FileRecord, JournalEntry, LineResult
+from .store import (
+    ACTIVE, BatchRecord, BatchStoreUnavailable, FileRecord, JournalEntry, LeaseLost, LineResult,
+)  # fmt: skip
 
 _PAGE = 1000
 
-# KEYS: the batch hash, the results hash, the results index.
-# ARGV: line number, the result (JSON), "completed" or "failed".
-_RECORD = """
-if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 1 then
-  redis.call('ZADD', KEYS[3], ARGV[1], ARGV[1])
-  redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
-end
-return 1
-"""
+_LUA = importlib.resources.files(__package__) / "lua"
 
-# KEYS: the batch hash, the counts by status, the active set.
-# ARGV: status, doc, whether the status is active, the batch id.
-_SAVE = """
-local before = redis.call('HGET', KEYS[1], 'status')
-if before ~= ARGV[1] then
-  if before then redis.call('HINCRBY', KEYS[2], before, -1) end
-  redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
-end
-redis.call('HSET', KEYS[1], 'status', ARGV[1], 'doc', ARGV[2])
-if ARGV[3] == '1' then
-  redis.call('ZADD', KEYS[3], redis.call('HGET', KEYS[1], 'seq'), ARGV[4])
-else
-  redis.call('ZREM', KEYS[3], ARGV[4])
-end
-return 1
-"""
+
+def _script(name: str, *, fenced: bool = False) -> str:
+    names = ("fence", name) if fenced else (name,)
+    return "\n".join((_LUA / f"{n}.lua").read_text(encoding="utf-8") for n in names)
+
 
 # The counts are fields of their own, moved only with the results they count.
 _DOC_FIELDS = ("tier", "endpoint", "input_file_id", "completion_window", "created_at",
@@ -54,11 +49,30 @@ _FILE_FIELDS = ("id", "tenant", "filename", "purpose", "bytes", "created_at", "l
 
 
 class RedisBatchStore:
-    def __init__(self, url: str, files_dir: str | Path, *, key_prefix: str = "qosgate:") -> None:
+    def __init__(
+        self,
+        url: str,
+        files_dir: str | Path,
+        *,
+        key_prefix: str = "qosgate:",
+        owner: str = "",
+        lease_s: float = 10.0,
+        password: str | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        """`owner`: this replica's name, the start of its lease tokens (so
+        that Redis shows who drives a job). `password`: used where `url`
+        carries none."""
         self.files_dir = Path(files_dir)
+        self.lease_s = lease_s
         self._url = url
         self._prefix = key_prefix + "batch:"
+        self._owner = owner
+        self._password = password
+        self._timeout_s = timeout_s
         self._redis: aioredis.Redis | None = None
+        self._tokens: dict[str, str] = {}
+        """The token of each lease held here, by job: what its writes carry."""
 
     def _key(self, *parts: str) -> str:
         return self._prefix + ":".join(parts)
@@ -71,9 +85,18 @@ class RedisBatchStore:
 
     async def open(self) -> None:
         self.files_dir.mkdir(parents=True, exist_ok=True)
-        self._redis = aioredis.Redis.from_url(self._url)
-        self._record = self._redis.register_script(_RECORD)
-        self._save = self._redis.register_script(_SAVE)
+        self._redis = aioredis.Redis.from_url(
+            self._url, socket_timeout=self._timeout_s, socket_connect_timeout=self._timeout_s,
+            # A password in the URL wins over this one (redis-py's rule).
+            **({"password": self._password} if self._password else {}),
+        )  # fmt: skip
+        register = self._redis.register_script
+        self._record = register(_script("record", fenced=True))
+        self._save = register(_script("save", fenced=True))
+        self._sent = register(_script("sent", fenced=True))
+        self._renew = register(_script("renew"))
+        self._release = register(_script("release"))
+        self._cancel = register(_script("cancel"))
 
     async def close(self) -> None:
         if self._redis is not None:
@@ -170,10 +193,19 @@ class RedisBatchStore:
 
     async def save_batch(self, record: BatchRecord) -> None:
         doc = orjson.dumps({name: getattr(record, name) for name in _DOC_FIELDS}).decode()
-        await self._save(
-            keys=[self._key("batch", record.id), self._key("statuses"), self._key("active")],
-            args=[record.status, doc, "1" if record.status in ACTIVE else "0", record.id],
-        )
+        await self._fenced(
+            self._save, record.id,
+            [self._key("batch", record.id), self._key("statuses"), self._key("active")],
+            [record.status, doc, "1" if record.status in ACTIVE else "0", record.id],
+        )  # fmt: skip
+
+    async def _fenced(self, script: Any, batch_id: str, keys: list[str], args: list[Any]) -> None:
+        """Run a fenced write for the job: it carries the job's lease when one
+        is held here, and LeaseLost is raised if that lease is gone."""
+        token = self._tokens.get(batch_id, "")
+        landed = await script(keys=[self._key("lease", batch_id), *keys], args=[token, *args])
+        if landed == -1:
+            raise LeaseLost(f"batch {batch_id}: its lease was taken over")
 
     async def active_batches(self) -> list[BatchRecord]:
         found = []
@@ -190,9 +222,8 @@ class RedisBatchStore:
     # -- the journal -------------------------------------------------------------
 
     async def line_sent(self, batch_id: str, line_no: int, request_id: str, tenant: str) -> None:
-        await self.redis.hset(
-            self._key("sent", batch_id), request_id, orjson.dumps([line_no, tenant])
-        )
+        await self._fenced(self._sent, batch_id, [self._key("sent", batch_id)],
+                           [request_id, orjson.dumps([line_no, tenant])])  # fmt: skip
 
     async def line_unsent(self, batch_id: str, request_id: str) -> None:
         await self.redis.hdel(self._key("sent", batch_id), request_id)
@@ -214,11 +245,73 @@ class RedisBatchStore:
         value = orjson.dumps(
             [result.custom_id, result.ok, result.text, result.tokens, result.request_id]
         )
-        await self._record(
-            keys=[self._key("batch", batch_id), self._key("results", batch_id),
-                  self._key("resultidx", batch_id)],
-            args=[result.line_no, value, "completed" if result.ok else "failed"],
+        await self._fenced(
+            self._record, batch_id,
+            [self._key("batch", batch_id), self._key("results", batch_id),
+             self._key("resultidx", batch_id)],
+            [result.line_no, value, "completed" if result.ok else "failed"],
         )  # fmt: skip
+
+    # -- leases ------------------------------------------------------------------
+
+    def _lease_ms(self) -> int:
+        return max(1, round(self.lease_s * 1000))
+
+    async def acquire(self, batch_id: str) -> bool:
+        token = f"{self._owner}:{secrets.token_hex(8)}"
+        try:
+            taken = await self.redis.set(
+                self._key("lease", batch_id), token, nx=True, px=self._lease_ms()
+            )
+        except (RedisError, OSError) as exc:
+            raise BatchStoreUnavailable(str(exc)) from exc
+        if taken:
+            self._tokens[batch_id] = token
+        return bool(taken)
+
+    async def take(self, exclude: set[str]) -> list[BatchRecord]:
+        try:
+            ids = [raw.decode() for raw in await self.redis.zrange(self._key("active"), 0, -1)]
+        except (RedisError, OSError) as exc:
+            raise BatchStoreUnavailable(str(exc)) from exc
+        taken = []
+        for batch_id in ids:
+            if batch_id in exclude or not await self.acquire(batch_id):
+                continue
+            # Read once held: until then its last driver could still move it.
+            raw = await self.redis.hgetall(self._key("batch", batch_id))
+            record = _batch(batch_id, raw) if raw and b"doc" in raw else None
+            if record is None or record.status not in ACTIVE:
+                await self.release(batch_id)
+                continue
+            taken.append(record)
+        return taken
+
+    async def renew(self, batch_ids: list[str]) -> dict[str, int | None]:
+        held = [batch_id for batch_id in batch_ids if batch_id in self._tokens]
+        if not held:
+            return {}
+        keys = [key for b in held for key in (self._key("lease", b), self._key("batch", b))]
+        try:
+            answers = await self._renew(
+                keys=keys, args=[self._lease_ms(), *(self._tokens[b] for b in held)]
+            )
+        except (RedisError, OSError) as exc:
+            raise BatchStoreUnavailable(str(exc)) from exc
+        return {b: None if a == -1 else int(a) for b, a in zip(held, answers, strict=True)}
+
+    async def release(self, batch_id: str) -> None:
+        token = self._tokens.pop(batch_id, None)
+        if token is None:
+            return
+        try:
+            await self._release(keys=[self._key("lease", batch_id)], args=[token])
+        except (RedisError, OSError) as exc:
+            # It runs out on its own within lease_s.
+            raise BatchStoreUnavailable(str(exc)) from exc
+
+    async def request_cancel(self, batch_id: str, at: int) -> bool:
+        return bool(await self._cancel(keys=[self._key("batch", batch_id)], args=[at]))
 
     async def _numbers(self, batch_id: str) -> AsyncIterator[list[int]]:
         index = self._key("resultidx", batch_id)
@@ -255,8 +348,14 @@ def _file(raw: dict[bytes, bytes], tenant: str) -> FileRecord | None:
 
 
 def _batch(batch_id: str, raw: dict[bytes, bytes]) -> BatchRecord:
-    return BatchRecord(
+    record = BatchRecord(
         id=batch_id, tenant=raw[b"tenant"].decode(), status=raw[b"status"].decode(),
         completed=int(raw.get(b"completed", 0)), failed=int(raw.get(b"failed", 0)),
         **orjson.loads(raw[b"doc"]),
     )  # fmt: skip
+    cancel_at = raw.get(b"cancel_at")
+    if cancel_at is not None and record.status in ("validating", "in_progress"):
+        # Asked on some replica; its driver has not acted on it yet.
+        record.status = "cancelling"
+        record.times.setdefault("cancelling_at", int(cancel_at))
+    return record

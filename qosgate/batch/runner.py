@@ -20,6 +20,16 @@ each journalled try is settled again from what was recorded (its result's
 tokens, or nothing for a try without one) and taken out of the journal: a
 reservation the crash left unsettled is settled then, one settled already
 is left as it is, and a line with a recorded result never runs again.
+
+Where gateway replicas share the store (`JobLeases`), each job is driven by
+the one replica that holds its lease: the replica that created it, or one
+that took it over after its lease ran out. A timer renews the leases held
+here every third of `lease_s`, takes over the jobs nobody holds, and brings
+in the cancels asked on other replicas. A driver that finds its lease lost
+stops at once as a stopping gateway does (its lines cut off are refunded and
+run again under the new driver), and its store refuses every later write of
+it, so a result is recorded by one driver only. Resuming is the same as
+after a crash.
 """
 
 from __future__ import annotations
@@ -63,7 +73,10 @@ from .files import (
     CANCELLED_MESSAGE, EXPIRED_MESSAGE, check_endpoint, check_input, input_lines, new_id,
     output_line, parse_item, unrun_line,
 )  # fmt: skip
-from .store import ENDPOINTS, STATUSES, BatchRecord, BatchStore, FileRecord, LineResult
+from .store import (
+    ENDPOINTS, STATUSES, BatchRecord, BatchStore, BatchStoreUnavailable, FileRecord, JobLeases,
+    LeaseLost, LineResult,
+)  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +88,8 @@ _RECORD_CHUNK = 500
 class BatchService:
     """The Batch API over one gateway and one store: the routes' operations,
     and a `Job` for each batch not yet ended (those a previous run left are
-    resumed by `start`)."""
+    resumed by `start`). With `leases`, only the jobs whose lease this
+    service holds run here."""
 
     def __init__(
         self,
@@ -83,12 +97,14 @@ class BatchService:
         policy: Callable[[], PolicyConfig],
         store: BatchStore,
         *,
+        leases: JobLeases | None = None,
         metrics: GatewayMetrics | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.gateway = gateway
         self._policy = policy
         self.store = store
+        self.leases = leases
         self.clock = clock
         """The wall clock (records, the completion windows); a test's to set."""
         self._metrics = metrics
@@ -97,6 +113,10 @@ class BatchService:
         self._status_counts: dict[str, int] = {}
         self._stopping = False
         self._started = False
+        self._tick_timer: asyncio.TimerHandle | None = None
+        self._ticking: asyncio.Task[None] | None = None
+        self.driven = 0
+        """Jobs this service has started driving (created, resumed or taken over)."""
         if metrics is not None:
             metrics.watch_batches(self.levels)
 
@@ -110,14 +130,20 @@ class BatchService:
     # -- lifecycle -------------------------------------------------------------
 
     async def start(self) -> None:
-        """Open the store and resume every job a previous run left unfinished."""
+        """Open the store and resume every job a previous run left unfinished
+        (with leases: every one no replica holds, and from then on, each
+        such job that a replica leaves)."""
         if self._started:
             return
         self._started = True
         await self.store.open()
         self._status_counts = await self.store.status_counts()
-        for record in await self.store.active_batches():
-            self._launch(record)
+        if self.leases is None:
+            for record in await self.store.active_batches():
+                self._launch(record)
+            return
+        await self._take_over()
+        self._arm_tick()
 
     def stop_feeding(self) -> None:
         """The first half of a stop: no line is sent from now on."""
@@ -133,11 +159,17 @@ class BatchService:
             job.cut()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        # The jobs have let their leases go: other replicas take them at once.
+        if self._tick_timer is not None:
+            self._tick_timer.cancel()
+        if self._ticking is not None:
+            await asyncio.gather(self._ticking, return_exceptions=True)
         if self._started:
             self._started = False
             await self.store.close()
 
     def _launch(self, record: BatchRecord) -> None:
+        self.driven += 1
         job = Job(self, record)
         self._jobs[record.id] = job
         task = job.task = asyncio.get_running_loop().create_task(job.run())
@@ -148,6 +180,66 @@ class BatchService:
             self._jobs.pop(record.id, None)
 
         task.add_done_callback(done)
+
+    # -- leases (replicas sharing the store) ----------------------------------
+
+    def _arm_tick(self) -> None:
+        assert self.leases is not None
+        loop = asyncio.get_running_loop()
+        self._tick_timer = loop.call_at(loop.time() + self.leases.lease_s / 3, self._on_tick)
+
+    def _on_tick(self) -> None:
+        if self._ticking is None or self._ticking.done():
+            self._ticking = asyncio.get_running_loop().create_task(self._tick())
+        self._arm_tick()
+
+    async def _tick(self) -> None:
+        try:
+            await self._round()
+        except (BatchStoreUnavailable, LeaseLost) as exc:
+            log.warning("batch jobs: the lease timer's round stopped short: %s", exc)
+        except Exception:
+            # The next round tries again; a round must not fail unseen.
+            log.exception("batch jobs: the lease timer's round failed")
+
+    async def _round(self) -> None:
+        """Renew the leases held here (a job whose lease is lost, or could
+        not be renewed for `lease_s`, stops), act on cancels asked
+        elsewhere, take over the jobs no replica holds, and read the jobs'
+        counts by status (the fleet's, for the metrics)."""
+        leases = self.leases
+        assert leases is not None
+        jobs = dict(self._jobs)
+        asked = asyncio.get_running_loop().time()
+        try:
+            renewals = await leases.renew(list(jobs))
+        except BatchStoreUnavailable as exc:
+            log.warning("could not renew the leases of %d batch jobs: %s", len(jobs), exc)
+            for job in jobs.values():
+                if asked - job.renewed_at >= leases.lease_s:
+                    job.lose()
+        else:
+            for batch_id, job in jobs.items():
+                cancel_at = renewals.get(batch_id, 0)
+                if cancel_at is None:
+                    job.lose()
+                    continue
+                job.renewed_at = asked
+                if cancel_at:
+                    await job.cancel(cancel_at)
+        if not self._stopping:
+            await self._take_over()
+            self._status_counts = await self.store.status_counts()
+
+    async def _take_over(self) -> None:
+        assert self.leases is not None
+        for record in await self.leases.take(set(self._jobs)):
+            if self._stopping:
+                await self.leases.release(record.id)
+                continue
+            log.warning("batch %s: taken over (%s, %d of %d lines recorded)", record.id,
+                        record.status, record.completed + record.failed, record.total)  # fmt: skip
+            self._launch(record)
 
     async def wait(self, batch_id: str) -> None:
         """Until the job of `batch_id` (if it runs here) has ended."""
@@ -233,11 +325,12 @@ class BatchService:
 
     async def delete_file(self, tenant: str, file_id: str) -> None:
         await self.file(tenant, file_id)
-        # A job reads its input as it goes, and again after a restart.
-        for job in self._jobs.values():
-            if job.record.input_file_id == file_id:
+        # A job reads its input as it goes, and again after a restart, on
+        # whichever replica drives it.
+        for record in await self.store.active_batches():
+            if record.input_file_id == file_id:
                 raise FileInUse(
-                    f"File {file_id} is the input of batch {job.record.id}, which has not "
+                    f"File {file_id} is the input of batch {record.id}, which has not "
                     "ended; cancel it first."
                 )
         await self.store.delete_file(tenant, file_id)
@@ -279,14 +372,25 @@ class BatchService:
             completion_window=completion_window, created_at=now,
             expires_at=now + int(window_s), total=source.lines, metadata=metadata,
         )  # fmt: skip
-        await self.store.add_batch(record)
+        if self.leases is not None:
+            # Held before it is recorded, so no other replica's timer takes
+            # it (a new id's lease is free).
+            await self.leases.acquire(record.id)
+        try:
+            await self.store.add_batch(record)
+        except BaseException:
+            if self.leases is not None:
+                with contextlib.suppress(BatchStoreUnavailable):
+                    await self.leases.release(record.id)
+            raise
         self.moved(None, record.status)
         self._launch(record.copy())
         return record
 
     async def batch(self, tenant: str, batch_id: str) -> BatchRecord:
         job = self._jobs.get(batch_id)
-        if job is not None and job.record.tenant == tenant:
+        # Shared, the store is what every replica answers from alike.
+        if self.leases is None and job is not None and job.record.tenant == tenant:
             return job.record.copy()
         record = await self.store.get_batch(tenant, batch_id)
         if record is None:
@@ -295,6 +399,8 @@ class BatchService:
 
     async def list(self, tenant: str, after: str | None, limit: int) -> list[BatchRecord]:
         records = await self.store.list_batches(tenant, after=after, limit=limit)
+        if self.leases is not None:
+            return records
         return [await self.batch(tenant, r.id) if r.id in self._jobs else r for r in records]
 
     async def cancel(self, tenant: str, batch_id: str) -> BatchRecord:
@@ -302,13 +408,15 @@ class BatchService:
         if record.status == "cancelling":
             return record
         job = self._jobs.get(batch_id)
-        if record.status not in ("validating", "in_progress") or job is None:
-            raise BatchNotCancellable(
-                f"Batch {batch_id} is {record.status} and can no longer be cancelled."
-            )
-        await job.set_status("cancelling")
-        job.end("cancelled")
-        return job.record.copy()
+        if record.status in ("validating", "in_progress"):
+            if job is not None and await job.cancel(self.now()):
+                return await self.batch(tenant, batch_id)
+            # Driven elsewhere, or by nobody until a replica takes it over.
+            if self.leases is not None and await self.leases.request_cancel(batch_id, self.now()):
+                return await self.batch(tenant, batch_id)
+        raise BatchNotCancellable(
+            f"Batch {batch_id} is {record.status} and can no longer be cancelled."
+        )
 
 
 class Job:
@@ -331,6 +439,10 @@ class Job:
         self._retry_timer: asyncio.TimerHandle | None = None
         self._deadline: asyncio.TimerHandle | None = None
         self._loop = asyncio.get_running_loop()
+        self.renewed_at = self._loop.time()
+        """When its lease was last renewed (asked; leases only)."""
+        self.lost = False
+        """Its lease was lost: it stopped, and another replica drives it."""
 
     @property
     def _store(self) -> BatchStore:
@@ -341,6 +453,29 @@ class Job:
         if self.ending is None or (self.ending != "closing" and why == "closing"):
             self.ending = why
         self._wake.set()
+
+    def lose(self) -> None:
+        """Its lease is gone: stop as a stopping gateway does, at once."""
+        if not self.lost:
+            self.lost = True
+            log.warning("batch %s: its lease was lost; another replica drives it now",
+                        self.record.id)  # fmt: skip
+        self.end("closing")
+        self.cut()
+
+    async def cancel(self, at: int) -> bool:
+        """Cancel it here (asked at `at`); whether it was still cancellable
+        by this driver."""
+        if self.lost or self.record.status not in ("validating", "in_progress"):
+            return False
+        self.record.times.setdefault("cancelling_at", at)
+        try:
+            await self.set_status("cancelling")
+        except LeaseLost:
+            self.lose()
+            return False
+        self.end("cancelled")
+        return True
 
     def cut(self) -> None:
         """End the lines admitted now, as a client that leaves ends its
@@ -366,6 +501,10 @@ class Job:
     async def run(self) -> None:
         try:
             await self._run()
+        except LeaseLost:
+            self.lose()
+            if self._tasks:
+                await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         except Exception:
             log.exception("batch %s failed", self.record.id)
             with contextlib.suppress(Exception):
@@ -376,6 +515,13 @@ class Job:
             for timer in (self._retry_timer, self._deadline):
                 if timer is not None:
                     timer.cancel()
+            leases = self.service.leases
+            if leases is not None:
+                try:
+                    await leases.release(self.record.id)
+                except BatchStoreUnavailable as exc:
+                    log.warning("batch %s: could not let its lease go (%s); it runs out",
+                                self.record.id, exc)  # fmt: skip
 
     async def _run(self) -> None:
         record = self.record
@@ -483,6 +629,8 @@ class Job:
     async def _line(self, number: int, item: dict[str, Any], tries: int) -> None:
         try:
             await self._try(number, item, tries)
+        except LeaseLost:
+            self.lose()
         except Exception:
             # A bug: the line gets an error line rather than go missing from
             # both files (what it reserved stays charged).
@@ -606,9 +754,16 @@ class Job:
         owed = stream.owed if stream is not None else None
         tokens = owed[0] if owed is not None else 0
         request_id = stream.request.id if stream is not None else ""
-        await self._store.record(
-            self.record.id, LineResult(number, custom_id, ok, text, tokens, request_id)
-        )
+        try:
+            await self._store.record(
+                self.record.id, LineResult(number, custom_id, ok, text, tokens, request_id)
+            )
+        except LeaseLost:
+            # Not this driver's to record: the line runs again under the
+            # one that holds the job now, and this try is refunded.
+            if stream is not None:
+                self.service.gateway.settle_held(stream, refund=True)
+            raise
         if ok:
             self.record.completed += 1
         else:
@@ -645,7 +800,8 @@ class Job:
         names = {True: record.id + "_output.jsonl", False: record.id + "_error.jsonl"}
         ids = {True: "file-" + record.id.removeprefix("batch_") + "o",
                False: "file-" + record.id.removeprefix("batch_") + "e"}  # fmt: skip
-        parts = {ok: store.files_dir / (ids[ok] + ".part") for ok in (True, False)}
+        # Parts of their own: a driver that lost the job may still be writing.
+        parts = {ok: store.files_dir / f"{ids[ok]}.{new_id('')}.part" for ok in (True, False)}
         counts = {True: 0, False: 0}
         with parts[True].open("w") as out, parts[False].open("w") as err:
             async for result in store.results(record.id):

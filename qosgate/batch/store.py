@@ -4,6 +4,10 @@ A store keeps the files' and the batches' records, and each job's journal:
 the tries of its lines sent to the gateway (until they are settled for good),
 and each line's result once recorded. The file
 contents live on disk under `files_dir`; the records say where.
+
+A store that gateway replicas share (Redis) is also `JobLeases`: which
+replica drives each job. A driver's writes to its job land only while it
+holds the job's lease; a write after the lease was lost raises `LeaseLost`.
 """
 
 from __future__ import annotations
@@ -124,6 +128,15 @@ class JournalEntry:
     """The tokens its recorded result was charged; None: no result of this try."""
 
 
+class LeaseLost(Exception):
+    """A driver wrote to a job whose lease it no longer holds: another
+    replica drives the job now, and this one must stop."""
+
+
+class BatchStoreUnavailable(Exception):
+    """The shared store could not be reached (a lease's state is unknown)."""
+
+
 class BatchStore(Protocol):
     """Where batch records and journals live. Every write is durable
     (committed) when its call returns: a line's result counts from then."""
@@ -183,3 +196,33 @@ class BatchStore(Protocol):
 
     def results(self, batch_id: str) -> AsyncIterator[LineResult]:
         """The recorded results, by line, ascending."""
+
+
+class JobLeases(Protocol):
+    """Which of the gateway replicas that share a store drives each job not
+    yet ended: the one holding its lease, renewed every third of `lease_s`.
+    While a lease is held here, the store's writes for that job carry it
+    and land only while it is still held (`LeaseLost` otherwise). Each
+    method raises `BatchStoreUnavailable` when the store cannot be reached."""
+
+    lease_s: float
+
+    async def acquire(self, batch_id: str) -> bool:
+        """Take the job's lease if no replica holds it."""
+
+    async def take(self, exclude: set[str]) -> list[BatchRecord]:
+        """Take the lease of every job not yet ended that no replica holds
+        (the ids in `exclude` aside): those jobs, as recorded once held."""
+
+    async def renew(self, batch_ids: list[str]) -> dict[str, int | None]:
+        """Extend the leases held of `batch_ids`: per job, None when its
+        lease is no longer this replica's (its driver must stop), else when
+        a cancel of it was asked (0: none)."""
+
+    async def release(self, batch_id: str) -> None:
+        """Let the job's lease go (if still held) and stop carrying it."""
+
+    async def request_cancel(self, batch_id: str, at: int) -> bool:
+        """Ask the job's driver, wherever it runs, to cancel the job; whether
+        the job was still cancellable. Until the driver acts, the job reads
+        as `cancelling`."""

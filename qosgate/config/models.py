@@ -693,7 +693,19 @@ class BatchConfig(StrictModel):
 
     data_dir: str | None = None
     """Directory of the batch database and files (created if missing);
-    unset: the /v1/files and /v1/batches routes answer 501."""
+    unset: the /v1/files and /v1/batches routes answer 501. With `store:
+    redis` it holds only the files, and every gateway replica must mount
+    the same directory."""
+    store: Literal["sqlite", "redis"] | None = None
+    """Where job records and journals live: sqlite (one gateway:
+    `<data_dir>/batches.sqlite3`) or redis (the fleet's Redis: every gateway
+    replica answers for every job, one drives each under a lease). Default:
+    redis in fleet mode, sqlite otherwise."""
+    lease_s: Seconds = 10.0
+    """With `store: redis`, how long a replica's hold on a job lasts unless
+    renewed (every third of this): how soon another replica takes over the
+    jobs of one that died, and about how soon a cancel asked on another
+    replica reaches the job's driver (a third of it)."""
     max_file_bytes: BodyBytes = 100 << 20
     """Largest file accepted by POST /v1/files (413 beyond)."""
     max_lines: Count = 50_000
@@ -779,6 +791,16 @@ class PolicyConfig(StrictModel):
         for tenant_id, tier in self.batch.tenant_tiers.items():
             if tier not in self.tiers:
                 errors.append(f"batch.tenant_tiers.{tenant_id}: unknown tier {tier!r}")
+        if self.batch.store == "redis" and self.fleet is None:
+            errors.append(
+                "batch.store: redis keeps batch jobs in the fleet's Redis, which needs a "
+                "`fleet:` section; one gateway keeps them in sqlite"
+            )
+        if self.batch.store is not None and self.batch.data_dir is None:
+            errors.append(
+                f"batch.store: {self.batch.store} needs batch.data_dir (the directory of the "
+                "batch files; with redis, one that every gateway replica mounts)"
+            )
         keys: dict[str, str] = {}
         for index, tenant in enumerate(self.tenants):
             for key in tenant.api_keys:
@@ -798,6 +820,10 @@ class PolicyConfig(StrictModel):
         if errors:
             raise ValueError("\n".join(errors))
         return self
+
+    def batch_store(self) -> Literal["sqlite", "redis"]:
+        """Where batch jobs are kept: `batch.store`, else redis in fleet mode."""
+        return self.batch.store or ("redis" if self.fleet is not None else "sqlite")
 
     def batch_tier(self, tenant_id: str, own_tier: str) -> str:
         """The tier a tenant's batch lines run at (`batch`'s settings)."""

@@ -417,23 +417,26 @@ class EngineNode:
         self._hold(item_id, self._run(lease, job, reply_to, gen))
 
     def _hold(self, item_id: str, work: Coroutine[Any, Any, None]) -> None:
-        """Run `work` for a held item; the item is let go when it ends."""
+        """Run `work` for a held item; the item is let go when it ends, even
+        if its task is cancelled before it starts (a cancel, a preemption or
+        a lost lease in the claim's own step): `work` is the task's own
+        coroutine, so it is never left unawaited, and the letting go is the
+        task's done callback, which runs however the task ends."""
 
-        async def held() -> None:
-            try:
-                await work
-            finally:
-                span = self._spans.pop(item_id, None)
-                if span is not None:
-                    span.end()
-                self._runs.pop(item_id, None)
-                self._leases.pop(item_id, None)
-                self._replies.pop(item_id, None)
-                self._streaming.discard(item_id)
-                self._note_load()
-                self.wake()
+        def let_go(_: asyncio.Task[None]) -> None:
+            span = self._spans.pop(item_id, None)
+            if span is not None:
+                span.end()
+            self._runs.pop(item_id, None)
+            self._leases.pop(item_id, None)
+            self._replies.pop(item_id, None)
+            self._streaming.discard(item_id)
+            self._note_load()
+            self.wake()
 
-        self._runs[item_id] = asyncio.get_running_loop().create_task(held())
+        task = asyncio.get_running_loop().create_task(work)
+        task.add_done_callback(let_go)
+        self._runs[item_id] = task
 
     async def _run(
         self, lease: Lease, job: GenerationJob, reply_to: str, gen: AsyncIterator[Chunk]
