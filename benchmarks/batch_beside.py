@@ -258,6 +258,18 @@ def busy_fraction(samples: list[dict[str, float]], reserved_slots: int) -> float
     return busy / len(samples)
 
 
+def slots_short(samples: list[dict[str, float]], reserved_slots: int) -> dict[int, int]:
+    """Of the samples that were not busy, how many slots short each was: a
+    line's slot taken back a moment late shows as 1, a job that cannot keep
+    the engine fed as many."""
+    short: dict[int, int] = {}
+    for s in samples:
+        gap = int(s["capacity"] - reserved_slots - s["inflight"])
+        if s["capacity"] > 0 and gap > 0:
+            short[gap] = short.get(gap, 0) + 1
+    return dict(sorted(short.items()))
+
+
 def job_rate(samples: list[dict[str, float]], start: float, end: float) -> float | None:
     """Completed lines/s (wall) between the first and last sample of the window."""
     if len(samples) < 2 or end <= start:
@@ -318,6 +330,7 @@ def run_one(base: Scenario, args: argparse.Namespace, tmp: Path, name: str, rate
         "report": report,
         "samples": len(window),
         "busy_fraction": busy_fraction(window, reserved),
+        "slots_short": slots_short(window, reserved),
         "inflight_mean": (sum(s["inflight"] for s in window) / len(window)) if window else None,
         "job_lines_per_s": None if rate is None else rate / args.speed,
         "job_completed_in_window": (window[-1]["job_completed"] - window[0]["job_completed"])
@@ -391,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"p99 {tiers[t]['ttft_p99_s'] * 1000:.0f} ms"
                         for t in LATENCY_TIERS)  # fmt: skip
         print(f"{name}: {row}; busy {_figure(run['busy_fraction'])} of {run['samples']} samples "
-              f"(mean inflight {_figure(run['inflight_mean'])}); job "
+              f"(mean inflight {_figure(run['inflight_mean'])}; samples by slots short "
+              f"{run['slots_short']}); job "
               f"{_figure(run['job_lines_per_s'])} lines/s {run['job'] or ''}")  # fmt: skip
     failed = [c for c in checks if not c.passed]
     for check in checks:

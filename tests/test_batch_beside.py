@@ -99,6 +99,12 @@ def test_the_job_file_is_one_the_gateway_accepts_with_b3s_lengths(tmp_path):
     assert max(outputs) <= lengths.output.max
 
 
+def test_a_sample_short_of_slots_is_counted_by_how_many():
+    samples = [{"capacity": 256, "inflight": n} for n in (250, 251, 249, 249, 240)]
+    assert beside.busy_fraction(samples, 6) == 0.4
+    assert beside.slots_short(samples, 6) == {1: 2, 10: 1}
+
+
 def test_figures_within_the_rules_pass():
     checks = beside.evaluate(run(), run(rate=4.5), idle_rps=5.0)
     assert len(checks) == 6
