@@ -1,7 +1,7 @@
 """A 20,000-line batch job beside latency traffic, on the live simulated GPU.
 
     .venv/bin/python benchmarks/batch_beside.py [--speed 1] [--duration 300] [--load 0.7]
-        [--lines 20000] [--in-flight 256] [--warmup 10] [--json PATH]
+        [--lines 20000] [--in-flight N] [--warmup 10] [--json PATH]
 
 Two runs of one `qosgate serve` process each (tests/fleet_support.py's Proc),
 with B3's policy, tenants and engine (benchmarks/b3_overload.yaml, as
@@ -114,8 +114,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--load", type=float, default=0.7,
                         help="latency traffic as a fraction of capacity (default 0.7)")
     parser.add_argument("--lines", type=int, default=20_000, help="lines of the batch job")
-    parser.add_argument("--in-flight", type=int, default=256,
-                        help="batch.in_flight_per_job (default 256, the profile's slots)")
+    parser.add_argument("--in-flight", type=int,
+                        help="batch.in_flight_per_job (default: the policy's default)")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="modelled seconds the client waits for one request (default 300: "
                         "a 1,024-token answer beside the job takes over 60)")
@@ -132,7 +132,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         problems.append("--load must be between 0 and 1 (exclusive): the job needs idle capacity")
     if args.lines < 1:
         problems.append("--lines must be at least 1")
-    if not 1 <= args.in_flight <= 4096:
+    if args.in_flight is not None and not 1 <= args.in_flight <= 4096:
         problems.append("--in-flight must be between 1 and 4096")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         problems.append("--timeout must be a positive number")
@@ -189,8 +189,10 @@ def job_lines(base: Scenario, count: int) -> bytes:
 
 def gateway_policy(base: Scenario, args: argparse.Namespace, data_dir: Path) -> dict[str, Any]:
     doc = serve_policy(base, "qos", args.speed)
-    doc["batch"] = {"data_dir": str(data_dir), "in_flight_per_job": args.in_flight,
-                    "max_file_bytes": 1 << 30, "max_lines": max(args.lines, 1)}  # fmt: skip
+    doc["batch"] = {"data_dir": str(data_dir), "max_file_bytes": 1 << 30,
+                    "max_lines": max(args.lines, 1)}  # fmt: skip
+    if args.in_flight is not None:
+        doc["batch"]["in_flight_per_job"] = args.in_flight
     return doc
 
 

@@ -37,14 +37,15 @@ class Clock:
         return self.now
 
 
-def _policy(in_flight: int, *, limit: int | None = None) -> PolicyConfig:
+def _policy(in_flight: int, *, limit: int | None = None, waiting: int = 16) -> PolicyConfig:
     quotas = {"tokens_per_minute": limit} if limit else {}
     return PolicyConfig.model_validate({
         "backend": {"kind": "sim", "model": MODEL},
         "tiers": {"interactive": {"priority": 0},
                   "bulk": {"priority": 3, "on_timeout": "delay", "max_queue_wait_ms": 60000}},
         "tenants": [{"id": TENANT, "tier": "interactive", "quotas": quotas}],
-        "batch": {"in_flight_per_job": in_flight, "retry_initial_s": 0.05, "retry_max_s": 1},
+        "batch": {"in_flight_per_job": in_flight, "waiting_per_job": waiting,
+                  "retry_initial_s": 0.05, "retry_max_s": 1},
     })  # fmt: skip
 
 
@@ -133,6 +134,41 @@ async def test_a_job_holds_at_most_its_bound_of_lines(tmp_path: Path) -> None:
     assert len(backend.jobs) == 20
     jobs, queued = service.levels()
     assert jobs["completed"] == 1 and sum(jobs.values()) == 1 and queued == {}
+    await _close(service)
+
+
+async def test_a_job_fills_every_free_slot_and_keeps_its_few_waiting(tmp_path: Path) -> None:
+    # Four slots; each line answers its first token, then holds its slot.
+    gate = asyncio.Event()
+    answering = asyncio.Event()
+    first_outputs = 0
+
+    async def held(job: GenerationJob) -> AsyncIterator[Chunk]:
+        nonlocal first_outputs
+        yield Chunk(text="first ", tokens=1)
+        first_outputs += 1
+        if first_outputs == 4:
+            answering.set()
+        await gate.wait()
+        yield Chunk(text="last", tokens=1, finish_reason="length")
+
+    backend = ScriptedBackend(held, free_slots=4)
+    service = await _service(tmp_path, _policy(100, waiting=2), backend)
+    batch = await _submit(service, [_line(i) for i in range(20)])
+    await answering.wait()
+    tries = service.gateway.tries  # type: ignore[attr-defined]
+    # Let whatever the four first outputs set going run its course.
+    for _ in range(50):
+        await asyncio.sleep(0)
+    # Every slot is taken, and behind them only the two the job may keep
+    # waiting: not the 100 its in-flight bound would allow.
+    assert len(backend.jobs) == 4
+    assert service.gateway.scheduler.queued_count == 2
+    assert len(tries) == 6
+    gate.set()
+    await service.wait(batch.id)
+    ended = await service.batch(TENANT, batch.id)
+    assert (ended.status, ended.completed, ended.failed) == ("completed", 20, 0)
     await _close(service)
 
 

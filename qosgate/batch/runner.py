@@ -3,9 +3,12 @@ jobs that run batches' lines through the gateway.
 
 Each line is a request of the batch's tenant at the batch's tier, taken
 through `Gateway.admit` like an HTTP request, so quotas, fairness,
-admission and settlement all apply as they do there. A job holds at most
-`batch.in_flight_per_job` lines at once (admitted, or waiting to be tried
-again), reading its input file as it goes. A line refused for load or
+admission and settlement all apply as they do there. A job keeps
+`batch.waiting_per_job` lines waiting to answer (queued, or in their
+prefill): it sends the next whenever one starts answering, so it fills what
+capacity other work leaves as soon as it frees, without flooding the queue;
+and it holds at most `batch.in_flight_per_job` lines at once (admitted, or
+waiting to be tried again), reading its input file as it goes. A line refused for load or
 quota waits (Retry-After, else a doubling backoff) and is tried again; a
 line whose own content is refused is an error line.
 
@@ -431,6 +434,8 @@ class Job:
         self._wake = asyncio.Event()
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._streams: dict[int, RequestStream] = {}
+        # Lines started and not yet answering (queued, prefilling, or being admitted).
+        self._waiting: set[int] = set()
         # The tasks reading an answer now, by line; and whether `cut` was called.
         self._reading: dict[int, asyncio.Task[None]] = {}
         self._cut = False
@@ -578,16 +583,22 @@ class Job:
             yield number, raw
 
     async def _feed(self) -> None:
-        cap = self.service.policy.batch.in_flight_per_job
+        cfg = self.service.policy.batch
+        cap, waiting_cap = cfg.in_flight_per_job, cfg.waiting_per_job
         lines = self._pending()
         exhausted = False
+
+        def room() -> bool:
+            return len(self._tasks) < cap and len(self._waiting) < waiting_cap
+
         while self.ending is None:
             now = self._loop.time()
-            while len(self._tasks) < cap:
+            while room():
                 if self._retry and self._retry[0][0] <= now:
                     _, number, item, tries = heapq.heappop(self._retry)
                     self._start(number, item, tries)
-                elif not exhausted and len(self._tasks) + len(self._retry) < cap:
+                elif (not exhausted and len(self._tasks) + len(self._retry) < cap
+                      and len(self._waiting) + len(self._retry) < waiting_cap):
                     nxt = await anext(lines, None)
                     if nxt is None:
                         exhausted = True
@@ -599,7 +610,7 @@ class Job:
             if exhausted and not self._tasks and not self._retry:
                 return
             self._wake.clear()
-            if self._retry and len(self._tasks) < cap:
+            if self._retry and room():
                 self._arm(self._retry[0][0])
             if self.ending is None:
                 await self._wake.wait()
@@ -616,10 +627,12 @@ class Job:
     def _start(self, number: int, item: dict[str, Any], tries: int) -> None:
         task = self._loop.create_task(self._line(number, item, tries))
         self._tasks[number] = task
+        self._waiting.add(number)
 
         def done(_: asyncio.Task[None]) -> None:
             self._tasks.pop(number, None)
             self._streams.pop(number, None)
+            self._waiting.discard(number)
             self._wake.set()
 
         task.add_done_callback(done)
@@ -672,6 +685,7 @@ class Job:
             await self._record(number, custom_id, False, _error_line(custom_id, request_id, exc))
             return
         self._streams[number] = stream
+        stream.on_first_output(lambda: self._answering(number))
         call = Call(
             endpoint=self.endpoint, response_id=("chatcmpl-" if self.endpoint == "chat"
                                                  else "cmpl-") + request_id,
@@ -698,6 +712,11 @@ class Job:
         else:
             await self._record(number, custom_id, False,
                                _error_line(custom_id, request_id, error), stream)  # fmt: skip
+
+    def _answering(self, number: int) -> None:
+        """The line's first output came: it runs, and the next may wait in its place."""
+        self._waiting.discard(number)
+        self._wake.set()
 
     async def _read(
         self, number: int, stream: RequestStream, call: Call

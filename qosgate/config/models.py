@@ -710,9 +710,16 @@ class BatchConfig(StrictModel):
     """Largest file accepted by POST /v1/files (413 beyond)."""
     max_lines: Count = 50_000
     """Most requests in one batch file."""
-    in_flight_per_job: _number(int, gt=0, le=4096) = 16  # type: ignore[valid-type]
-    """Lines of one job admitted and not yet ended at once: a large job
-    never floods the tier's queue, and waits for capacity line by line."""
+    waiting_per_job: _number(int, gt=0, le=4096) = 16  # type: ignore[valid-type]
+    """Lines of one job admitted and not yet answering (queued, or in their
+    prefill) at once. The job sends another line whenever one starts
+    answering, so it takes what capacity other work leaves, as fast as it
+    frees, and never floods the tier's queue."""
+    in_flight_per_job: _number(int, gt=0, le=4096) = 1024  # type: ignore[valid-type]
+    """Lines of one job admitted and not yet ended at once: the most of the
+    engine one job may hold. Each line running makes every engine step a
+    little longer for all; lower it to trade the job's speed for the other
+    tiers' time per token."""
     tier: str | None = None
     """Tier of every tenant's batch lines. Default: the lowest-priority
     `delay` tier (the tenant's own tier when the policy has none)."""

@@ -661,11 +661,21 @@ class RequestStream:
         # last one read: their abilities.
         self._reading: BackendStream = PLAIN_STREAM
         self._last_read: BackendStream = PLAIN_STREAM
+        self._on_first_output: list[Callable[[], None]] = []
 
     @property
     def model(self) -> object:
         """The model its client asked for, as written."""
         return self.job.body.get("model")
+
+    def on_first_output(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once its first output has reached the consumer (at
+        once if it has): from then it holds a place in the backend, whichever
+        backend it is, one that queues (the fleet's) included."""
+        if self.request.first_token_at is not None:
+            callback()
+        else:
+            self._on_first_output.append(callback)
 
     def __aiter__(self) -> AsyncIterator[Chunk]:
         if self._agen is None:
@@ -790,6 +800,9 @@ class RequestStream:
                             # From here the core will not preempt it: the
                             # client has output that cannot be taken back.
                             host.first_token(self, now)
+                            callbacks, self._on_first_output = self._on_first_output, []
+                            for callback in callbacks:
+                                callback()
                         self.output_tokens += chunk.tokens
                         if chunk.finish_reason is not None:
                             usage = chunk.usage or {}
