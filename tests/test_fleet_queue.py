@@ -190,6 +190,42 @@ async def test_boost_stops_at_max_boost(queue):
     assert await ids(queue, T0 + 1000) == ["g", "old-bronze", "s"]
 
 
+RESERVED = FleetTiers.of(
+    {"gold": 0, "silver": 1, "bronze": 3}, interval_s=INTERVAL, max_boost=2,
+    budgets={"gold": 30.0, "silver": BUDGET, "bronze": BUDGET}, delays=["silver", "bronze"],
+    reserve_slots=2,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_a_node_keeps_its_reserved_slots_for_the_top_level(kind, request):
+    queue = make_queue(kind, request, RESERVED)
+    try:
+        for n in range(4):
+            await queue.enqueue(item(f"s{n}", "silver", T0 + n))
+        # Three free slots, two of them held for gold: one silver goes.
+        assert await ids(queue, T0 + 5, 3) == ["s0"]
+        # Two free: both held, none goes, though silver is all that waits.
+        assert await ids(queue, T0 + 5, 2, node="n2") == []
+        await queue.enqueue(item("g", "gold", T0 + 5))
+        # Gold takes a reserved slot; below it the reserve still holds.
+        assert await ids(queue, T0 + 6, 2, node="n2") == ["g"]
+        assert await ids(queue, T0 + 6, 5, node="n3") == ["s1", "s2", "s3"]
+    finally:
+        await queue.close()
+
+
+def test_the_fleet_reserves_what_one_node_reserves():
+    tiers = {"gold": {"priority": 0}, "bronze": {"priority": 2}}
+    reserve = {"reserve": {"slots": 3}}
+    qos = FleetTiers.from_config(PolicyConfig.model_validate({"tiers": tiers,
+                                                              "scheduler": reserve}))
+    assert (qos.reserve_slots, qos.top_level) == (3, 0)
+    fcfs = FleetTiers.from_config(PolicyConfig.model_validate(
+        {"tiers": tiers, "scheduler": {**reserve, "policy": "fcfs"}}))
+    assert fcfs.reserve_slots == 0
+
+
 async def test_the_tier_is_picked_again_for_every_item_of_a_claim(queue):
     await queue.enqueue(item("b-old", "bronze", T0))
     await queue.enqueue(item("b-new", "bronze", T0 + 10))

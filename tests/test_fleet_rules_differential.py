@@ -1,8 +1,9 @@
 """The fleet's Lua scripts against the core's rules.
 
-The Redis store restates four of the core's rules inside its scripts,
+The Redis store restates five of the core's rules inside its scripts,
 because they must run atomically with the state they read: the tier choice
-with ageing and the tiers' share credits (claim), the update of a tier's arrival-rate average (enqueue;
+with ageing and the tiers' share credits, and the stop at a node's reserved
+slots (claim), the update of a tier's arrival-rate average (enqueue;
 admission's inflow correction reads it back) and the VTC lift to the floor
 (every push). Its admissions are the core's predicted_wait over what it
 reads from Redis, so they check its stored load too. This test
@@ -12,7 +13,7 @@ in what order, admissions and refusals with their predicted wait, whether a
 preemption is still needed, and every tenant's counter):
 
 - `CoreModel`, below: plain lists, every decision taken by calling
-  qosgate/core (ordering.pick_tier and share_credit,
+  qosgate/core (ordering.pick_tier, reserve_holds and share_credit,
   admission.predicted_wait and ArrivalRate, fairness.lifted,
   ordering.preemption_victim);
 - MemoryWorkQueue;
@@ -45,12 +46,13 @@ NODES = ["n1", "n2", "n3"]
 RATES = [0.0, 35.0, 120.25, 1234.5678, 9000.0]
 # gold and silver refuse late work at the door; bronze and batch age, but
 # only as far as bronze's level (their age floor, below silver); silver,
-# bronze and batch have guaranteed shares.
+# bronze and batch have guaranteed shares; a node's last two free slots are
+# gold's.
 TIERS = FleetTiers.of(
     {"gold": 0, "silver": 1, "bronze": 2, "batch": 4}, interval_s=0.75, max_boost=3, fair=True,
     budgets={"gold": 2.0, "silver": 1.0, "bronze": 0.5, "batch": 0.25},
     delays=["bronze", "batch"], shares={"silver": 0.1, "bronze": 0.15, "batch": 0.05},
-    inflow_tau_s=3.0,
+    inflow_tau_s=3.0, reserve_slots=2,
 )  # fmt: skip
 PREEMPTIBLE = {"gold": False, "silver": True, "bronze": True, "batch": True}
 
@@ -70,6 +72,7 @@ class CoreModel:
         self.inflow = {t: ArrivalRate(tiers.inflow_tau_s) for t in tiers.names()}
         self.credits: dict[str, float] = {}
         self.share_turns = 0  # claims a share credit sent out of priority order
+        self.reserve_stops = 0  # claims that stopped at the node's reserved slots
         self.tokens = 0
 
     def _in(self, tier: str, tenant: str | None = None) -> list[WorkItem]:
@@ -122,7 +125,9 @@ class CoreModel:
             ]  # fmt: skip
             predicted = admission.predicted_wait(
                 tier.priority, item.work, views, item.arrival,
-                own_slot=room <= 0, room_work=room * item.work, drain=drain,
+                own_slot=room <= 0 and not ordering.has_reserve(
+                    tier.priority, self.tiers.top_level, self.tiers.reserve_slots),
+                room_work=room * item.work, drain=drain,
             )  # fmt: skip
             if predicted > tier.budget_s:
                 return ("overloaded", predicted)
@@ -143,6 +148,11 @@ class CoreModel:
             ]  # fmt: skip
             chosen = ordering.pick_tier(heads, now, self.tiers.ageing)
             if chosen is None:
+                break
+            owed = next(o for t, _, o in heads if t is chosen[0])
+            if ordering.reserve_holds(chosen[1], self.tiers.top_level, max_items - len(taken),
+                                      self.tiers.reserve_slots, owed):
+                self.reserve_stops += 1
                 break
             tier = chosen[0].name
             unowed = [(t, oldest, False) for t, oldest, _ in heads]
@@ -341,6 +351,7 @@ async def test_core_memory_and_lua_decide_alike(redis_server):
                     assert await store.depth() == depth, step
         # Every rule was exercised, not only the easy paths.
         seen["share turns"] = core.share_turns
+        seen["reserve stops"] = core.reserve_stops
         assert all(count > 20 for count in seen.values()), seen
     finally:
         await lua.close()
@@ -357,5 +368,11 @@ def test_the_core_model_follows_the_core():
     # By T0 + 3 batch (4) would have climbed 3 levels to 1 (0.25 s budget,
     # 0.75 s a level), but its floor is bronze's 2: it passes bronze's fresher
     # head, never silver's.
-    taken = [item_id for item_id, _ in core.claim("n1", 3, T0 + 3.0, 1.0, 0.0)]
+    # Room for all three beyond the two slots held for gold.
+    taken = [item_id for item_id, _ in core.claim("n1", 5, T0 + 3.0, 1.0, 0.0)]
     assert taken == ["std", "old", "new"]
+    # With room for three only, the last two are gold's: one goes.
+    core = CoreModel(TIERS)
+    core.enqueue(WorkItem("std", "silver", "a", T0, b"", work=10), None)
+    core.enqueue(WorkItem("std2", "silver", "a", T0, b"", work=10), None)
+    assert [item_id for item_id, _ in core.claim("n1", 3, T0, 1.0, 0.0)] == ["std"]

@@ -78,6 +78,23 @@ def pick_tier(
     return best
 
 
+def has_reserve(priority: int, top_level: int, reserve_slots: int) -> bool:
+    """Whether free slots are held in reserve for work at `priority`: the top
+    level's, when there is a reserve. Such work never waits for a slot of its
+    own behind a full backend (admission's `own_slot`)."""
+    return priority == top_level and reserve_slots > 0
+
+
+def reserve_holds(
+    level: int, top_level: int, free_slots: int, reserve_slots: int, owed: bool
+) -> bool:
+    """Whether a release at `level` waits because the free slots left are held
+    for top-level work. The reserve holds against the order by level, not
+    against a tier's guaranteed share (`owed`): under a flood of top-level
+    work the free slots never pass the reserve, and nothing below would run."""
+    return level > top_level and free_slots <= reserve_slots and not owed
+
+
 def share_owed(credit: float, head_work: float) -> bool:
     """Whether a tier with work queued is owed its guaranteed share now: its
     credit covers the work of its oldest request."""

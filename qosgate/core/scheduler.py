@@ -24,9 +24,11 @@ from qosgate.core.admission import (
 )
 from qosgate.core.fairness import FifoOrder, VtcOrder, service
 from qosgate.core.ordering import (
+    has_reserve,
     may_preempt,
     pick_tier,
     preemption_victim,
+    reserve_holds,
     share_credit,
     share_owed,
     tier_level,
@@ -210,7 +212,7 @@ class Scheduler:
         if self._admission and budget is not None and not queue.delays:
             # On a saturated backend the newcomer also waits for a slot of its
             # own, unless capacity is held in reserve for its level.
-            reserved = queue.priority == self._top_level and self._reserve_slots > 0
+            reserved = has_reserve(queue.priority, self._top_level, self._reserve_slots)
             # Below the top level, while the prefill budget holds work back, the
             # free room does not take a newcomer at once.
             held = self._held_for_prefill and queue.priority > self._top_level
@@ -308,11 +310,8 @@ class Scheduler:
                 break
             best, level = chosen
             below_top = level > top_level
-            # The reserve holds slots against the order by level, not against
-            # a tier's guaranteed share: under a flood of top-level work the
-            # free slots never pass the reserve, and nothing below would run.
-            if (below_top and free_slots <= self._reserve_slots
-                    and not share_owed(best.credit, best.oldest().work)):
+            if reserve_holds(level, top_level, free_slots, self._reserve_slots,
+                             share_owed(best.credit, best.oldest().work)):
                 # What is left is held for top-level work.
                 blocked = best
                 break

@@ -120,6 +120,9 @@ class FleetTiers:
     admitting: frozenset[str] = frozenset()
     """Tiers that refuse at enqueue an item whose predicted wait exceeds
     their budget."""
+    reserve_slots: int = 0
+    """Of a node's free slots, how many only top-level work may take (the
+    core's reserve, per engine node as per backend on one node)."""
 
     def __post_init__(self) -> None:
         if not self.tiers:
@@ -130,6 +133,8 @@ class FleetTiers:
             raise ValueError("aging interval must be > 0 and max_boost >= 0")
         if self.inflow_tau_s <= 0:
             raise ValueError("inflow_tau_s must be > 0")
+        if self.reserve_slots < 0:
+            raise ValueError("reserve_slots must be >= 0")
         floored = with_age_floors({t.name: t for t in self.tiers}).values()
         ordered = tuple(sorted(floored, key=lambda t: (t.priority, t.name)))
         object.__setattr__(self, "tiers", ordered)
@@ -147,6 +152,7 @@ class FleetTiers:
         shares: Mapping[str, float] | None = None,
         admission: bool = True,
         inflow_tau_s: float = 10.0,
+        reserve_slots: int = 0,
     ) -> FleetTiers:
         """Tiers by priority. A tier in `budgets` has that queue budget; one
         in `delays` ages past it, any other refuses late work at the door
@@ -161,6 +167,7 @@ class FleetTiers:
             fair,
             inflow_tau_s,
             frozenset(n for n in budgets if admission and n not in delays),
+            reserve_slots,
         )
 
     @classmethod
@@ -182,11 +189,16 @@ class FleetTiers:
             policy.drain_rate_tau_s,
             frozenset(t.name for t in tiers
                       if policy.admission and t.budget_s is not None and not t.delays),
+            policy.reserve_slots if policy.tiered else 0,
         )
 
     @property
     def ageing(self) -> Ageing:
         return Ageing(self.interval_s, self.max_boost)
+
+    @property
+    def top_level(self) -> int:
+        return min(t.priority for t in self.tiers)
 
     def tier(self, name: str) -> TierParams:
         for tier in self.tiers:
@@ -201,23 +213,38 @@ class FleetTiers:
         return any(t.name == name for t in self.tiers)
 
 
+def choose_tier(
+    tiers: FleetTiers,
+    oldest: Mapping[str, WorkItem | float],
+    now: float,
+    credits: Mapping[str, float] | None = None,
+) -> tuple[str, int, bool] | None:
+    """The tier to take the next item from, given each non-empty tier's oldest
+    item (or its arrival alone: no share is owed) and the tiers' share credits
+    (the core's ordering.pick_tier): its name, the level it competes at, and
+    whether its share is owed. None when every tier is empty."""
+    credits = credits or {}
+    heads = [
+        (t, head, False) if isinstance(head, float)
+        else (t, head.arrival, ordering.share_owed(credits.get(t.name, 0.0), head.work))
+        for t in tiers.tiers if (head := oldest.get(t.name)) is not None
+    ]  # fmt: skip
+    chosen = ordering.pick_tier(heads, now, tiers.ageing)
+    if chosen is None:
+        return None
+    tier, level = chosen
+    return tier.name, level, next(owed for t, _, owed in heads if t is tier)
+
+
 def pick_tier(
     tiers: FleetTiers,
     oldest: Mapping[str, WorkItem | float],
     now: float,
     credits: Mapping[str, float] | None = None,
 ) -> str | None:
-    """The tier to take the next item from, given each non-empty tier's oldest
-    item (or its arrival alone: no share is owed) and the tiers' share credits
-    (the core's ordering.pick_tier); None when every tier is empty."""
-    credits = credits or {}
-    heads = (
-        (t, head, False) if isinstance(head, float)
-        else (t, head.arrival, ordering.share_owed(credits.get(t.name, 0.0), head.work))
-        for t in tiers.tiers if (head := oldest.get(t.name)) is not None
-    )  # fmt: skip
-    chosen = ordering.pick_tier(heads, now, tiers.ageing)
-    return chosen[0].name if chosen is not None else None
+    """The name `choose_tier` gives."""
+    chosen = choose_tier(tiers, oldest, now, credits)
+    return chosen[0] if chosen is not None else None
 
 
 def settle_shares(
@@ -280,9 +307,11 @@ def predicted_wait(
                   load.oldest.get(t.name), load.inflow.get(t.name, 0.0))
         for t in tiers.tiers
     ]  # fmt: skip
+    priority = tiers.tier(tier).priority
+    reserved = ordering.has_reserve(priority, tiers.top_level, tiers.reserve_slots)
     return admission.predicted_wait(
-        tiers.tier(tier).priority, work, views, now,
-        own_slot=load.room <= 0, room_work=load.room * work, drain=load.drain,
+        priority, work, views, now,
+        own_slot=load.room <= 0 and not reserved, room_work=load.room * work, drain=load.drain,
     )  # fmt: skip
 
 

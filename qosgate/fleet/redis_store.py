@@ -138,6 +138,7 @@ class RedisWorkQueue(WorkQueue):
         self._counter = {tier: f"{base}counter:{tier}" for tier in tiers.names()}
         self._tier_args: list[Any] = [
             len(tiers.tiers), *tiers.names(), 1 if tiers.fair else 0, repr(tiers.inflow_tau_s),
+            tiers.reserve_slots,
         ]  # fmt: skip
         for tier in tiers.tiers:
             budget = "" if tier.budget_s is None else repr(tier.budget_s)

@@ -20,7 +20,7 @@ from .model import (
     FleetTiers,
     Lease,
     WorkItem,
-    pick_tier,
+    choose_tier,
     predicted_wait,
     settle_shares,
 )
@@ -102,8 +102,9 @@ class WorkQueue(ABC):
         self, node: str, max_items: int, now: float, lease_s: float, *, drain_rate: float = 0.0
     ) -> Claim:
         """Return expired leases' items to their queues, then lease up to
-        `max_items` to `node`, each from the tier `pick_tier` names at that
-        moment, until `now + lease_s`, leaving items for the live nodes their
+        `max_items` to `node`, each from the tier `choose_tier` names at that
+        moment (below the top level only while more of the node's room is
+        left than the tiers' `reserve_slots`), until `now + lease_s`, leaving items for the live nodes their
         affinity keys are bound to while those have room (see model.py).
         Binds a taken item's key to `node` unless a live node has it, and
         records `node` as live
@@ -390,8 +391,12 @@ class MemoryWorkQueue(WorkQueue):
         expires_at = now + lease_s
         while len(leases) < max_items:
             heads = {name: q[0][2] for name, q in self._queues.items() if q and name not in passed}
-            tier = pick_tier(self.tiers, heads, now, self._credits)
-            if tier is None:
+            chosen = choose_tier(self.tiers, heads, now, self._credits)
+            if chosen is None:
+                break
+            tier, level, owed = chosen
+            if ordering.reserve_holds(level, self.tiers.top_level, max_items - len(leases),
+                             self.tiers.reserve_slots, owed):
                 break
             candidate = self._candidate(tier, skipped)
             if candidate is None:

@@ -4,7 +4,8 @@
 -- tenant, arrival, payload, attempt, token, affinity key, charge, where its
 -- key was bound (0: nowhere, 1: this node, 2: another), work] per lease.
 -- The tier choice restates core.ordering.pick_tier (with the tiers' share
--- credits) and the rest MemoryWorkQueue.claim
+-- credits), the stop at the node's reserved slots core.ordering.reserve_holds,
+-- and the rest MemoryWorkQueue.claim
 -- (tests/test_fleet_rules_differential.py).
 local BACKLOG_PAGE = 8
 local now = tonumber(ARGV[1])
@@ -73,6 +74,8 @@ while #out < max_items do
     end
   end
   if best == nil then break end
+  -- core.ordering.reserve_holds: the node's last free slots are for the top level
+  if best_level > T.top and max_items - #out <= T.reserve and not best_owed then break end
   local tier = T.names[best]
   local id, lane
   if T.fair then

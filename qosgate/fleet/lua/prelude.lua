@@ -2,8 +2,9 @@
 -- Every script gets the same KEYS (the fields in redis_store._FIELDS, then
 -- per tier in FleetTiers order its queue, lane, backlog and counter keys,
 -- each kind in a block of n) and, from some ARGV index, the tier args: n,
--- the names, fair, the inflow time constant, then per tier its priority,
--- budget ('' for none), delays (1/0), min_share and age floor.
+-- the names, fair, the inflow time constant, the reserved slots, then per
+-- tier its priority, budget ('' for none), delays (1/0), min_share and age
+-- floor. T.top is the top level (the least priority value).
 local K_TIER, K_TENANT, K_ARRIVAL, K_ATTEMPT, K_PAYLOAD = 1, 2, 3, 4, 5
 local K_HOLDER, K_NODE, K_EXPIRY, K_DONE, K_TOKEN = 6, 7, 8, 9, 10
 local K_AFFKEY, K_BOUND, K_BOUND_AT, K_ROOM, K_SEEN = 11, 12, 13, 14, 15
@@ -25,15 +26,17 @@ local function tier_args(at)
   end
   T.fair = ARGV[at + n + 1] == '1'
   T.tau = tonumber(ARGV[at + n + 2])
+  T.reserve = tonumber(ARGV[at + n + 3])
   for i = 1, n do
-    local name, j = T.names[i], at + n + 3 + 5 * (i - 1)
+    local name, j = T.names[i], at + n + 4 + 5 * (i - 1)
     T.prio[name] = tonumber(ARGV[j])
+    if T.top == nil or T.prio[name] < T.top then T.top = T.prio[name] end
     T.budget[name] = tonumber(ARGV[j + 1])
     T.delays[name] = ARGV[j + 2] == '1'
     T.share[name] = tonumber(ARGV[j + 3])
     T.floor[name] = tonumber(ARGV[j + 4])
   end
-  return at + n + 3 + 5 * n
+  return at + n + 4 + 5 * n
 end
 -- A tenant's items in a fair tier's lane set: members `tenant \0 hex \0 id`,
 -- all scored 0, so they sort by tenant, then arrival, then id.
