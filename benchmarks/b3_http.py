@@ -49,6 +49,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -194,6 +195,55 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+class EngineSampler:
+    """Each fleet engine node's own view of its load, sampled from its status
+    endpoint while the bench runs: its drain estimate (what the shared
+    queue's admission divides by), free slots and completions. Read beside
+    the client's measured throughput, it says whether the fleet admits on
+    what its nodes can do."""
+
+    def __init__(self, engines: list[Any], interval_s: float) -> None:
+        self._engines = engines
+        self._interval_s = interval_s
+        self._samples: dict[str, list[dict[str, Any]]] = {e.name: [] for e in engines}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(self._interval_s):
+            for engine in self._engines:
+                try:
+                    status = engine.get("/fleet")
+                except OSError:
+                    continue
+                status["t"] = time.monotonic()
+                self._samples[engine.name].append(status)
+
+    def stop(self) -> dict[str, Any]:
+        """Per node: the drain estimate's median and last value (tokens/s),
+        how often it had no free slot, and its completions per second."""
+        self._done.set()
+        self._thread.join()
+        out = {}
+        for name, samples in self._samples.items():
+            if len(samples) < 2:
+                out[name] = {"samples": len(samples)}
+                continue
+            rates = sorted(s["drain_rate_tokens_per_s"] for s in samples)
+            span = samples[-1]["t"] - samples[0]["t"]
+            out[name] = {
+                "samples": len(samples),
+                "drain_estimate_median": rates[len(rates) // 2],
+                "drain_estimate_last": samples[-1]["drain_rate_tokens_per_s"],
+                "full_fraction": sum(s["free_slots"] <= 0 for s in samples) / len(samples),
+                "free_slots_median": sorted(s["free_slots"] for s in samples)[len(samples) // 2],
+                "completed_per_s": (samples[-1]["completed"] - samples[0]["completed"]) / span
+                if span > 0 else None,
+            }
+        return out
+
+
 def run_cell(base: Scenario, policy: str, rate_rps: float, args: argparse.Namespace,
              tmp: Path, seed: int) -> dict[str, Any]:  # fmt: skip
     """One policy's run of one cell: a fresh gateway (or fleet), the bench
@@ -202,9 +252,11 @@ def run_cell(base: Scenario, policy: str, rate_rps: float, args: argparse.Namesp
     doc = serve_policy(base, policy, args.speed)
     fleet = Fleet(tmp / name, single=not args.fleet, gateways=args.gateways,
                   engines=args.engines, lease_s=FLEET_LEASE_S, doc=doc)  # fmt: skip
+    sampler = EngineSampler(fleet.engines, interval_s=1.0 / args.speed)
     try:
         report = run_bench(fleet.urls, bench_scenario(base, rate_rps, args, seed), tmp, name)
         report["gateway"] = gateway_figures([g.url for g in fleet.gateways])
+        report["gateway"]["engines"] = sampler.stop()
         report["gateway"]["cpu_s"] = {p.name: cpu_seconds(p.proc.pid)
                                       for p in [*fleet.gateways, *fleet.engines]}
         return report
