@@ -18,7 +18,7 @@ from qosgate.backends.sim import SimEngine
 from qosgate.config.models import PolicyConfig, SimBackendConfig
 from qosgate.config.scheduling import scheduling_policy
 from qosgate.core.request import Outcome, Request
-from qosgate.core.scheduler import BackendCapacity, SchedulePlan, Scheduler
+from qosgate.core.scheduler import SchedulePlan, Scheduler
 from qosgate.sim.workload import Arrival
 
 _INF = math.inf
@@ -51,11 +51,6 @@ def _request(arrival: Arrival) -> Request:
         arrival.id, arrival.tenant, arrival.tier, arrival.prompt_tokens, arrival.max_tokens,
         arrival.t, priority_offset=arrival.priority_offset,
     )  # fmt: skip
-
-
-def _capacity(engine: SimEngine) -> BackendCapacity:
-    cap = engine.capacity()
-    return BackendCapacity(cap.free_slots, cap.free_kv_tokens, cap.kv_capacity_tokens)
 
 
 def run_policy(
@@ -105,7 +100,7 @@ def run_policy(
     def schedule() -> None:
         # A preemption frees room that this same instant can use.
         while True:
-            plan = scheduler.schedule(now, _capacity(engine))
+            plan = scheduler.schedule(now, engine.capacity())
             carry_out(plan)
             if not plan.preempt:
                 return
