@@ -708,11 +708,8 @@ class OpenAIBackend(Backend):
                 for name, context in contexts.items():
                     # The smallest any upstream serves it with: a request may go to any.
                     self._contexts[name] = min(context, self._contexts.get(name, context))
-                if self._learn_models and models:
-                    known = set(self.models)
-                    new = tuple(m for m in models if m not in known)
-                    if new:
-                        self.models = self.models + new
+                if self._learn_models:
+                    self.models = tuple(dict.fromkeys((*self.models, *models)))
             else:
                 self._mark_unhealthy(upstream, reason, recheck=False)
         distinct = set(self._contexts.values())
