@@ -759,10 +759,8 @@ class OpenAIBackend(Backend):
         the next one timed (a timer, not a sleeping task: one read at a time,
         and nothing to wake on close)."""
         try:
-            readers = [self._read_metrics(u) for u in self._upstreams
-                       if u.healthy and u.reports is not False]  # fmt: skip
-            if readers:
-                await asyncio.gather(*readers)
+            await asyncio.gather(*(self._read_metrics(u) for u in self._upstreams
+                                   if u.healthy and u.reports is not False))  # fmt: skip
         except Exception:
             log.exception("metrics round failed")
         finally:
