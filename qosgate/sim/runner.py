@@ -97,14 +97,6 @@ def run_policy(
                 run.batch_sizes.append(size)
         wakeup = plan.wakeup_at if plan.wakeup_at is not None else _INF
 
-    def schedule() -> None:
-        # A preemption frees room that this same instant can use.
-        while True:
-            plan = scheduler.schedule(now, engine.capacity())
-            carry_out(plan)
-            if not plan.preempt:
-                return
-
     while True:
         t_arrival = arrivals[next_arrival].t if next_arrival < n else _INF
         t_ready = engine.next_ready_at()
@@ -125,7 +117,6 @@ def run_policy(
             for seq_id in result.finished:
                 scheduler.finish(seq_id, now, Outcome.COMPLETED, true_output[seq_id])
             run.engine_preemptions += len(result.preempted)
-            schedule()
         elif now == t_arrival:
             # Every arrival at this instant is submitted before one schedule.
             while next_arrival < n and arrivals[next_arrival].t <= now:
@@ -137,9 +128,12 @@ def run_policy(
             if progress is not None and next_arrival >= next_progress:
                 progress(next_arrival / n)
                 next_progress = next_arrival + max(1, n // 20)
-            schedule()
-        else:
-            schedule()
+        # A preemption frees room that this same instant can use.
+        while True:
+            plan = scheduler.schedule(now, engine.capacity())
+            carry_out(plan)
+            if not plan.preempt:
+                break
 
         if step_end == _INF and engine.has_work():
             step = engine.step()
