@@ -363,10 +363,9 @@ class SimEngine:
             self._finish(seq)
             finished.append(seq.id)
 
-        prefill_tokens = sum(lengths)
         return StepResult(
             duration=duration_ms / 1000.0,
-            prefill_tokens=prefill_tokens,
+            prefill_tokens=sum(lengths),
             decode_tokens=decodes,
             batch_size=decodes + len(chunks),
             first_token=first_token,

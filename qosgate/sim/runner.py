@@ -175,8 +175,7 @@ def measure_capacity(
     """
     engine = SimEngine.from_config(engine_cfg)
     overhead = engine.request_overhead_s
-    pending = list(workload)
-    pending.reverse()
+    pending = list(reversed(workload))
     sizes = {a.id: a.prompt_tokens + a.output_tokens for a in workload}
     now = 0.0
     finishes: list[tuple[float, int]] = []
