@@ -86,11 +86,8 @@ class CostProfile(BaseModel):
     def step_ms(
         self, prefill_chunks: Sequence[int], decode_seqs: int, decode_context_tokens: int
     ) -> float:
-        p = 0
-        q = 0
-        for chunk in prefill_chunks:
-            p += chunk
-            q += chunk * chunk
+        p = sum(prefill_chunks)
+        q = sum(chunk * chunk for chunk in prefill_chunks)
         d = decode_seqs if self.decode_exponent == 1.0 else decode_seqs**self.decode_exponent
         return (
             self.t0_ms
@@ -137,12 +134,9 @@ def load_profile_file(path: str | Path) -> CostProfile:
 
 def _builtins() -> dict[str, CostProfile]:
     folder = resources.files("qosgate") / "sim_profiles"
-    found = {}
-    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
-        if entry.name.endswith(".yaml"):
-            profile = load_profile_file(Path(str(entry)))
-            found[profile.name] = profile
-    return found
+    files = sorted(str(entry) for entry in folder.iterdir() if entry.name.endswith(".yaml"))
+    profiles = [load_profile_file(Path(file)) for file in files]
+    return {profile.name: profile for profile in profiles}
 
 
 PROFILES: dict[str, CostProfile] = _builtins()

@@ -288,10 +288,10 @@ def test_qos_protects_interactive_ttft_under_overload(tmp_path: Path) -> None:
 def test_a_missing_referenced_file_is_named_relative_to_the_scenario(tmp_path: Path, field: str) -> None:
     from pydantic import ValidationError
 
-    from qosgate.sim.scenario import Scenario, scenario_base_dir
+    from qosgate.sim.scenario import Scenario
 
     data: dict = {"name": "x", "duration_s": 1, "policy": {"tiers": {"t": {"priority": 0}}}}
     data[field] = "missing.file"
-    with scenario_base_dir(tmp_path), pytest.raises(ValidationError) as error:
-        Scenario.model_validate(data)
+    with pytest.raises(ValidationError) as error:
+        Scenario.model_validate(data, context={"base_dir": tmp_path})
     assert f"{field} file {str(tmp_path / 'missing.file')!r} not found" in str(error.value)

@@ -195,9 +195,6 @@ class _Upstream:
             return self.cfg.max_concurrency or _UNREPORTED_LIMIT
         return self.room.limit
 
-    def has_room(self) -> bool:
-        return self.healthy and self.in_flight < self.limit
-
 
 async def _cancel(task: asyncio.Task[None] | None) -> None:
     if task is not None:
@@ -331,7 +328,6 @@ class OpenAIBackend(Backend):
         self._calls: weakref.WeakValueDictionary[str, _Call] = weakref.WeakValueDictionary()
         self._recheck = asyncio.Event()
         self._rr = 0
-        self._started = False
         self._closed = False
         # A streamed answer comes a piece at a time, so silence between pieces
         # means a hung upstream; a whole answer is silent until it is done.
@@ -370,7 +366,6 @@ class OpenAIBackend(Backend):
             cookie_jar=aiohttp.DummyCookieJar(),
         )
         self._loop = asyncio.get_running_loop()
-        self._started = True
         await self._check_all()
         if not any(u.healthy for u in self._upstreams):
             log.warning("no upstream answered its health check; will keep checking")
@@ -388,7 +383,6 @@ class OpenAIBackend(Backend):
             return
         self._closed = True
         await _cancel(self._health_task)
-        self._health_task = None
         if self._metrics_timer is not None:
             self._metrics_timer.cancel()
         await _cancel(self._metrics_task)
@@ -400,7 +394,7 @@ class OpenAIBackend(Backend):
 
     def ready(self) -> bool:
         # Asked at least once per dispatch: a plain loop, not any() over a generator.
-        if self._started and not self._closed:
+        if self._session is not None and not self._closed:
             for upstream in self._upstreams:
                 if upstream.healthy:
                     return True
@@ -452,7 +446,7 @@ class OpenAIBackend(Backend):
                 home = max(healthy, key=lambda u: _rendezvous_score(key, u))
                 if home.in_flight < home.limit:
                     return home
-        candidates = [u for u in self._upstreams if u.has_room()]
+        candidates = [u for u in self._upstreams if u.healthy and u.in_flight < u.limit]
         if not candidates:
             # The dispatcher hands over only what capacity() allowed, but an
             # engine report may have shrunk a learned room since: the request
@@ -714,11 +708,8 @@ class OpenAIBackend(Backend):
                 for name, context in contexts.items():
                     # The smallest any upstream serves it with: a request may go to any.
                     self._contexts[name] = min(context, self._contexts.get(name, context))
-                if self._learn_models and models:
-                    known = set(self.models)
-                    new = tuple(m for m in models if m not in known)
-                    if new:
-                        self.models = self.models + new
+                if self._learn_models:
+                    self.models = tuple(dict.fromkeys((*self.models, *models)))
             else:
                 self._mark_unhealthy(upstream, reason, recheck=False)
         distinct = set(self._contexts.values())
@@ -768,10 +759,8 @@ class OpenAIBackend(Backend):
         the next one timed (a timer, not a sleeping task: one read at a time,
         and nothing to wake on close)."""
         try:
-            readers = [self._read_metrics(u) for u in self._upstreams
-                       if u.healthy and u.reports is not False]  # fmt: skip
-            if readers:
-                await asyncio.gather(*readers)
+            await asyncio.gather(*(self._read_metrics(u) for u in self._upstreams
+                                   if u.healthy and u.reports is not False))  # fmt: skip
         except Exception:
             log.exception("metrics round failed")
         finally:
@@ -987,15 +976,10 @@ async def _read_to_eof(content: aiohttp.StreamReader) -> bool:
 
 
 async def _read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes:
-    parts: list[bytes] = []
-    size = 0
-    while size < limit:
-        part = await response.content.read(limit - size)
-        if not part:
-            break
-        parts.append(part)
-        size += len(part)
-    return b"".join(parts)
+    try:
+        return await response.content.readexactly(limit)
+    except asyncio.IncompleteReadError as short:
+        return short.partial
 
 
 class _EventStream:

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from qosgate.core.scheduler import BackendCapacity
 from qosgate.profiles import CostProfile, get_profile
 
 if TYPE_CHECKING:
@@ -31,19 +32,17 @@ if TYPE_CHECKING:
 # Engine
 
 
-@dataclass(frozen=True)
-class EngineCapacity:
-    free_slots: int
-    """max_num_seqs - running - waiting, never below 0."""
-    free_kv_tokens: int
-    """KV capacity - allocated - what is promised but not yet allocated: the prompts
-    of engine-waiting sequences (and those on their way), and the rest of each prefill in progress with its
-    first output token. Never below 0."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineCapacity(BackendCapacity):
+    """What the backend port reports, and the engine's own counts. Free slots:
+    max_num_seqs - running - waiting. Free KV: capacity - allocated - what is
+    promised but not yet allocated: the prompts of engine-waiting sequences
+    (and those on their way), and the rest of each prefill in progress with
+    its first output token. Both never below 0."""
+
     running: int
     waiting: int
     """In the engine's waiting queue or on their way to it."""
-    max_num_seqs: int
-    kv_capacity_tokens: int
 
 
 @dataclass
@@ -252,10 +251,9 @@ class SimEngine:
         return EngineCapacity(
             free_slots=max(0, self.max_num_seqs - running - waiting),
             free_kv_tokens=max(0, self.kv_capacity_tokens - reserved),
+            kv_capacity_tokens=self.kv_capacity_tokens,
             running=running,
             waiting=waiting,
-            max_num_seqs=self.max_num_seqs,
-            kv_capacity_tokens=self.kv_capacity_tokens,
         )
 
     def has_work(self) -> bool:
@@ -365,10 +363,9 @@ class SimEngine:
             self._finish(seq)
             finished.append(seq.id)
 
-        prefill_tokens = sum(lengths)
         return StepResult(
             duration=duration_ms / 1000.0,
-            prefill_tokens=prefill_tokens,
+            prefill_tokens=sum(lengths),
             decode_tokens=decodes,
             batch_size=decodes + len(chunks),
             first_token=first_token,

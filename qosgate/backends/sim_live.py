@@ -93,8 +93,6 @@ class SimBackend(Backend):
         self._work = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._ready = False
-        self.steps = 0
-        """Engine steps run (for tests and stats)."""
         self.engine_preemptions = 0
         """Sequences the engine preempted for lack of KV (recomputed)."""
 
@@ -121,8 +119,7 @@ class SimBackend(Backend):
         return self._ready
 
     def capacity(self) -> BackendCapacity:
-        cap = self.engine.capacity()
-        return BackendCapacity(cap.free_slots, cap.free_kv_tokens, cap.kv_capacity_tokens)
+        return self.engine.capacity()
 
     def count_prompt_tokens(self, endpoint: str, body: dict[str, Any]) -> int:
         return estimate_prompt_tokens(endpoint, body)
@@ -207,7 +204,6 @@ class SimBackend(Backend):
                         await self._work.wait()
                 continue
             step = engine.step()
-            self.steps += 1
             self.engine_preemptions += len(step.preempted)
             # The modelled GPU time of the step; its tokens exist at its end.
             now = loop.time()

@@ -18,10 +18,7 @@ TOOLS = "tools"
 LOGIT_BIAS = "logit_bias"
 ECHO = "echo"
 SUFFIX = "suffix"
-IMAGE_URL = "image_url"
-INPUT_AUDIO = "input_audio"
-FILE = "file"
-MEDIA = (IMAGE_URL, INPUT_AUDIO, FILE)
+MEDIA = ("image_url", "input_audio", "file")
 """Content parts other than text, each a capability of its own."""
 
 

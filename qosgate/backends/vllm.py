@@ -235,8 +235,7 @@ class VllmBackend(Backend):
         self._stop_watchdog()
         for request_id in list(self._runs):
             self.abort(request_id)
-        if self._aborts:
-            await asyncio.gather(*self._aborts, return_exceptions=True)
+        await asyncio.gather(*self._aborts, return_exceptions=True)
         for task in (self._starting, self._restarting):
             if task is not None and not task.done():
                 # A thread building an engine cannot be interrupted; that
@@ -304,8 +303,7 @@ class VllmBackend(Backend):
         )
 
     async def _restart(self, old: Any) -> None:
-        if self._aborts:
-            await asyncio.gather(*self._aborts, return_exceptions=True)
+        await asyncio.gather(*self._aborts, return_exceptions=True)
         if old is not None:
             try:
                 await asyncio.to_thread(old.shutdown)

@@ -64,7 +64,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     if args.json_path:
         payload = results[0][0] if len(results) == 1 else {
             "scenario": scenario.name, "runs": [r for r, _ in results]}
-        Path(args.json_path).write_text(json.dumps(payload, indent=2, default=_json_default))
+        Path(args.json_path).write_text(json.dumps(payload, indent=2))
         print(f"wrote {args.json_path}")
     if args.plot_path:
         for result, series in results:
@@ -74,12 +74,6 @@ def simulate_command(args: argparse.Namespace) -> int:
             plot_run(result, series, path)
             print(f"wrote {path}")
     return 0 if all_passed else 1
-
-
-def _json_default(value: Any) -> Any:
-    if hasattr(value, "item"):
-        return value.item()
-    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
 class Simulation:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import math
 from bisect import bisect_right
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +49,7 @@ def _queue_wait(request: Request) -> float | None:
 def _tier_stats(
     requests: list[Request], tier: TierConfig | None, window_len: float
 ) -> dict:
-    counts: dict[Outcome | None, int] = defaultdict(int)
-    for request in requests:
-        counts[request.outcome] += 1
+    counts = Counter(request.outcome for request in requests)
     rejected_quota = counts[Outcome.REJECTED_QUOTA]
     judged = len(requests) - rejected_quota
     met = sum(1 for request in requests if met_slo(request, tier))
@@ -107,14 +105,8 @@ class _ServiceLedger:
         # A run shorter than one fairness window is judged as a single window.
         self.width = width if count >= 1 else end - start
         self.count = max(count, 1)
-        self.windows: dict[str, list[float]] = {}
+        self.windows: dict[str, list[float]] = defaultdict(lambda: [0.0] * self.count)
         self.total: dict[str, float] = defaultdict(float)
-
-    def _bins(self, tenant: str) -> list[float]:
-        bins = self.windows.get(tenant)
-        if bins is None:
-            bins = self.windows[tenant] = [0.0] * self.count
-        return bins
 
     def _point(self, tenant: str, t: float, amount: float) -> None:
         if not self.start <= t < self.end:
@@ -122,7 +114,7 @@ class _ServiceLedger:
         self.total[tenant] += amount
         k = int((t - self.start) // self.width)
         if k < self.count:
-            self._bins(tenant)[k] += amount
+            self.windows[tenant][k] += amount
 
     def _spread(self, tenant: str, t0: float, t1: float, amount: float) -> None:
         density = amount / (t1 - t0)
@@ -133,7 +125,7 @@ class _ServiceLedger:
         lo, hi = max(t0, self.start), min(t1, bins_end)
         if hi <= lo:
             return
-        bins = self._bins(tenant)
+        bins = self.windows[tenant]
         first = int((lo - self.start) // self.width)
         last = min(int((hi - self.start) // self.width), self.count - 1)
         for k in range(first, last + 1):
@@ -199,11 +191,7 @@ def _service_differences(
         if len(tenants) < 2:
             continue
         for k in range(ledger.count):
-            served = [
-                ledger.windows[t][k] if t in ledger.windows else 0.0
-                for t in tenants
-                if backlog[t][k]
-            ]
+            served = [ledger.windows[t][k] for t in tenants if backlog[t][k]]
             if len(served) >= 2:
                 top = max(served)
                 diffs[k] += sum(top - s for s in served)
@@ -332,14 +320,16 @@ _COLUMNS = (
 )
 
 
+_HEADER = (
+    ("load", "load {:g}x"),
+    ("rate_rps", "rate {:.2f} req/s"),
+    ("capacity_rps", "capacity {:.2f} req/s"),
+)
+
+
 def _header(result: dict) -> str:
     parts = [f"scenario {result.get('scenario', '?')}"]
-    if result.get("load") is not None:
-        parts.append(f"load {result['load']:g}x")
-    if result.get("rate_rps") is not None:
-        parts.append(f"rate {result['rate_rps']:.2f} req/s")
-    if result.get("capacity_rps") is not None:
-        parts.append(f"capacity {result['capacity_rps']:.2f} req/s")
+    parts += [form.format(result[key]) for key, form in _HEADER if result.get(key) is not None]
     return "  ".join(parts)
 
 

@@ -18,7 +18,7 @@ from qosgate.backends.sim import SimEngine
 from qosgate.config.models import PolicyConfig, SimBackendConfig
 from qosgate.config.scheduling import scheduling_policy
 from qosgate.core.request import Outcome, Request
-from qosgate.core.scheduler import BackendCapacity, SchedulePlan, Scheduler
+from qosgate.core.scheduler import SchedulePlan, Scheduler
 from qosgate.sim.workload import Arrival
 
 _INF = math.inf
@@ -51,11 +51,6 @@ def _request(arrival: Arrival) -> Request:
         arrival.id, arrival.tenant, arrival.tier, arrival.prompt_tokens, arrival.max_tokens,
         arrival.t, priority_offset=arrival.priority_offset,
     )  # fmt: skip
-
-
-def _capacity(engine: SimEngine) -> BackendCapacity:
-    cap = engine.capacity()
-    return BackendCapacity(cap.free_slots, cap.free_kv_tokens, cap.kv_capacity_tokens)
 
 
 def run_policy(
@@ -102,14 +97,6 @@ def run_policy(
                 run.batch_sizes.append(size)
         wakeup = plan.wakeup_at if plan.wakeup_at is not None else _INF
 
-    def schedule() -> None:
-        # A preemption frees room that this same instant can use.
-        while True:
-            plan = scheduler.schedule(now, _capacity(engine))
-            carry_out(plan)
-            if not plan.preempt:
-                return
-
     while True:
         t_arrival = arrivals[next_arrival].t if next_arrival < n else _INF
         t_ready = engine.next_ready_at()
@@ -130,7 +117,6 @@ def run_policy(
             for seq_id in result.finished:
                 scheduler.finish(seq_id, now, Outcome.COMPLETED, true_output[seq_id])
             run.engine_preemptions += len(result.preempted)
-            schedule()
         elif now == t_arrival:
             # Every arrival at this instant is submitted before one schedule.
             while next_arrival < n and arrivals[next_arrival].t <= now:
@@ -142,9 +128,12 @@ def run_policy(
             if progress is not None and next_arrival >= next_progress:
                 progress(next_arrival / n)
                 next_progress = next_arrival + max(1, n // 20)
-            schedule()
-        else:
-            schedule()
+        # A preemption frees room that this same instant can use.
+        while True:
+            plan = scheduler.schedule(now, engine.capacity())
+            carry_out(plan)
+            if not plan.preempt:
+                break
 
         if step_end == _INF and engine.has_work():
             step = engine.step()
@@ -186,8 +175,7 @@ def measure_capacity(
     """
     engine = SimEngine.from_config(engine_cfg)
     overhead = engine.request_overhead_s
-    pending = list(workload)
-    pending.reverse()
+    pending = list(reversed(workload))
     sizes = {a.id: a.prompt_tokens + a.output_tokens for a in workload}
     now = 0.0
     finishes: list[tuple[float, int]] = []

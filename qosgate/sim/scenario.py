@@ -8,11 +8,10 @@ frozen and forbids unknown keys, so a typo is an error that names the field.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
+import operator
 from pathlib import Path
-from typing import Annotated, Any, Iterator, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
     BeforeValidator,
@@ -37,29 +36,13 @@ from qosgate.config.models import (
 
 SchedulerPolicy = Literal["fcfs", "strict", "qos"]
 
-# Relative paths inside a scenario (policy file, trace) are relative to the
-# scenario file. The YAML loader does not know about validation contexts, so
-# load_scenario() publishes the directory here for the validators to read.
-_BASE_DIR: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
-    "qosgate_scenario_base_dir", default=None
-)
-
-
-@contextlib.contextmanager
-def scenario_base_dir(path: str | Path) -> Iterator[None]:
-    """Resolve relative paths of scenarios validated inside this block against `path`."""
-    token = _BASE_DIR.set(Path(path))
-    try:
-        yield
-    finally:
-        _BASE_DIR.reset(token)
-
-
 def _existing_file(value: str, info: ValidationInfo, what: str) -> Path:
+    # Relative paths inside a scenario (policy file, trace) are relative to the
+    # scenario file, which the loader passes as the validation context's base_dir.
     path = Path(value).expanduser()
     if not path.is_absolute():
         context = info.context if isinstance(info.context, dict) else {}
-        path = Path(context.get("base_dir") or _BASE_DIR.get() or Path.cwd()) / path
+        path = Path(context.get("base_dir") or Path.cwd()) / path
     if not path.is_file():
         raise ValueError(f"{what} file {str(path)!r} not found")
     return path
@@ -365,9 +348,7 @@ class Scenario(StrictModel):
 def load_scenario(path: str | Path) -> Scenario:
     """Read and validate a scenario YAML; its relative paths resolve against its
     directory. Raises qosgate.config.ConfigError listing each problem with its line."""
-    path = Path(path)
-    with scenario_base_dir(path.resolve().parent):
-        return load_model(Scenario, path)
+    return load_model(Scenario, Path(path))
 
 
 # -- targets ---------------------------------------------------------------------------
@@ -409,12 +390,11 @@ def _number(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _compare(value: float, op: str, threshold: float) -> bool:
-    if op == ">=":
-        return value >= threshold
-    if op == "<=":
-        return value <= threshold
-    return math.isclose(value, threshold, rel_tol=1e-9, abs_tol=1e-12)
+_COMPARE = {
+    ">=": operator.ge,
+    "<=": operator.le,
+    "==": lambda value, threshold: math.isclose(value, threshold, rel_tol=1e-9, abs_tol=1e-12),
+}
 
 
 _TARGET: TypeAdapter[MetricTarget | RatioTarget] = TypeAdapter(Target)
@@ -447,7 +427,7 @@ def evaluate_targets(targets: Any, result: dict) -> list[dict]:
                 "value": value,
                 "op": target.op,
                 "threshold": target.value,
-                "passed": value is not None and _compare(value, target.op, target.value),
+                "passed": value is not None and _COMPARE[target.op](value, target.value),
             }
         )
     return checked
