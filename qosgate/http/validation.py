@@ -381,13 +381,10 @@ _Stop = _field(
         ]
     },
 )
+_TOKEN_ID_SCHEMA = {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}
 _TokenIds = _field(
     _token_ids(MAX_STOP_TOKEN_IDS),
-    {
-        "type": "array",
-        "maxItems": MAX_STOP_TOKEN_IDS,
-        "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID},
-    },
+    {"type": "array", "maxItems": MAX_STOP_TOKEN_IDS, "items": _TOKEN_ID_SCHEMA},
 )
 
 def nullable(schema: dict[str, Any]) -> dict[str, Any]:
@@ -395,7 +392,7 @@ def nullable(schema: dict[str, Any]) -> dict[str, Any]:
     return {"anyOf": [schema, {"type": "null"}]}
 
 
-_NAME_SCHEMA = {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}
+_NAME_SCHEMA = {"type": "string", "pattern": f"^{_FUNCTION_NAME.pattern}$"}
 _OBJECT = {"type": "object"}
 
 
@@ -443,14 +440,13 @@ _RESPONSE_FORMAT_SCHEMA = {
 }
 
 
-_TOKEN_ID_SCHEMA = {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}
 _ModelName = _field(_model_name, {"type": "string", "pattern": NOT_ONLY_SPACE})
 _LogitBias = _field(
     _logit_bias,
     {
         "type": "object",
         "maxProperties": MAX_LOGIT_BIAS,
-        "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+        "propertyNames": {"pattern": f"^{_TOKEN_KEY.pattern}$"},
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
     },
 )
@@ -700,12 +696,13 @@ def _message(error: dict[str, Any], param: str | None) -> str:
     return f"Invalid value for '{param}': {error['msg']}."
 
 
-_INTEGER_FIELDS = (
+_REWRITTEN_FIELDS = (
     "max_tokens", "max_completion_tokens", "n", "priority", "seed", "top_k", "min_tokens",
-    "top_logprobs", "best_of", "logprobs",
+    "top_logprobs", "best_of", "logprobs", "prompt", "stop_token_ids",
 )  # fmt: skip
 """Fields read as integers (`logprobs` is one for completions; for chat, a
-float there is refused as not a boolean)."""
+float there is refused as not a boolean) or as arrays of token ids: a whole
+float there is the parsed integer in the body the backend gets."""
 
 
 def validate_body(
@@ -743,12 +740,8 @@ def validate_body(
     if models and parsed.model not in models:
         raise ModelNotFound(parsed.model)
     fields = type(parsed).model_fields
-    for name in _INTEGER_FIELDS:
-        if isinstance(body.get(name), float) and name in fields:
-            body[name] = getattr(parsed, name)
-    for name in ("prompt", "stop_token_ids"):
-        # Token ids, possibly written as whole floats.
-        if isinstance(body.get(name), list) and name in fields:
+    for name in _REWRITTEN_FIELDS:
+        if isinstance(body.get(name), (float, list)) and name in fields:
             body[name] = getattr(parsed, name)
     if support is not None:
         check_support(parsed, support)
