@@ -236,10 +236,9 @@ class _BatchLevels(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         jobs, per_tenant = self._levels()
-        queued: dict[str, int] = {}
+        queued: collections.Counter[str] = collections.Counter()
         for tenant, count in per_tenant.items():
-            label = self._tenant(tenant)
-            queued[label] = queued.get(label, 0) + count
+            queued[self._tenant(tenant)] += count
         by_status = GaugeMetricFamily(
             f"{PREFIX}batch_jobs", "Batch jobs by status", labels=["status"]
         )
