@@ -450,15 +450,13 @@ _LogitBias = _field(
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
     },
 )
-_Metadata = _field(
-    _metadata,
-    {
-        "type": "object",
-        "maxProperties": 16,
-        "propertyNames": {"maxLength": 64},
-        "additionalProperties": {"type": "string", "maxLength": 512},
-    },
-)
+METADATA_SCHEMA = {
+    "type": "object",
+    "maxProperties": 16,
+    "propertyNames": {"maxLength": 64},
+    "additionalProperties": {"type": "string", "maxLength": 512},
+}
+_Metadata = _field(_metadata, METADATA_SCHEMA)
 _Content = _field(_content, {})
 _ResponseFormat = _field(_response_format, _RESPONSE_FORMAT_SCHEMA)
 _Tools = _field(_tools, {"type": "array", "maxItems": MAX_TOOLS, "items": _TOOL_SCHEMA})
