@@ -74,15 +74,20 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
+def _is_whole(value: Any) -> bool:
+    # JSON has one number type: `2.0` is the integer 2 to every JSON Schema
+    # reader (our OpenAPI document included), so it is taken as 2. JSON true
+    # is an int to Python, but not a number to JSON.
+    if isinstance(value, float):
+        return value.is_integer()
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _integer(low: int, high: int | None = None) -> Callable[[Any], int]:
     def check(value: Any) -> int:
-        # JSON has one number type: `2.0` is the integer 2 to every JSON Schema
-        # reader (our OpenAPI document included), so it is taken as 2. JSON
-        # true is an int to Python, but not a number to JSON.
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not _is_whole(value):
             raise _fail("int_type", f"expected an integer, but got {_type_name(value)}")
+        value = int(value)
         if value < low:
             raise _fail("too_small", f"must be at least {low}, got {short_number(value)}")
         if high is not None and value > high:
@@ -288,13 +293,6 @@ def _content(value: Any) -> str | list[dict[str, Any]] | None:
         if kind in ("text", "refusal") and not isinstance(part.get(kind), str):
             raise _fail("part_text", f"part {index} of type {kind!r} needs a string {kind!r}")
     return value
-
-
-def _is_whole(value: Any) -> bool:
-    # A JSON integer, which JSON Schema lets a client write as `3.0`.
-    if isinstance(value, float):
-        return value.is_integer()
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _prompt(value: Any) -> str | list[str] | list[int] | list[list[int]]:
