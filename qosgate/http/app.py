@@ -87,15 +87,8 @@ def build_app(
         # Jobs resume when the app starts and end before the gateway closes
         # (`qosgate serve` stops them itself, earlier, within its grace).
         service = state.batches
-
-        async def start_batches(_: web.Application) -> None:
-            await service.start()
-
-        async def stop_batches(_: web.Application) -> None:
-            await service.stop()
-
-        app.on_startup.append(start_batches)
-        app.on_shutdown.append(stop_batches)
+        app.on_startup.append(lambda _: service.start())
+        app.on_shutdown.append(lambda _: service.stop())
     # Every response the tenant gets, streamed or not, error or not, carries
     # its quota as it stood once checked.
     app.on_response_prepare.append(_before_headers)

@@ -104,10 +104,6 @@ class KeyRing:
             header_secret_digest=secret_digest,
         )
 
-    @property
-    def trusts_header(self) -> bool:
-        return self._secret_digest is not None
-
     def signed(self, headers: Mapping[str, str]) -> bool:
         """Whether the request carries the front gateway's secret."""
         presented = headers.get(SECRET_HEADER)

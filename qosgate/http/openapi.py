@@ -23,7 +23,7 @@ from qosgate.backends.support import LOGPROBS, PASSTHROUGH, RequestSupport
 from qosgate.runtime.errors import GatewayError
 
 from .responses import ANSWERS, CHOICES_WITH_LOGPROBS
-from .validation import NOT_ONLY_SPACE, Endpoint, request_schema
+from .validation import METADATA_SCHEMA, NOT_ONLY_SPACE, Endpoint, request_schema
 
 OPENAPI_VERSION = "3.1.0"
 
@@ -369,11 +369,7 @@ def _batch_request_schemas() -> dict[str, Any]:
                     "type": "string", "pattern": "^[1-9][0-9]{0,6}[smhd]$",
                     "description": "The deadline, e.g. `24h`; at most 7 days.",
                 },
-                "metadata": {
-                    "type": ["object", "null"], "maxProperties": 16,
-                    "propertyNames": {"maxLength": 64},
-                    "additionalProperties": {"type": "string", "maxLength": 512},
-                },
+                "metadata": {**METADATA_SCHEMA, "type": ["object", "null"]},
             },
         },  # fmt: skip
     }

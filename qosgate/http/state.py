@@ -9,7 +9,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from aiohttp import web
 
@@ -26,37 +26,32 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 
-def _key(name: str, kind: type) -> Any:
-    # Typed request keys are recent in aiohttp; a plain string works everywhere.
-    return web.RequestKey(name, kind) if hasattr(web, "RequestKey") else name
-
-
-REQUEST_ID = _key("qosgate.request_id", str)
-RATELIMIT = _key("qosgate.ratelimit", dict)
+REQUEST_ID = web.RequestKey("qosgate.request_id", str)
+RATELIMIT = web.RequestKey("qosgate.ratelimit", dict)
 """The x-ratelimit headers of the request's tenant, once its quota was checked."""
-ADMITTED = _key("qosgate.admitted", bool)
+ADMITTED = web.RequestKey("qosgate.admitted", bool)
 """Set once the request is handed to the runtime (`Gateway.admit`), which from
 then on counts its outcome, refused or not."""
-TIER = _key("qosgate.tier", str)
-TENANT = _key("qosgate.tenant", str)
+TIER = web.RequestKey("qosgate.tier", str)
+TENANT = web.RequestKey("qosgate.tenant", str)
 """The tenant and tier, once the request's identity is known."""
-MODEL = _key("qosgate.model", object)
+MODEL = web.RequestKey("qosgate.model", object)
 """The `model` of the request's body as its client wrote it, once the body is
 read (the metrics count a refusal under it, bounded to the served names)."""
-OUTCOME = _key("qosgate.outcome", str)
+OUTCOME = web.RequestKey("qosgate.outcome", str)
 """The outcome of a request refused with an error status (the admitted
 request's own is on its record)."""
-RECORD = _key("qosgate.record", object)
+RECORD = web.RequestKey("qosgate.record", object)
 """The admitted request's record (`core.request.Request`)."""
-TRACE_HEADERS = _key("qosgate.trace_headers", dict)
+TRACE_HEADERS = web.RequestKey("qosgate.trace_headers", dict)
 """The request's trace context as W3C headers, when it is traced."""
-CLIENT_REQUEST_ID = _key("qosgate.client_request_id", str)
+CLIENT_REQUEST_ID = web.RequestKey("qosgate.client_request_id", str)
 """The client's own X-Request-Id, when it is a valid one: echoed back."""
-BAD_FORWARDING = _key("qosgate.bad_forwarding", str)
+BAD_FORWARDING = web.RequestKey("qosgate.bad_forwarding", str)
 """Set when a trusted proxy's X-Forwarded-For cannot be read: why (the
 request is then refused inside the error middleware, so that it is rendered
 and audited like any other refusal)."""
-VIA_PROXY = _key("qosgate.via_proxy", bool)
+VIA_PROXY = web.RequestKey("qosgate.via_proxy", bool)
 """True when the connection is a trusted proxy's and no client address could
 be found beyond it: `request.remote` is then the proxy itself."""
 REQUEST_ID_HEADER = "x-request-id"

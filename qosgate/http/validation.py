@@ -74,15 +74,20 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
+def _is_whole(value: Any) -> bool:
+    # JSON has one number type: `2.0` is the integer 2 to every JSON Schema
+    # reader (our OpenAPI document included), so it is taken as 2. JSON true
+    # is an int to Python, but not a number to JSON.
+    if isinstance(value, float):
+        return value.is_integer()
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _integer(low: int, high: int | None = None) -> Callable[[Any], int]:
     def check(value: Any) -> int:
-        # JSON has one number type: `2.0` is the integer 2 to every JSON Schema
-        # reader (our OpenAPI document included), so it is taken as 2. JSON
-        # true is an int to Python, but not a number to JSON.
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not _is_whole(value):
             raise _fail("int_type", f"expected an integer, but got {_type_name(value)}")
+        value = int(value)
         if value < low:
             raise _fail("too_small", f"must be at least {low}, got {short_number(value)}")
         if high is not None and value > high:
@@ -290,13 +295,6 @@ def _content(value: Any) -> str | list[dict[str, Any]] | None:
     return value
 
 
-def _is_whole(value: Any) -> bool:
-    # A JSON integer, which JSON Schema lets a client write as `3.0`.
-    if isinstance(value, float):
-        return value.is_integer()
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _prompt(value: Any) -> str | list[str] | list[int] | list[list[int]]:
     if isinstance(value, str):
         return value
@@ -381,13 +379,10 @@ _Stop = _field(
         ]
     },
 )
+_TOKEN_ID_SCHEMA = {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}
 _TokenIds = _field(
     _token_ids(MAX_STOP_TOKEN_IDS),
-    {
-        "type": "array",
-        "maxItems": MAX_STOP_TOKEN_IDS,
-        "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID},
-    },
+    {"type": "array", "maxItems": MAX_STOP_TOKEN_IDS, "items": _TOKEN_ID_SCHEMA},
 )
 
 def nullable(schema: dict[str, Any]) -> dict[str, Any]:
@@ -395,7 +390,7 @@ def nullable(schema: dict[str, Any]) -> dict[str, Any]:
     return {"anyOf": [schema, {"type": "null"}]}
 
 
-_NAME_SCHEMA = {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}
+_NAME_SCHEMA = {"type": "string", "pattern": f"^{_FUNCTION_NAME.pattern}$"}
 _OBJECT = {"type": "object"}
 
 
@@ -443,26 +438,23 @@ _RESPONSE_FORMAT_SCHEMA = {
 }
 
 
-_TOKEN_ID_SCHEMA = {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}
 _ModelName = _field(_model_name, {"type": "string", "pattern": NOT_ONLY_SPACE})
 _LogitBias = _field(
     _logit_bias,
     {
         "type": "object",
         "maxProperties": MAX_LOGIT_BIAS,
-        "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+        "propertyNames": {"pattern": f"^{_TOKEN_KEY.pattern}$"},
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
     },
 )
-_Metadata = _field(
-    _metadata,
-    {
-        "type": "object",
-        "maxProperties": 16,
-        "propertyNames": {"maxLength": 64},
-        "additionalProperties": {"type": "string", "maxLength": 512},
-    },
-)
+METADATA_SCHEMA = {
+    "type": "object",
+    "maxProperties": 16,
+    "propertyNames": {"maxLength": 64},
+    "additionalProperties": {"type": "string", "maxLength": 512},
+}
+_Metadata = _field(_metadata, METADATA_SCHEMA)
 _Content = _field(_content, {})
 _ResponseFormat = _field(_response_format, _RESPONSE_FORMAT_SCHEMA)
 _Tools = _field(_tools, {"type": "array", "maxItems": MAX_TOOLS, "items": _TOOL_SCHEMA})
@@ -700,12 +692,13 @@ def _message(error: dict[str, Any], param: str | None) -> str:
     return f"Invalid value for '{param}': {error['msg']}."
 
 
-_INTEGER_FIELDS = (
+_REWRITTEN_FIELDS = (
     "max_tokens", "max_completion_tokens", "n", "priority", "seed", "top_k", "min_tokens",
-    "top_logprobs", "best_of", "logprobs",
+    "top_logprobs", "best_of", "logprobs", "prompt", "stop_token_ids",
 )  # fmt: skip
 """Fields read as integers (`logprobs` is one for completions; for chat, a
-float there is refused as not a boolean)."""
+float there is refused as not a boolean) or as arrays of token ids: a whole
+float there is the parsed integer in the body the backend gets."""
 
 
 def validate_body(
@@ -743,12 +736,8 @@ def validate_body(
     if models and parsed.model not in models:
         raise ModelNotFound(parsed.model)
     fields = type(parsed).model_fields
-    for name in _INTEGER_FIELDS:
-        if isinstance(body.get(name), float) and name in fields:
-            body[name] = getattr(parsed, name)
-    for name in ("prompt", "stop_token_ids"):
-        # Token ids, possibly written as whole floats.
-        if isinstance(body.get(name), list) and name in fields:
+    for name in _REWRITTEN_FIELDS:
+        if isinstance(body.get(name), (float, list)) and name in fields:
             body[name] = getattr(parsed, name)
     if support is not None:
         check_support(parsed, support)

@@ -40,7 +40,7 @@ class Observer:
     def close(self) -> None:
         """The gateway has ended every request: what the trace holds is written."""
         if self.trace is not None:
-            self.trace.close()
+            self.trace.flush()
         if self.tracing is not None:
             self.tracing.close()
 

@@ -78,16 +78,15 @@ def request_finished(req: Request, usage: tuple[int, int] | None) -> None:
     """The one line per finished request: outcome, waits, TTFT and tokens.
     Never the prompt (the record holds none)."""
     assert req.outcome is not None and req.finished_at is not None
-    ms = _ms
     request_log.info(
         "request",
         request_id=req.id,
         tenant=req.tenant,
         tier=req.tier,
         outcome=req.outcome.value,
-        queue_wait_ms=ms(req.arrival, req.dispatched_at),
-        ttft_ms=ms(req.arrival, req.first_token_at),
-        e2e_ms=ms(req.arrival, req.finished_at),
+        queue_wait_ms=_ms(req.arrival, req.dispatched_at),
+        ttft_ms=_ms(req.arrival, req.first_token_at),
+        e2e_ms=_ms(req.arrival, req.finished_at),
         prompt_tokens=usage[0] if usage else 0,
         completion_tokens=usage[1] if usage else 0,
         preemptions=req.preemptions,

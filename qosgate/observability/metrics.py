@@ -62,49 +62,49 @@ class _Levels(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         snap = self._snapshot()
-        depth = GaugeMetricFamily(f"{PREFIX}queue_depth", "Requests queued", labels=["tier"])
-        tokens = GaugeMetricFamily(
-            f"{PREFIX}queue_tokens", "Prompt + max tokens of the queued requests", labels=["tier"]
-        )
-        oldest = GaugeMetricFamily(
-            f"{PREFIX}oldest_wait_seconds", "Wait of the oldest queued request", labels=["tier"]
-        )
-        for tier, t in snap.get("tiers", {}).items():
-            depth.add_metric([tier], t["queued"])
-            tokens.add_metric([tier], t["queued_tokens"])
-            oldest.add_metric([tier], t["oldest_wait_s"])
-        backend = snap.get("backend", {})
-        inflight = GaugeMetricFamily(f"{PREFIX}backend_inflight", "Requests the backend is running")
-        inflight.add_metric([], snap.get("running", 0))
-        capacity = GaugeMetricFamily(
-            f"{PREFIX}backend_capacity", "Requests the backend could run at once (running + free slots)"
-        )
-        capacity.add_metric([], snap.get("running", 0) + backend.get("free_slots", 0))
-        restarts = CounterMetricFamily(
-            f"{PREFIX}backend_restarts",
-            "Engines the backend started again after one died or wedged",
-        )
-        restarts.add_metric([], backend.get("restarts", 0))
-        yield from (depth, tokens, oldest, inflight, capacity, restarts)
-        quota_store = snap.get("quota_store", {})
-        for name, counter, text in _QUOTA_STORE_COUNTERS:
-            family = CounterMetricFamily(f"{PREFIX}{name}", text)
-            family.add_metric([], quota_store.get(counter, 0))
+        tiers = snap.get("tiers", {}).items()
+        for name, key, text in _TIER_LEVELS:
+            family = GaugeMetricFamily(f"{PREFIX}{name}", text, labels=["tier"])
+            for tier, levels in tiers:
+                family.add_metric([tier], levels[key])
             yield family
+        backend = snap.get("backend", {})
+        running = snap.get("running", 0)
+        quota_store = snap.get("quota_store", {})
+        unlabelled = [
+            (GaugeMetricFamily, "backend_inflight", "Requests the backend is running", running),
+            (GaugeMetricFamily, "backend_capacity",
+             "Requests the backend could run at once (running + free slots)",
+             running + backend.get("free_slots", 0)),
+            (CounterMetricFamily, "backend_restarts",
+             "Engines the backend started again after one died or wedged",
+             backend.get("restarts", 0)),
+            *((CounterMetricFamily, name, text, quota_store.get(counter, 0))
+              for name, counter, text in _QUOTA_STORE_COUNTERS),
+        ]  # fmt: skip
         if "up" in quota_store:
-            for name, text, value in (
-                ("quota_store_up", "1 while the quota store answers (as of its last call), else 0",
-                 quota_store["up"]),
-                ("quota_store_failing_open",
+            unlabelled += [
+                (GaugeMetricFamily, "quota_store_up",
+                 "1 while the quota store answers (as of its last call), else 0",
+                 float(quota_store["up"])),
+                (GaugeMetricFamily, "quota_store_failing_open",
                  "1 while the quota store is down and this gateway admits on its own "
-                 "limiter (fail_open), else 0", quota_store["failing_open"]),
-                ("quota_store_last_error_timestamp_seconds",
+                 "limiter (fail_open), else 0", float(quota_store["failing_open"])),
+                (GaugeMetricFamily, "quota_store_last_error_timestamp_seconds",
                  "Unix time of the last failed call to the quota store (0: none yet)",
-                 quota_store.get("last_error_unix") or 0),
-            ):  # fmt: skip
-                family = GaugeMetricFamily(f"{PREFIX}{name}", text)
-                family.add_metric([], float(value))
-                yield family
+                 float(quota_store.get("last_error_unix") or 0)),
+            ]  # fmt: skip
+        for kind, name, text, value in unlabelled:
+            family = kind(f"{PREFIX}{name}", text)
+            family.add_metric([], value)
+            yield family
+
+
+_TIER_LEVELS = (
+    ("queue_depth", "queued", "Requests queued"),
+    ("queue_tokens", "queued_tokens", "Prompt + max tokens of the queued requests"),
+    ("oldest_wait_seconds", "oldest_wait_s", "Wait of the oldest queued request"),
+)
 
 
 _QUOTA_STORE_COUNTERS = (
@@ -236,10 +236,9 @@ class _BatchLevels(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         jobs, per_tenant = self._levels()
-        queued: dict[str, int] = {}
+        queued: collections.Counter[str] = collections.Counter()
         for tenant, count in per_tenant.items():
-            label = self._tenant(tenant)
-            queued[label] = queued.get(label, 0) + count
+            queued[self._tenant(tenant)] += count
         by_status = GaugeMetricFamily(
             f"{PREFIX}batch_jobs", "Batch jobs by status", labels=["status"]
         )

@@ -137,14 +137,14 @@ class Tracing:
             "qosgate.outcome": outcome,
             "http.response.status_code": status,
         }
-        if tenant is not None:
-            attributes["qosgate.tenant"] = tenant
-        if tier is not None:
-            attributes["qosgate.tier"] = tier
-        if prompt_tokens is not None:
-            attributes["gen_ai.usage.input_tokens"] = prompt_tokens
-        if output_tokens is not None:
-            attributes["gen_ai.usage.output_tokens"] = output_tokens
+        for key, value in (
+            ("qosgate.tenant", tenant),
+            ("qosgate.tier", tier),
+            ("gen_ai.usage.input_tokens", prompt_tokens),
+            ("gen_ai.usage.output_tokens", output_tokens),
+        ):
+            if value is not None:
+                attributes[key] = value
         span.set_attributes(attributes)
         if status >= 500:
             span.set_status(_error_status())

@@ -158,10 +158,6 @@ class TraceWriter:
             self._failing = False
             log.warning("trace %s: writing again", self._path)
 
-    def close(self) -> None:
-        """Write what is buffered (at shutdown)."""
-        self.flush()
-
     def _rotate(self) -> None:
         """PATH -> PATH.1 -> ... -> PATH.<keep>; the oldest is deleted."""
         keep = self.config.keep
