@@ -79,10 +79,9 @@ class TierQueue:
         if not self._by_age:
             self.credit = 0.0
 
-    def remove(self, req: Request, state: RequestState) -> None:
-        """Take `req` out of turn (cancelled, expired); `state` is what it becomes."""
+    def remove(self, req: Request) -> None:
+        """Take `req` out of turn (cancelled, expired: already ended)."""
         self._forget(req)
-        req.state = state
         self.order.discard(req)
 
     def peek(self) -> Request | None:

@@ -466,15 +466,16 @@ class QuotaGuard:
             key = (reservation.tenant, reservation.request_id)
             self._held[key] = (reservation, now + self._cfg.lease_s)
         if self._renew_timer is None:
-            loop = asyncio.get_running_loop()
-            self._renew_timer = loop.call_at(loop.time() + self._cfg.lease_s / 3, self._on_renew)
+            self._renew_timer = asyncio.get_running_loop().call_later(
+                self._cfg.lease_s / 3, self._on_renew
+            )
 
     def _on_renew(self) -> None:
         self._renew_timer = None
         if not self._held and not (self._keeps_ledger and self._ledger.tenants(self._clock())):
             return  # the next admission arms it again
         loop = asyncio.get_running_loop()
-        self._renew_timer = loop.call_at(loop.time() + self._cfg.lease_s / 3, self._on_renew)
+        self._renew_timer = loop.call_later(self._cfg.lease_s / 3, self._on_renew)
         if self._renewing is None or self._renewing.done():
             self._renewing = loop.create_task(self.renew())
 

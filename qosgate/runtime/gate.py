@@ -19,6 +19,7 @@ consumer sees is the one class that maps to it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, Protocol
@@ -137,11 +138,9 @@ class Gateway:
         if not self._streams:
             return 0
         self._idle = self._get_loop().create_future()
-        try:
+        with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(grace_s):
                 await asyncio.shield(self._idle)
-        except TimeoutError:
-            pass
         return len(self._streams)
 
     @property
@@ -154,12 +153,10 @@ class Gateway:
         if self._closed:
             return
         self._closed = True
-        if self._wake_handle is not None:
-            self._wake_handle.cancel()
-            self._wake_handle = None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        # Nothing arms them again: a closed gateway dispatches nothing.
+        for handle in (self._wake_handle, self._timer):
+            if handle is not None:
+                handle.cancel()
         for stream in list(self._streams.values()):
             stream.end(GatewayClosing())
         # Every request has ended, so the trace has its last lines.
