@@ -113,9 +113,8 @@ class RedisWorkQueue(WorkQueue):
         while work is queued: idle engine nodes claim on it."""
         self._field = {name: base + name for name in _FIELDS}
         self._queue = {tier: f"{base}q:{tier}" for tier in tiers.names()}
-        self._keys = [self._field[name] for name in _FIELDS]
+        self._keys = [*self._field.values()]
         self._keys += [f"{base}{kind}:{tier}" for kind in _PER_TIER for tier in tiers.names()]
-        self._counter = {tier: f"{base}counter:{tier}" for tier in tiers.names()}
         self._tier_args: list[Any] = [
             len(tiers.tiers), *tiers.names(), 1 if tiers.fair else 0, repr(tiers.inflow_tau_s),
             tiers.reserve_slots,
@@ -289,7 +288,8 @@ class RedisWorkQueue(WorkQueue):
         return bool(await self._run(self._preempt, args))
 
     async def counters(self, tier: str) -> dict[str, float]:
-        rows = await self._guard(self._redis.zrange(self._counter[tier], 0, -1, withscores=True))
+        key = f"{self.base}counter:{tier}"
+        rows = await self._guard(self._redis.zrange(key, 0, -1, withscores=True))
         return {tenant.decode(): float(score) for tenant, score in rows}
 
     async def load(self, now: float) -> FleetLoad:

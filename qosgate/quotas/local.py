@@ -279,19 +279,13 @@ class LocalLimiter:
     def tenants(self, now: float) -> set[str]:
         """The tenants with anything in a window or in flight; the others are
         forgotten."""
-        held = set()
         for tenant in list(self._windows):
-            windows = self._windows[tenant]
-            if any(window.prune(kind, now) for kind, window in windows.items()):
-                held.add(tenant)
-            else:
+            if not any(w.prune(k, now) for k, w in self._windows[tenant].items()):
                 del self._windows[tenant]
         for tenant in list(self._inflight):
-            if self._live(tenant, now):
-                held.add(tenant)
-            else:
+            if not self._live(tenant, now):
                 del self._inflight[tenant]
-        return held
+        return set(self._windows) | set(self._inflight)
 
     def renew(
         self, leases: Mapping[str, Collection[str]], now: float, *, lease_s: float
