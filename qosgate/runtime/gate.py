@@ -742,16 +742,12 @@ class RequestStream:
         (metrics), including a request cancelled mid-way; a request refused,
         expired, failed by the backend, or cancelled before it ran is not."""
         req = self.request
-        ran = self._ran
-        if ran and not self._last_read.started():
-            # Handed to a backend that queues it (the fleet's), and still
-            # waiting there: as if cancelled in the gateway's own queue.
-            ran = False
+        # Handed to a backend that queues it (the fleet's), and still waiting
+        # there, it did not run: as if cancelled in the gateway's own queue.
+        ran = self._ran and self._last_read.started()
         if req.outcome is Outcome.COMPLETED or (req.outcome is Outcome.CANCELLED and ran):
             prompt = self._reported_prompt
-            if prompt is None:
-                prompt = req.prompt_tokens
-            return prompt, self.output_tokens
+            return (prompt if prompt is not None else req.prompt_tokens), self.output_tokens
         return None
 
     # -- the consumer's side -------------------------------------------------
