@@ -91,7 +91,8 @@ class _Lane:
             group.append(req)
         self.live += 1
 
-    def discard(self) -> None:
+    def discard(self, req: Request | None = None) -> None:
+        """A request left out of turn (which one does not matter: it is marked)."""
         self.live -= 1
         self.dead += 1
         if self.dead > 64 and self.dead > self.live:
@@ -119,23 +120,11 @@ class _Lane:
         return req
 
 
-class FifoOrder:
-    """Admission order (client-lowered requests after the rest); no tenant fairness."""
+class FifoOrder(_Lane):
+    """Admission order (client-lowered requests after the rest), one lane for
+    the tier; no tenant fairness."""
 
-    def __init__(self) -> None:
-        self._lane = _Lane()
-
-    def push(self, req: Request) -> None:
-        self._lane.push(req)
-
-    def discard(self, req: Request) -> None:
-        self._lane.discard()
-
-    def peek(self) -> Request | None:
-        return self._lane.peek()
-
-    def pop(self) -> Request:
-        return self._lane.pop()
+    __slots__ = ()
 
     def on_dispatch(self, req: Request, charge: float) -> None:
         pass

@@ -67,6 +67,11 @@ class Request:
     def finished(self) -> bool:
         return self.state is RequestState.FINISHED
 
+    def end(self, outcome: Outcome | None, now: float) -> None:
+        self.state = RequestState.FINISHED
+        self.outcome = outcome
+        self.finished_at = now
+
     @property
     def queue_wait(self) -> float | None:
         if self.dispatched_at is None:

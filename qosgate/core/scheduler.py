@@ -39,7 +39,6 @@ from qosgate.core.tier_queue import TierQueue
 
 _QUEUED = RequestState.QUEUED
 _RUNNING = RequestState.RUNNING
-_FINISHED = RequestState.FINISHED
 
 # Output length assumed for a request before any has completed.
 _DEFAULT_OUTPUT_ESTIMATE = 256.0
@@ -183,9 +182,7 @@ class Scheduler:
         self.drain.advance(now, self._draining())
 
     def _reject(self, req: Request, now: float, decision: AdmissionDecision) -> AdmissionDecision:
-        req.state = _FINISHED
-        req.outcome = decision.outcome
-        req.finished_at = now
+        req.end(decision.outcome, now)
         return decision
 
     def submit(self, req: Request, now: float) -> AdmissionDecision:
@@ -394,9 +391,7 @@ class Scheduler:
     def _fail(self, queue: TierQueue, req: Request, now: float, into: list[Request]) -> None:
         queue.order.on_dispatch(req, 0.0)
         del self._queued[req.id]
-        req.state = _FINISHED
-        req.outcome = Outcome.BAD_REQUEST
-        req.finished_at = now
+        req.end(Outcome.BAD_REQUEST, now)
         into.append(req)
 
     def _expire(self, now: float, outcome: Outcome) -> list[Request]:
@@ -405,10 +400,9 @@ class Scheduler:
         while heap and heap[0][0] <= now:
             _, _, req = heapq.heappop(heap)
             if req.state is _QUEUED and req.deadline is not None and req.deadline <= now:
-                self._queues[req.tier].remove(req, _FINISHED)
+                req.end(outcome, now)
+                self._queues[req.tier].remove(req)
                 del self._queued[req.id]
-                req.outcome = outcome
-                req.finished_at = now
                 into.append(req)
         return into
 
@@ -477,9 +471,7 @@ class Scheduler:
         del queue.running[req_id]
         if req.first_token_at is None:
             self._prefilling -= req.prompt_tokens
-        req.state = _FINISHED
-        req.outcome = outcome
-        req.finished_at = now
+        req.end(outcome, now)
         req.output_tokens = output_tokens
         actual = service(self._w_in, self._w_out, req.prompt_tokens, output_tokens)
         queue.order.on_settle(req, actual - req.charged_service)
@@ -502,9 +494,8 @@ class Scheduler:
         the backend)."""
         req = self._queued.pop(req_id, None)
         if req is not None:
-            self._queues[req.tier].remove(req, _FINISHED)
-            req.outcome = outcome
-            req.finished_at = now
+            req.end(outcome, now)
+            self._queues[req.tier].remove(req)
             return req, False
         if req_id in self._running:
             return self.finish(req_id, now, outcome, output_tokens), True

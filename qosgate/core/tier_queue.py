@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import fields
 
 from qosgate.core.admission import ArrivalRate
 from qosgate.core.fairness import FairnessOrder
 from qosgate.core.policy import TierParams
 from qosgate.core.request import Request, RequestState
+
+_SETTINGS = tuple(f.name for f in fields(TierParams))
+"""What a queue copies of its tier (the rules read them off the queue)."""
 
 
 class TierQueue:
@@ -19,13 +23,10 @@ class TierQueue:
     """
 
     __slots__ = (
-        "name", "priority", "budget_s", "delays", "max_len", "max_wait_s",
-        "max_batch_size", "max_batch_tokens", "preemptible", "min_share", "age_floor",
-        "deadline_s", "order", "_by_age", "work", "prompt_tokens", "running", "inflow", "credit",
+        *_SETTINGS, "order", "_by_age", "work", "prompt_tokens", "running", "inflow", "credit"
     )
 
     def __init__(self, tier: TierParams, order: FairnessOrder, inflow_tau_s: float = 10.0) -> None:
-        self.name = tier.name
         self.configure(tier)
         self.order = order
         self._by_age: OrderedDict[str, Request] = OrderedDict()
@@ -40,20 +41,10 @@ class TierQueue:
         """Its guaranteed share's credit (ordering.share_credit)."""
 
     def configure(self, tier: TierParams) -> None:
-        """Take the tier's settings (again on a reload: what is queued stays)."""
-        self.priority = tier.priority
-        self.budget_s = tier.budget_s
-        """Queue budget in seconds (None: no budget, never expires or ages)."""
-        self.delays = tier.delays
-        """True for on_timeout: delay (age past the budget), False for reject."""
-        self.max_len = tier.max_len
-        self.max_wait_s = tier.max_wait_s
-        self.max_batch_size = tier.max_batch_size
-        self.max_batch_tokens = tier.max_batch_tokens
-        self.preemptible = tier.preemptible
-        self.min_share = tier.min_share
-        self.age_floor = tier.age_floor
-        self.deadline_s = tier.deadline_s
+        """Take the tier's settings, as TierParams describes them (again on a
+        reload: what is queued stays)."""
+        for name in _SETTINGS:
+            setattr(self, name, getattr(tier, name))
 
     def __len__(self) -> int:
         return len(self._by_age)
@@ -88,10 +79,9 @@ class TierQueue:
         if not self._by_age:
             self.credit = 0.0
 
-    def remove(self, req: Request, state: RequestState) -> None:
-        """Take `req` out of turn (cancelled, expired); `state` is what it becomes."""
+    def remove(self, req: Request) -> None:
+        """Take `req` out of turn (cancelled, expired: already ended)."""
         self._forget(req)
-        req.state = state
         self.order.discard(req)
 
     def peek(self) -> Request | None:

@@ -43,19 +43,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.resources
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from qosgate.core.admission import ArrivalRate
+from qosgate.quotas.redis_client import connection_pool, guarded, register_scripts
 from qosgate.runtime.errors import WorkQueueError, WorkQueueFull
 
 from .model import Claim, FleetLoad, FleetTiers, Lease, WorkItem, lane_key
@@ -81,14 +77,6 @@ _FIELDS = (
 assert len(_FIELDS) == 24
 _PER_TIER = ("q", "lane", "backlog", "counter")
 
-# The scripts live in `lua/`, one file each; every one starts with the
-# prelude, which documents the KEYS and tier args they all get.
-_LUA = importlib.resources.files(__package__) / "lua"
-
-
-def _script(name: str) -> str:
-    return "\n".join((_LUA / f"{n}.lua").read_text(encoding="utf-8") for n in ("prelude", name))
-
 
 class RedisWorkQueue(WorkQueue):
     """Queues in Redis, shared by every gateway and engine node pointed at it."""
@@ -110,19 +98,11 @@ class RedisWorkQueue(WorkQueue):
         done_retention_s and affinity_ttl_s."""
         super().__init__(tiers, **retention)
         if client is None:
-            # One retry on a fresh connection, so that a pooled connection the
-            # server dropped (a restart) is not taken for an outage, as the
-            # quota store does. A script that had in fact run before its
-            # connection broke is refused the second time (an id enqueued
-            # twice) or harmless (a claim's extra leases run out and go back).
-            client = aioredis.Redis.from_url(
-                url,
-                socket_timeout=socket_timeout_s,
-                socket_connect_timeout=socket_timeout_s,
-                retry=Retry(NoBackoff(), retries=1),
-                retry_on_error=[RedisConnectionError],
-                # A password in the URL wins over this one (redis-py's rule).
-                **({"password": password} if password else {}),
+            # A script retried that had in fact run before its connection
+            # broke is refused the second time (an id enqueued twice) or
+            # harmless (a claim's extra leases run out and go back).
+            client = aioredis.Redis.from_pool(
+                connection_pool(url, timeout_s=socket_timeout_s, password=password)
             )
         self._redis = client
         base = f"{{{key_prefix}}}fleet:"
@@ -133,9 +113,8 @@ class RedisWorkQueue(WorkQueue):
         while work is queued: idle engine nodes claim on it."""
         self._field = {name: base + name for name in _FIELDS}
         self._queue = {tier: f"{base}q:{tier}" for tier in tiers.names()}
-        self._keys = [self._field[name] for name in _FIELDS]
+        self._keys = [*self._field.values()]
         self._keys += [f"{base}{kind}:{tier}" for kind in _PER_TIER for tier in tiers.names()]
-        self._counter = {tier: f"{base}counter:{tier}" for tier in tiers.names()}
         self._tier_args: list[Any] = [
             len(tiers.tiers), *tiers.names(), 1 if tiers.fair else 0, repr(tiers.inflow_tau_s),
             tiers.reserve_slots,
@@ -145,15 +124,15 @@ class RedisWorkQueue(WorkQueue):
             self._tier_args += [
                 tier.priority, budget, int(tier.delays), repr(tier.min_share), tier.age_floor,
             ]  # fmt: skip
-        self._enqueue = self._redis.register_script(_script("enqueue"))
-        self._claim = self._redis.register_script(_script("claim"))
-        self._renew = self._redis.register_script(_script("renew"))
-        self._complete = self._redis.register_script(_script("complete"))
-        self._release = self._redis.register_script(_script("release"))
-        self._preempt = self._redis.register_script(_script("preempt"))
-        self._cancel = self._redis.register_script(_script("cancel"))
-        self._heartbeat = self._redis.register_script(_script("heartbeat"))
-        self._leave = self._redis.register_script(_script("leave"))
+        # The scripts live in `lua/`, one file each; every one starts with the
+        # prelude, which documents the KEYS and tier args they all get.
+        (
+            self._enqueue, self._claim, self._renew, self._complete, self._release,
+            self._preempt, self._cancel, self._heartbeat, self._leave,
+        ) = register_scripts(client, __package__, (
+            "enqueue", "claim", "renew", "complete", "release",
+            "preempt", "cancel", "heartbeat", "leave",
+        ), prelude=("prelude",))  # fmt: skip
 
     @property
     def redis(self) -> aioredis.Redis:
@@ -185,12 +164,7 @@ class RedisWorkQueue(WorkQueue):
         }
 
     async def _guard(self, call: Any) -> Any:
-        try:
-            return await call
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-            raise WorkQueueError(f"redis unreachable: {exc}") from exc
-        except RedisError as exc:
-            raise WorkQueueError(f"redis failed: {exc}") from exc
+        return await guarded(call, WorkQueueError)
 
     async def _run(self, script: Any, args: list[Any]) -> Any:
         return await self._guard(script(keys=self._keys, args=args))
@@ -314,7 +288,8 @@ class RedisWorkQueue(WorkQueue):
         return bool(await self._run(self._preempt, args))
 
     async def counters(self, tier: str) -> dict[str, float]:
-        rows = await self._guard(self._redis.zrange(self._counter[tier], 0, -1, withscores=True))
+        key = f"{self.base}counter:{tier}"
+        rows = await self._guard(self._redis.zrange(key, 0, -1, withscores=True))
         return {tenant.decode(): float(score) for tenant, score in rows}
 
     async def load(self, now: float) -> FleetLoad:

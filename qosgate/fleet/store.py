@@ -200,14 +200,6 @@ class WorkQueue(ABC):
         """Release connections."""
 
 
-@dataclasses.dataclass(slots=True)
-class _Held:
-    item: WorkItem
-    node: str
-    token: int
-    expires_at: float
-
-
 class MemoryWorkQueue(WorkQueue):
     """One process's queues: for tests, the simulator and single-node use."""
 
@@ -222,7 +214,8 @@ class MemoryWorkQueue(WorkQueue):
         self._queues: dict[str, list[tuple[float, str, WorkItem]]] = {
             name: [] for name in tiers.names()
         }
-        self._held: dict[str, _Held] = {}
+        # Item id -> its live lease, as last renewed.
+        self._held: dict[str, Lease] = {}
         # Ended ids -> when they ended (as the Redis store scores them).
         self._completed: dict[str, float] = {}
         self._queued: dict[str, WorkItem] = {}
@@ -329,7 +322,7 @@ class MemoryWorkQueue(WorkQueue):
         counters[tenant] = counters.get(tenant, 0.0) + amount
         return counters[tenant]
 
-    def _requeue(self, held: _Held) -> None:
+    def _requeue(self, held: Lease) -> None:
         del self._held[held.item.id]
         item = held.item
         if self.tiers.fair:
@@ -426,9 +419,8 @@ class MemoryWorkQueue(WorkQueue):
                 # leave items held back for a node that has just claimed.
                 owner = owner if owner in self._nodes else node
                 self._bound[item.affinity] = (owner, now)
-            token = next(self._tokens)
-            self._held[item.id] = _Held(item, node, token, expires_at)
-            leases.append(Lease(item, node, token, expires_at))
+            self._held[item.id] = lease = Lease(item, node, next(self._tokens), expires_at)
+            leases.append(lease)
         self._set_room(node, max_items - len(leases), expires_at, milli(drain_rate))
         return Claim(leases, held_back_until, frozenset(home), frozenset(away))
 
@@ -456,7 +448,7 @@ class MemoryWorkQueue(WorkQueue):
         bound = self._bound.get(key)
         return bound[0] if bound is not None else None
 
-    def _current(self, lease: Lease) -> _Held | None:
+    def _current(self, lease: Lease) -> Lease | None:
         held = self._held.get(lease.item.id)
         return held if held is not None and held.token == lease.token else None
 
@@ -464,8 +456,8 @@ class MemoryWorkQueue(WorkQueue):
         held = self._current(lease)
         if held is None:
             return None
-        held.expires_at = now + lease_s
-        return Lease(held.item, held.node, held.token, held.expires_at)
+        renewed = self._held[lease.item.id] = dataclasses.replace(held, expires_at=now + lease_s)
+        return renewed
 
     async def complete(
         self, lease: Lease, reply: tuple[str, bytes] | None = None, *, used: float | None = None

@@ -33,8 +33,8 @@ reservations it makes on its local limiter are; fail_closed ends it
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
+from collections import Counter, defaultdict, deque
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -143,12 +143,12 @@ class QuotaGuard:
         # Requests not yet settled, per tenant; and per tenant, limit and slot,
         # what was admitted on the fallback and has not reached the store.
         self._running: dict[str, dict[str, Reservation]] = {}
-        self._unshared: dict[str, dict[RateKind, dict[int, int]]] = {}
+        self._unshared: defaultdict[str, defaultdict[RateKind, Counter[int]]] = defaultdict(
+            lambda: defaultdict(Counter)
+        )
         self._carrying: dict[str, asyncio.Future[None]] = {}
         self._down_until: float | None = None
-        self._unsent: collections.deque[tuple[Reservation, int, bool, float]] = (
-            collections.deque()
-        )
+        self._unsent: deque[tuple[Reservation, int, bool, float]] = deque()
         self._catching_up: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.counters = GuardCounters()
@@ -259,11 +259,9 @@ class QuotaGuard:
         )
         if decision.reservation is not None:
             self.counters.unshared_tokens += tokens
-            unshared = self._unshared.setdefault(tenant, {})
+            unshared = self._unshared[tenant]
             for rule in limits.rates:
-                slots = unshared.setdefault(rule.kind, {})
-                k = rule.slot(now)
-                slots[k] = slots.get(k, 0) + (1 if rule.counts_requests else tokens)
+                unshared[rule.kind][rule.slot(now)] += 1 if rule.counts_requests else tokens
         self._admitted(decision, now)
         return decision
 
@@ -328,10 +326,8 @@ class QuotaGuard:
             mark_settled(reservation, charged)
             self._ledger.apply(reservation, charged, served, now)
             # Not carried yet: what reaches the store is what it came to.
-            unshared = self._unshared.setdefault(tenant, {})
             for rule, delta, k in settle_deltas(reservation, charged, served):
-                slots = unshared.setdefault(rule.kind, {})
-                slots[k] = slots.get(k, 0) + delta
+                self._unshared[tenant][rule.kind][k] += delta
             return
         if self._keeps_ledger:
             self._ledger.apply(reservation, charged, served, now)
@@ -408,7 +404,8 @@ class QuotaGuard:
             except StoreReset:
                 pass  # the store lost the rest too: carry the whole
             except QuotaStoreError:
-                self._merge_unshared(tenant, unshared)
+                for kind, slots in unshared.items():
+                    self._unshared[tenant][kind].update(slots)
                 raise
             else:
                 self._carried(holding, now)
@@ -430,13 +427,6 @@ class QuotaGuard:
             key = (reservation.tenant, reservation.request_id)
             if key in self._held:
                 self._held[key] = (reservation, until)
-
-    def _merge_unshared(self, tenant: str, back: dict[RateKind, dict[int, int]]) -> None:
-        unshared = self._unshared.setdefault(tenant, {})
-        for kind, slots in back.items():
-            into = unshared.setdefault(kind, {})
-            for k, amount in slots.items():
-                into[k] = into.get(k, 0) + amount
 
     async def _catch_up(self) -> None:
         """The store answers again: carry in what was admitted without it,
@@ -476,15 +466,16 @@ class QuotaGuard:
             key = (reservation.tenant, reservation.request_id)
             self._held[key] = (reservation, now + self._cfg.lease_s)
         if self._renew_timer is None:
-            loop = asyncio.get_running_loop()
-            self._renew_timer = loop.call_at(loop.time() + self._cfg.lease_s / 3, self._on_renew)
+            self._renew_timer = asyncio.get_running_loop().call_later(
+                self._cfg.lease_s / 3, self._on_renew
+            )
 
     def _on_renew(self) -> None:
         self._renew_timer = None
         if not self._held and not (self._keeps_ledger and self._ledger.tenants(self._clock())):
             return  # the next admission arms it again
         loop = asyncio.get_running_loop()
-        self._renew_timer = loop.call_at(loop.time() + self._cfg.lease_s / 3, self._on_renew)
+        self._renew_timer = loop.call_later(self._cfg.lease_s / 3, self._on_renew)
         if self._renewing is None or self._renewing.done():
             self._renewing = loop.create_task(self.renew())
 

@@ -9,6 +9,7 @@ back on while Redis is down, and the reference the Redis store's Lua scripts
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
@@ -162,22 +163,14 @@ class LocalLimiter:
     """Every tenant's windows and in-flight sets, in this process."""
 
     def __init__(self) -> None:
-        self._windows: dict[str, dict[RateKind, _Window]] = {}  # tenant -> limit -> window
-        self._inflight: dict[str, dict[str, float]] = {}  # tenant -> request id -> lease end
-
-    def _window(self, tenant: str, kind: RateKind) -> _Window:
-        windows = self._windows.get(tenant)
-        if windows is None:
-            windows = self._windows[tenant] = {}
-        window = windows.get(kind)
-        if window is None:
-            window = windows[kind] = _Window()
-        return window
+        # tenant -> limit -> window; tenant -> request id -> lease end
+        self._windows: defaultdict[str, defaultdict[RateKind, _Window]] = defaultdict(
+            lambda: defaultdict(_Window)
+        )
+        self._inflight: defaultdict[str, dict[str, float]] = defaultdict(dict)
 
     def _live(self, tenant: str, now: float) -> dict[str, float]:
-        inflight = self._inflight.get(tenant)
-        if inflight is None:
-            inflight = self._inflight[tenant] = {}
+        inflight = self._inflight[tenant]
         expired = [rid for rid, until in inflight.items() if until <= now]
         for rid in expired:
             del inflight[rid]
@@ -198,7 +191,7 @@ class LocalLimiter:
         every limit, or nothing at all."""
         why: _Refusal | None = None
         for rule in limits.rates:
-            window = self._window(tenant, rule.kind)
+            window = self._windows[tenant][rule.kind]
             need = 1 if rule.counts_requests else tokens
             used = window.prune(rule.kind, now)
             fits, wait = evaluate(rule, window.slots, used, window.bucket(rule, now), need, now)
@@ -230,7 +223,7 @@ class LocalLimiter:
         """`settle`'s changes to the windows, for a reservation settled elsewhere."""
         tenant = reservation.tenant
         for rule, delta, k in settle_deltas(reservation, charged, served):
-            window = self._window(tenant, rule.kind)
+            window = self._windows[tenant][rule.kind]
             if k in window.slots:
                 value = window.slots[k] + delta
                 if value > 0:
@@ -247,7 +240,7 @@ class LocalLimiter:
         no check; its concurrency slot is held until it is applied."""
         tenant = reservation.tenant
         for rule in reservation.limits.rates:
-            window = self._window(tenant, rule.kind)
+            window = self._windows[tenant][rule.kind]
             need = 1 if rule.counts_requests else reservation.tokens
             k = rule.slot(reservation.at)
             window.slots[k] = window.slots.get(k, 0) + need
@@ -260,7 +253,7 @@ class LocalLimiter:
         """Add what another limiter admitted: its slots, and a lease of
         `lease_s` for each of its running requests under max_concurrency."""
         for kind, slots in holding.slots.items():
-            window = self._window(tenant, kind)
+            window = self._windows[tenant][kind]
             for k, amount in slots.items():
                 window.slots[k] = window.slots.get(k, 0) + amount
         for reservation in holding.running:
@@ -286,19 +279,13 @@ class LocalLimiter:
     def tenants(self, now: float) -> set[str]:
         """The tenants with anything in a window or in flight; the others are
         forgotten."""
-        held = set()
         for tenant in list(self._windows):
-            windows = self._windows[tenant]
-            if any(window.prune(kind, now) for kind, window in windows.items()):
-                held.add(tenant)
-            else:
+            if not any(w.prune(k, now) for k, w in self._windows[tenant].items()):
                 del self._windows[tenant]
         for tenant in list(self._inflight):
-            if self._live(tenant, now):
-                held.add(tenant)
-            else:
+            if not self._live(tenant, now):
                 del self._inflight[tenant]
-        return held
+        return set(self._windows) | set(self._inflight)
 
     def renew(
         self, leases: Mapping[str, Collection[str]], now: float, *, lease_s: float
@@ -326,7 +313,7 @@ class LocalLimiter:
     def usage(self, tenant: str, limits: TenantLimits, now: float) -> tuple[LimitState, ...]:
         states = []
         for rule in limits.rates:
-            window = self._window(tenant, rule.kind)
+            window = self._windows[tenant][rule.kind]
             used = window.prune(rule.kind, now)
             states.append(limit_state(rule, window.slots, used, window.bucket(rule, now), now))
         if limits.max_concurrency is not None:

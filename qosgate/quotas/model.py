@@ -100,12 +100,6 @@ class TenantLimits:
     def empty(self) -> bool:
         return not self.rates and self.max_concurrency is None
 
-    def rate(self, kind: RateKind) -> RateRule | None:
-        for rule in self.rates:
-            if rule.kind == kind:
-                return rule
-        return None
-
 
 @dataclass(frozen=True, slots=True)
 class LimitState:

@@ -27,7 +27,6 @@ brought the rest. The scripts live in `lua/`, one file each.
 
 from __future__ import annotations
 
-import importlib.resources
 import math
 import secrets
 from collections.abc import Collection, Mapping
@@ -35,11 +34,7 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .local import (
     concurrency_refusal,
@@ -62,13 +57,8 @@ from .model import (
     Reservation,
     TenantLimits,
 )
+from .redis_client import connection_pool, guarded, register_scripts
 from .store import QuotaStore, QuotaStoreError, StoreRecovering, StoreReset
-
-_LUA = importlib.resources.files(__package__) / "lua"
-
-
-def _script(name: str) -> str:
-    return (_LUA / f"{name}.lua").read_text(encoding="utf-8")
 
 
 def _list(value: Any) -> list[Any]:
@@ -113,32 +103,20 @@ class RedisQuotaStore(QuotaStore):
         self._prefix = key_prefix
         self._recovery_s = recovery_s
         if client is None:
-            # One retry on a fresh connection, so that a pooled connection the
-            # server dropped (a restart) is not taken for an outage; more would
-            # only delay what the gateway does about a real one. A retried
-            # reservation that had in fact run holds its tokens twice until
-            # its window passes: too strict, never too lax. (The retry is the
-            # connections' setting: given to a client over a pool of its own
-            # making, redis-py does not pass it on.)
-            pool = aioredis.BlockingConnectionPool.from_url(
-                url,
+            # A retried reservation that had in fact run holds its tokens
+            # twice until its window passes: too strict, never too lax.
+            pool = connection_pool(
+                url, timeout_s=socket_timeout_s, password=password,
+                pool_class=aioredis.BlockingConnectionPool,
                 # Beyond this many calls at once, a call waits for a connection
                 # (up to `timeout`) rather than failing.
-                max_connections=max_connections,
-                timeout=max(1.0, 4 * socket_timeout_s),
-                socket_timeout=socket_timeout_s,
-                socket_connect_timeout=socket_timeout_s,
-                retry=Retry(NoBackoff(), retries=1),
-                retry_on_error=[RedisConnectionError],
-                # A password in the URL wins over this one (redis-py's rule).
-                **({"password": password} if password else {}),
-            )
+                max_connections=max_connections, timeout=max(1.0, 4 * socket_timeout_s),
+            )  # fmt: skip
             client = aioredis.Redis(connection_pool=pool)
         self._redis = client
-        self._reserve = self._redis.register_script(_script("reserve"))
-        self._settle = self._redis.register_script(_script("settle"))
-        self._renew = self._redis.register_script(_script("renew"))
-        self._carry = self._redis.register_script(_script("carry"))
+        self._reserve, self._settle, self._renew, self._carry = register_scripts(
+            client, __package__, ("reserve", "settle", "renew", "carry")
+        )
         # Per tenant, the generation of its data this gateway last saw. Redis
         # restarted empty has none: a script that finds it missing or changed
         # knows the windows it holds lack what this gateway had admitted.
@@ -152,12 +130,7 @@ class RedisQuotaStore(QuotaStore):
         return f"{self._prefix}quota:{{{tenant}}}:rsv:{request_id}"
 
     async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
-        try:
-            return await script(keys=keys, args=args)
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-            raise QuotaStoreError(f"redis unreachable: {exc}") from exc
-        except RedisError as exc:
-            raise QuotaStoreError(f"redis failed: {exc}") from exc
+        return await guarded(script(keys=keys, args=args), QuotaStoreError)
 
     def reserve_call(
         self,

@@ -19,6 +19,7 @@ consumer sees is the one class that maps to it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, Protocol
@@ -137,11 +138,9 @@ class Gateway:
         if not self._streams:
             return 0
         self._idle = self._get_loop().create_future()
-        try:
+        with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(grace_s):
                 await asyncio.shield(self._idle)
-        except TimeoutError:
-            pass
         return len(self._streams)
 
     @property
@@ -154,12 +153,10 @@ class Gateway:
         if self._closed:
             return
         self._closed = True
-        if self._wake_handle is not None:
-            self._wake_handle.cancel()
-            self._wake_handle = None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        # Nothing arms them again: a closed gateway dispatches nothing.
+        for handle in (self._wake_handle, self._timer):
+            if handle is not None:
+                handle.cancel()
         for stream in list(self._streams.values()):
             stream.end(GatewayClosing())
         # Every request has ended, so the trace has its last lines.
@@ -745,16 +742,12 @@ class RequestStream:
         (metrics), including a request cancelled mid-way; a request refused,
         expired, failed by the backend, or cancelled before it ran is not."""
         req = self.request
-        ran = self._ran
-        if ran and not self._last_read.started():
-            # Handed to a backend that queues it (the fleet's), and still
-            # waiting there: as if cancelled in the gateway's own queue.
-            ran = False
+        # Handed to a backend that queues it (the fleet's), and still waiting
+        # there, it did not run: as if cancelled in the gateway's own queue.
+        ran = self._ran and self._last_read.started()
         if req.outcome is Outcome.COMPLETED or (req.outcome is Outcome.CANCELLED and ran):
             prompt = self._reported_prompt
-            if prompt is None:
-                prompt = req.prompt_tokens
-            return prompt, self.output_tokens
+            return (prompt if prompt is not None else req.prompt_tokens), self.output_tokens
         return None
 
     # -- the consumer's side -------------------------------------------------
