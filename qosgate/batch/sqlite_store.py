@@ -204,30 +204,25 @@ class SqliteBatchStore:
         await db.commit()
 
     async def recorded(self, batch_id: str) -> AsyncIterator[int]:
+        async for (line_no,) in self._results("line_no", batch_id):
+            yield line_no
+
+    async def results(self, batch_id: str) -> AsyncIterator[LineResult]:
+        rows = self._results("line_no, custom_id, ok, text, tokens, request_id", batch_id)
+        async for line_no, custom_id, ok, text, tokens, request_id in rows:
+            yield LineResult(line_no, custom_id, bool(ok), text, tokens, request_id)
+
+    async def _results(self, columns: str, batch_id: str) -> AsyncIterator[tuple[Any, ...]]:
+        """`columns` (line_no first) of the job's results, by line, a page at a time."""
         last = -1
         while True:
             async with self.db.execute(
-                "SELECT line_no FROM results WHERE batch_id = ? AND line_no > ? "
+                f"SELECT {columns} FROM results WHERE batch_id = ? AND line_no > ? "
                 "ORDER BY line_no LIMIT ?", (batch_id, last, _PAGE)
             ) as cursor:  # fmt: skip
                 rows = await cursor.fetchall()
-            for (line_no,) in rows:
-                yield line_no
-            if len(rows) < _PAGE:
-                return
-            last = rows[-1][0]
-
-    async def results(self, batch_id: str) -> AsyncIterator[LineResult]:
-        last = -1
-        while True:
-            async with self.db.execute(
-                "SELECT line_no, custom_id, ok, text, tokens, request_id FROM results "
-                "WHERE batch_id = ? AND line_no > ? ORDER BY line_no LIMIT ?",
-                (batch_id, last, _PAGE),
-            ) as cursor:
-                rows = await cursor.fetchall()
-            for line_no, custom_id, ok, text, tokens, request_id in rows:
-                yield LineResult(line_no, custom_id, bool(ok), text, tokens, request_id)
+            for row in rows:
+                yield row
             if len(rows) < _PAGE:
                 return
             last = rows[-1][0]
