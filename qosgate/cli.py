@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import pkgutil
 import secrets
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from qosgate import __version__
+
 if TYPE_CHECKING:
     from qosgate.config.models import PolicyConfig
-
-
-def _version() -> str:
-    from qosgate import __version__
-
-    return __version__
 
 
 def _port(text: str) -> int:
@@ -32,7 +29,7 @@ def _port(text: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qosgate", description="QoS gateway for LLM inference")
-    parser.add_argument("--version", action="version", version=f"qosgate {_version()}")
+    parser.add_argument("--version", action="version", version=f"qosgate {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     validate = sub.add_parser("validate", help="check a policy file and print its summary")
@@ -141,29 +138,19 @@ def _run(args: argparse.Namespace) -> int:
         if missing := plotting_missing():
             print(f"qosgate {args.command}: --plot: {missing}", file=sys.stderr)
             return 2
-    if args.command == "validate":
-        from qosgate.config.commands import validate_command
-
-        return validate_command(args.file)
-    if args.command == "schema":
-        from qosgate.config.commands import schema_command
-
-        return schema_command()
-    if args.command == "simulate":
-        from qosgate.sim.commands import simulate_command
-
-        return simulate_command(args)
-    if args.command == "bench":
-        from qosgate.bench.commands import bench_command
-
-        return bench_command(args)
-    if args.command == "calibrate":
-        from qosgate.calibrate.commands import calibrate_command
-
-        return calibrate_command(args)
     if args.command in ("serve", "demo"):
         return _serve_command(args, demo=args.command == "demo")
-    raise AssertionError(args.command)
+    # Imported when run: each command loads only what it needs.
+    return pkgutil.resolve_name(_COMMANDS[args.command])(args)
+
+
+_COMMANDS = {
+    "validate": "qosgate.config.commands:validate_command",
+    "schema": "qosgate.config.commands:schema_command",
+    "simulate": "qosgate.sim.commands:simulate_command",
+    "bench": "qosgate.bench.commands:bench_command",
+    "calibrate": "qosgate.calibrate.commands:calibrate_command",
+}
 
 
 DEMO_KEY = "demo-interactive-key"

@@ -15,19 +15,21 @@ from qosgate.runtime.errors import InvalidBatchFile
 from .store import ENDPOINTS
 
 MAX_CUSTOM_ID = 512
-EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
-CANCELLED_MESSAGE = "This request was not executed because the batch was cancelled."
+_UNRUN_MESSAGES = {
+    "expired": "This request could not be executed before the completion window expired.",
+    "cancelled": "This request was not executed because the batch was cancelled.",
+}
 
 
 def new_id(prefix: str) -> str:
     return prefix + os.urandom(12).hex()
 
 
-def input_lines(path: Path, *, after: int = 0) -> Iterator[tuple[int, bytes]]:
-    """(line number from 1, raw line) of each non-blank line past `after`."""
+def input_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number from 1, raw line) of each non-blank line."""
     with path.open("rb") as handle:
         for number, raw in enumerate(handle, start=1):
-            if number > after and raw.strip():
+            if raw.strip():
                 yield number, raw
 
 
@@ -109,9 +111,9 @@ def output_line(custom_id: str, request_id: str, status: int, body: dict[str, An
     }).decode()  # fmt: skip
 
 
-def unrun_line(custom_id: str, code: str, message: str) -> str:
-    """A line that never got an answer (expired, cancelled)."""
+def unrun_line(custom_id: str, why: str) -> str:
+    """A line that never got an answer: its batch `expired` or was `cancelled`."""
     return orjson.dumps({
         "id": new_id("batch_req_"), "custom_id": custom_id, "response": None,
-        "error": {"code": code, "message": message},
+        "error": {"code": f"batch_{why}", "message": _UNRUN_MESSAGES[why]},
     }).decode()  # fmt: skip

@@ -41,10 +41,6 @@ def _script(name: str, *, fenced: bool = False) -> str:
     return "\n".join((_LUA / f"{n}.lua").read_text(encoding="utf-8") for n in names)
 
 
-# The counts are fields of their own, moved only with the results they count.
-_DOC_FIELDS = ("tier", "endpoint", "input_file_id", "completion_window", "created_at",
-               "expires_at", "total", "output_file_id", "error_file_id", "metadata", "errors",
-               "times", "outcome")  # fmt: skip
 _FILE_FIELDS = ("id", "tenant", "filename", "purpose", "bytes", "created_at", "lines")
 
 
@@ -192,11 +188,10 @@ class RedisBatchStore:
         return found
 
     async def save_batch(self, record: BatchRecord) -> None:
-        doc = orjson.dumps({name: getattr(record, name) for name in _DOC_FIELDS}).decode()
         await self._fenced(
             self._save, record.id,
             [self._key("batch", record.id), self._key("statuses"), self._key("active")],
-            [record.status, doc, "1" if record.status in ACTIVE else "0", record.id],
+            [record.status, record.doc(), "1" if record.status in ACTIVE else "0", record.id],
         )  # fmt: skip
 
     async def _fenced(self, script: Any, batch_id: str, keys: list[str], args: list[Any]) -> None:
@@ -348,10 +343,9 @@ def _file(raw: dict[bytes, bytes], tenant: str) -> FileRecord | None:
 
 
 def _batch(batch_id: str, raw: dict[bytes, bytes]) -> BatchRecord:
-    record = BatchRecord(
-        id=batch_id, tenant=raw[b"tenant"].decode(), status=raw[b"status"].decode(),
-        completed=int(raw.get(b"completed", 0)), failed=int(raw.get(b"failed", 0)),
-        **orjson.loads(raw[b"doc"]),
+    record = BatchRecord.stored(
+        batch_id, raw[b"tenant"].decode(), raw[b"status"].decode(), raw[b"doc"],
+        int(raw.get(b"completed", 0)), int(raw.get(b"failed", 0)),
     )  # fmt: skip
     cancel_at = raw.get(b"cancel_at")
     if cancel_at is not None and record.status in ("validating", "in_progress"):

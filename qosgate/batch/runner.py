@@ -42,7 +42,7 @@ import contextlib
 import heapq
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -73,8 +73,7 @@ from qosgate.runtime.errors import (
 from qosgate.runtime.gate import Gateway, RequestStream
 
 from .files import (
-    CANCELLED_MESSAGE, EXPIRED_MESSAGE, check_endpoint, check_input, input_lines, new_id,
-    output_line, parse_item, unrun_line,
+    check_endpoint, check_input, input_lines, new_id, output_line, parse_item, unrun_line,
 )  # fmt: skip
 from .store import (
     ENDPOINTS, STATUSES, BatchRecord, BatchStore, BatchStoreUnavailable, FileRecord, JobLeases,
@@ -84,8 +83,6 @@ from .store import (
 log = logging.getLogger(__name__)
 
 _Ending = Literal["expired", "cancelled", "closing"]
-_RECORD_CHUNK = 500
-"""Unrun lines recorded per transaction when a job ends early."""
 
 
 class BatchService:
@@ -542,10 +539,10 @@ class Job:
             if self.ending == "cancelled":
                 await self.set_status("cancelling")
         if record.status == "cancelling":
-            await self._record_unrun("batch_cancelled", CANCELLED_MESSAGE)
+            await self._record_unrun("cancelled")
             final = "cancelled"
         elif self.ending == "expired":
-            await self._record_unrun("batch_expired", EXPIRED_MESSAGE)
+            await self._record_unrun("expired")
             final = "expired"
         else:
             final = record.outcome or "completed"
@@ -574,8 +571,7 @@ class Job:
         path = self.service.store.files_dir / self.record.input_file_id
         done = self._store.recorded(self.record.id)
         next_done = await anext(done, None)
-        lines: Iterator[tuple[int, bytes]] = input_lines(path)
-        for number, raw in lines:
+        for number, raw in input_lines(path):
             while next_done is not None and next_done < number:
                 next_done = await anext(done, None)
             if next_done == number:
@@ -698,9 +694,7 @@ class Job:
             text = output_line(custom_id, request_id, 200, answer)
             await self._record(number, custom_id, True, text, stream)
         elif error is None and self.ending in ("expired", "cancelled"):
-            code, message = (("batch_expired", EXPIRED_MESSAGE) if self.ending == "expired"
-                             else ("batch_cancelled", CANCELLED_MESSAGE))  # fmt: skip
-            await self._record(number, custom_id, False, unrun_line(custom_id, code, message),
+            await self._record(number, custom_id, False, unrun_line(custom_id, self.ending),
                                stream)  # fmt: skip
         elif error is None or self._again(number, item, tries, error, dry=True):
             # Cut off by a stop, or refused for load: not this line's fault.
@@ -791,23 +785,11 @@ class Job:
         if stream is not None:
             self.service.gateway.settle_held(stream)
 
-    async def _record_unrun(self, code: str, message: str) -> None:
-        """Every line still without a result, as an error line of `code`."""
-        batch: list[LineResult] = []
+    async def _record_unrun(self, why: _Ending) -> None:
+        """Every line still without a result, as an error line saying `why`."""
         async for number, raw in self._pending():
             custom_id = parse_item(number, raw)["custom_id"]
-            batch.append(LineResult(number, custom_id, False, unrun_line(custom_id, code, message)))
-            if len(batch) >= _RECORD_CHUNK:
-                await self._record_many(batch)
-                batch = []
-        if batch:
-            await self._record_many(batch)
-
-    async def _record_many(self, results: list[LineResult]) -> None:
-        for result in results:
-            await self._store.record(self.record.id, result)
-            self.record.failed += 1
-            self.service.recorded(self.record.tenant, False)
+            await self._record(number, custom_id, False, unrun_line(custom_id, why))
 
     async def _finalize(self, final: str) -> None:
         """Write the output and error files from the recorded results (again,

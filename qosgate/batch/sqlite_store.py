@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import aiosqlite
-import orjson
 
 from .store import ACTIVE, BatchRecord, FileRecord, JournalEntry, LineResult
 
@@ -40,11 +39,6 @@ CREATE TABLE IF NOT EXISTS results (
 _BATCH_COLUMNS = "SELECT id, tenant, status, doc, completed, failed FROM batches"
 _PAGE = 1000
 """Rows read at a time when a journal is walked."""
-
-# The counts are columns of their own, moved only with the results they count.
-_BATCH_FIELDS = ("tier", "endpoint", "input_file_id", "completion_window", "created_at",
-                 "expires_at", "total", "output_file_id",
-                 "error_file_id", "metadata", "errors", "times", "outcome")  # fmt: skip
 
 
 class SqliteBatchStore:
@@ -121,22 +115,10 @@ class SqliteBatchStore:
 
     # -- batches ---------------------------------------------------------------
 
-    @staticmethod
-    def _doc(record: BatchRecord) -> str:
-        return orjson.dumps({name: getattr(record, name) for name in _BATCH_FIELDS}).decode()
-
-    @staticmethod
-    def _batch(row: tuple[Any, ...]) -> BatchRecord:
-        batch_id, tenant, status, doc, completed, failed = row
-        return BatchRecord(
-            id=batch_id, tenant=tenant, status=status, completed=completed, failed=failed,
-            **orjson.loads(doc),
-        )
-
     async def add_batch(self, record: BatchRecord) -> None:
         await self.db.execute(
             "INSERT INTO batches (id, tenant, status, doc) VALUES (?, ?, ?, ?)",
-            (record.id, record.tenant, record.status, self._doc(record)),
+            (record.id, record.tenant, record.status, record.doc()),
         )
         await self.db.commit()
 
@@ -146,7 +128,7 @@ class SqliteBatchStore:
             (batch_id, tenant),
         ) as cursor:
             row = await cursor.fetchone()
-        return self._batch(row) if row is not None else None
+        return BatchRecord.stored(*row) if row is not None else None
 
     async def list_batches(
         self, tenant: str, *, after: str | None, limit: int
@@ -159,12 +141,12 @@ class SqliteBatchStore:
             f"{_BATCH_COLUMNS} WHERE {where} ORDER BY seq DESC LIMIT ?",
             (*args, limit),
         ) as cursor:
-            return [self._batch(row) for row in await cursor.fetchall()]
+            return [BatchRecord.stored(*row) for row in await cursor.fetchall()]
 
     async def save_batch(self, record: BatchRecord) -> None:
         await self.db.execute(
             "UPDATE batches SET status = ?, doc = ? WHERE id = ?",
-            (record.status, self._doc(record), record.id),
+            (record.status, record.doc(), record.id),
         )
         await self.db.commit()
 
@@ -174,7 +156,7 @@ class SqliteBatchStore:
             f"{_BATCH_COLUMNS} WHERE status IN ({marks}) ORDER BY seq",
             ACTIVE,
         ) as cursor:
-            return [self._batch(row) for row in await cursor.fetchall()]
+            return [BatchRecord.stored(*row) for row in await cursor.fetchall()]
 
     async def status_counts(self) -> dict[str, int]:
         async with self.db.execute("SELECT status, COUNT(*) FROM batches GROUP BY status") as cur:
@@ -222,30 +204,25 @@ class SqliteBatchStore:
         await db.commit()
 
     async def recorded(self, batch_id: str) -> AsyncIterator[int]:
+        async for (line_no,) in self._results("line_no", batch_id):
+            yield line_no
+
+    async def results(self, batch_id: str) -> AsyncIterator[LineResult]:
+        rows = self._results("line_no, custom_id, ok, text, tokens, request_id", batch_id)
+        async for line_no, custom_id, ok, text, tokens, request_id in rows:
+            yield LineResult(line_no, custom_id, bool(ok), text, tokens, request_id)
+
+    async def _results(self, columns: str, batch_id: str) -> AsyncIterator[tuple[Any, ...]]:
+        """`columns` (line_no first) of the job's results, by line, a page at a time."""
         last = -1
         while True:
             async with self.db.execute(
-                "SELECT line_no FROM results WHERE batch_id = ? AND line_no > ? "
+                f"SELECT {columns} FROM results WHERE batch_id = ? AND line_no > ? "
                 "ORDER BY line_no LIMIT ?", (batch_id, last, _PAGE)
             ) as cursor:  # fmt: skip
                 rows = await cursor.fetchall()
-            for (line_no,) in rows:
-                yield line_no
-            if len(rows) < _PAGE:
-                return
-            last = rows[-1][0]
-
-    async def results(self, batch_id: str) -> AsyncIterator[LineResult]:
-        last = -1
-        while True:
-            async with self.db.execute(
-                "SELECT line_no, custom_id, ok, text, tokens, request_id FROM results "
-                "WHERE batch_id = ? AND line_no > ? ORDER BY line_no LIMIT ?",
-                (batch_id, last, _PAGE),
-            ) as cursor:
-                rows = await cursor.fetchall()
-            for line_no, custom_id, ok, text, tokens, request_id in rows:
-                yield LineResult(line_no, custom_id, bool(ok), text, tokens, request_id)
+            for row in rows:
+                yield row
             if len(rows) < _PAGE:
                 return
             last = rows[-1][0]

@@ -16,7 +16,9 @@ import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, get_args
+
+import orjson
 
 BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
@@ -24,11 +26,7 @@ BatchStatus = Literal[
 ]  # fmt: skip
 ACTIVE: tuple[BatchStatus, ...] = ("validating", "in_progress", "finalizing", "cancelling")
 """Statuses of a job not yet ended: a restart resumes it."""
-STATUSES: tuple[BatchStatus, ...] = (
-    "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
-    "cancelled",
-)  # fmt: skip
-Endpoint = Literal["/v1/chat/completions", "/v1/completions"]
+STATUSES: tuple[BatchStatus, ...] = get_args(BatchStatus)
 ENDPOINTS: dict[str, Literal["chat", "completions"]] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
@@ -99,6 +97,25 @@ class BatchRecord:
 
     def copy(self) -> BatchRecord:
         return dataclasses.replace(self, times=dict(self.times))
+
+    def doc(self) -> str:
+        """What a store keeps of it as one JSON document (its keys and counts
+        aside: the counts are fields of their own, moved only with the
+        results they count)."""
+        return orjson.dumps({name: getattr(self, name) for name in _DOC_FIELDS}).decode()
+
+    @classmethod
+    def stored(cls, batch_id: str, tenant: str, status: BatchStatus, doc: str | bytes,
+               completed: int, failed: int) -> BatchRecord:  # fmt: skip
+        """The record a store kept: its keys, its `doc` and its counts."""
+        return cls(id=batch_id, tenant=tenant, status=status, completed=completed,
+                   failed=failed, **orjson.loads(doc))  # fmt: skip
+
+
+_DOC_FIELDS = tuple(
+    f.name for f in dataclasses.fields(BatchRecord)
+    if f.name not in ("id", "tenant", "status", "completed", "failed")
+)
 
 
 @dataclass(frozen=True, slots=True)

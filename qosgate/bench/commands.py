@@ -38,9 +38,7 @@ def api_base(url: str, field: str = "URL") -> str:
         raise BenchUsageError(f"{field}: expected http(s)://host:port[/v1], got {url!r}")
     if parts.query or parts.fragment:
         raise BenchUsageError(f"{field}: no query or fragment allowed, got {url!r}")
-    path = parts.path.rstrip("/")
-    if not path:
-        path = "/v1"
+    path = parts.path.rstrip("/") or "/v1"
     return f"{parts.scheme}://{parts.netloc}{path}"
 
 

@@ -12,6 +12,7 @@ requests then count as lost, never as silently absent.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import time
 from dataclasses import dataclass, field
@@ -34,11 +35,8 @@ class PoolError(RuntimeError):
 @dataclass
 class JobResult:
     records: list[tuple]
-    """Every record the workers returned, in no particular order."""
-    start: float
-    """The start instant (monotonic clock); record times are relative to it."""
-    wall_s: float
-    """From the start instant to the last worker's reply."""
+    """Every record the workers returned, in no particular order (times
+    relative to the job's start instant)."""
     client_cpu_s: float = 0.0
     """CPU the workers spent on this job, summed."""
     failures: list[str] = field(default_factory=list)
@@ -84,10 +82,8 @@ class WorkerPool:
 
     def close(self) -> None:
         for conn in self._conns:
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 conn.send(("stop",))
-            except (OSError, ValueError):
-                pass
         for proc in self._procs:
             proc.join(timeout=5)
             if proc.is_alive():
@@ -151,7 +147,7 @@ class WorkerPool:
                     cpu += float(reply[2].get("cpu_s", 0.0))
                 else:
                     failures.append(self._why(i, reply))
-        return JobResult(records, start, time.monotonic() - start, cpu, failures)
+        return JobResult(records, cpu, failures)
 
     def _reply(self, i: int) -> tuple | None:
         conn, proc = self._conns[i], self._procs[i]

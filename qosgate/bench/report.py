@@ -133,20 +133,14 @@ def write_trace(path: str | Path, asked: Iterable[tuple[Record, int]], scenario:
 
 def _latency_stats(records: Sequence[Record]) -> dict[str, Any]:
     done = [r for r in records if r.outcome == COMPLETED]
-    ttfts = [r.ttft for r in done if r.ttft is not None]
-    e2es = [r.e2e for r in done]
-    tpots = [t for t in (r.tpot for r in done) if t is not None]
-    gaps = [gap for r in done if r.itl for gap in r.itl]
-    return {
-        "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p99_s": percentile(ttfts, 99),
-        "e2e_p50_s": percentile(e2es, 50),
-        "e2e_p99_s": percentile(e2es, 99),
-        "tpot_p50_s": percentile(tpots, 50),
-        "tpot_p99_s": percentile(tpots, 99),
-        "itl_p50_s": percentile(gaps, 50),
-        "itl_p99_s": percentile(gaps, 99),
+    series = {
+        "ttft": [r.ttft for r in done if r.ttft is not None],
+        "e2e": [r.e2e for r in done],
+        "tpot": [t for t in (r.tpot for r in done) if t is not None],
+        "itl": [gap for r in done if r.itl for gap in r.itl],
     }
+    return {f"{name}_p{q}_s": percentile(values, q) for name, values in series.items()
+            for q in (50, 99)}  # fmt: skip
 
 
 def _errors(records: Iterable[Record]) -> tuple[int, dict[str, int]]:
@@ -243,12 +237,10 @@ _ROW_KEYS = (
 def sweep_row(concurrency: int, report: dict[str, Any]) -> dict[str, Any]:
     """One sweep level: its totals flattened, with its full report alongside."""
     totals = report["totals"]
-    row: dict[str, Any] = {"concurrency": concurrency}
-    row.update({key: totals.get(key) for key in _ROW_KEYS})
-    row["tiers"] = report["tiers"]
-    row["tenants"] = report["tenants"]
-    row["totals"] = totals
-    return row
+    return {
+        "concurrency": concurrency, **{key: totals.get(key) for key in _ROW_KEYS},
+        "tiers": report["tiers"], "tenants": report["tenants"], "totals": totals,
+    }  # fmt: skip
 
 
 # -- text --------------------------------------------------------------------------------

@@ -282,8 +282,7 @@ async def measure(
             specs = [(rid + 1 + i, 0.0, 0, prompt, output) for i in range(batch)]
             rid += batch
             before = await _metrics(session, metrics_url)
-            watch = _RunningWatch(session, metrics_url)
-            watcher = asyncio.create_task(watch.run())
+            watcher = asyncio.create_task(_watch_running(session, metrics_url, measured))
             try:
                 records = await _run(job, specs)
             finally:
@@ -292,8 +291,6 @@ async def measure(
             if "itl_sum" in before and "itl_sum" in after:
                 itl[batch, prompt, output] = (after["itl_sum"] - before["itl_sum"],
                                               after["itl_count"] - before["itl_count"])
-            if watch.most is not None:
-                measured.running_max = max(measured.running_max or 0, watch.most)
             samples = _decode_samples(records, batch, prompt)
             measured.decode.extend(samples)
             step = statistics.median(s.step_ms for s in samples) if samples else float("nan")
@@ -334,23 +331,20 @@ def engine_decode_samples(
     return samples
 
 
-class _RunningWatch:
-    """The most requests the server's metrics (vLLM's) show running while a
-    batch is under way, read over and over until the batch ends."""
+_WATCH_INTERVAL_S = 0.05
 
-    INTERVAL_S = 0.05
 
-    def __init__(self, session: aiohttp.ClientSession, url: str | None) -> None:
-        self.session, self.url = session, url
-        self.most: int | None = None
-
-    async def run(self) -> None:
-        while self.url is not None:
-            running = (await _metrics(self.session, self.url)).get("running")
-            if running is None:
-                return
-            self.most = max(self.most or 0, running)
-            await asyncio.sleep(self.INTERVAL_S)
+async def _watch_running(session: aiohttp.ClientSession, url: str | None,
+                         measured: Measured) -> None:  # fmt: skip
+    """Raise `measured.running_max` to the most requests the server's metrics
+    (vLLM's) show running while a batch is under way, read over and over
+    until the batch ends (the task is cancelled)."""
+    while url is not None:
+        running = (await _metrics(session, url)).get("running")
+        if running is None:
+            return
+        measured.running_max = max(measured.running_max or 0, running)
+        await asyncio.sleep(_WATCH_INTERVAL_S)
 
 
 DECODE_BINS = 1
@@ -428,10 +422,10 @@ def fitted_profile(
 
 def residual_report(decode: Regression, prefill: Regression, overhead_ms: float) -> list[str]:
     """Each term with its standard error, and each regression's residuals."""
-    lines = [f"decode steps ({decode.samples} samples): rms residual {decode.rms_ms:.3f} ms"]
-    lines += [f"  {t.name:<12} {t.value:.6g} +/- {t.stderr:.2g}" for t in decode.terms]
-    lines.append(f"prefill ({prefill.samples} samples): rms residual {prefill.rms_ms:.3f} ms")
-    lines += [f"  {t.name:<12} {t.value:.6g} +/- {t.stderr:.2g}" for t in prefill.terms]
+    lines = []
+    for what, fit in (("decode steps", decode), ("prefill", prefill)):
+        lines.append(f"{what} ({fit.samples} samples): rms residual {fit.rms_ms:.3f} ms")
+        lines += [f"  {t.name:<12} {t.value:.6g} +/- {t.stderr:.2g}" for t in fit.terms]
     lines.append(f"  request overhead outside the engine (request_overhead_ms): "
                  f"{overhead_ms:.3f} ms")
     return lines

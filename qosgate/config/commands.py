@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections import Counter
@@ -23,8 +24,9 @@ EXIT_INVALID = 2
 _QUOTA_KINDS = ("tokens_per_minute", "tokens_per_day", "requests_per_minute", "max_concurrency")
 
 
-def validate_command(path: str) -> int:
+def validate_command(args: argparse.Namespace) -> int:
     """Print a summary of a valid policy (0) or every issue of an invalid one (2)."""
+    path = args.file
     try:
         policy = load_policy(path)
     except ConfigError as exc:
@@ -42,7 +44,7 @@ def validate_command(path: str) -> int:
     return EXIT_OK
 
 
-def schema_command() -> int:
+def schema_command(args: argparse.Namespace) -> int:
     print(json.dumps(PolicyConfig.model_json_schema(), indent=2))
     return EXIT_OK
 

@@ -842,7 +842,4 @@ class PolicyConfig(StrictModel):
         return max(delay)[1] if delay else own_tier
 
     def tenant(self, tenant_id: str) -> TenantConfig | None:
-        for tenant in self.tenants:
-            if tenant.id == tenant_id:
-                return tenant
-        return None
+        return next((tenant for tenant in self.tenants if tenant.id == tenant_id), None)
