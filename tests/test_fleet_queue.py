@@ -215,6 +215,26 @@ async def test_a_node_keeps_its_reserved_slots_for_the_top_level(kind, request):
         await queue.close()
 
 
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_a_claim_says_when_it_stopped_at_the_reserve(kind, request):
+    """A node held at its reserve is full to the work below the top level
+    (admission.saturated): its drain estimate counts that time, as one
+    node's scheduler counts a release the reserve blocks."""
+    queue = make_queue(kind, request, RESERVED)
+    try:
+        for n in range(2):
+            await queue.enqueue(item(f"s{n}", "silver", T0 + n))
+        stopped = await queue.claim("n1", 3, T0 + 5, LEASE)
+        assert [lease.item.id for lease in stopped.leases] == ["s0"] and stopped.at_reserve
+        # Room past the reserve, and the queue runs dry first: not held.
+        emptied = await queue.claim("n2", 5, T0 + 5, LEASE)
+        assert [lease.item.id for lease in emptied.leases] == ["s1"] and not emptied.at_reserve
+        await queue.enqueue(item("g", "gold", T0 + 6))
+        assert not (await queue.claim("n3", 1, T0 + 6, LEASE)).at_reserve
+    finally:
+        await queue.close()
+
+
 def test_the_fleet_reserves_what_one_node_reserves():
     tiers = {"gold": {"priority": 0}, "bronze": {"priority": 2}}
     reserve = {"reserve": {"slots": 3}}
@@ -566,18 +586,27 @@ async def admit(request):
 
 def test_predicted_wait_is_work_ahead_over_what_drains_beyond_the_inflow():
     load = FleetLoad(queued_work={"gold": 500, "std": 300}, inflow={"gold": 50.0, "std": 80.0},
-                     drain=150.0, room=0)  # fmt: skip
+                     drain=150.0, rooms=(0,))  # fmt: skip
     # Every node full: its own 100 tokens, then what is queued at or above std,
     # drained at 150 less gold's 50 tokens/s of arrivals.
     assert predicted_wait(ADMIT, "std", 100, load, T0) == (100 + 500 + 300) / 100.0
     # gold has nothing above it: no inflow counts, and std's queue is behind it.
     assert predicted_wait(ADMIT, "gold", 100, load, T0) == 600 / 150.0
     # Free slots start that much work at once.
-    roomy = dataclasses.replace(load, room=3)
+    roomy = dataclasses.replace(load, rooms=(3,))
     assert predicted_wait(ADMIT, "std", 100, roomy, T0) == 500 / 100.0
     assert predicted_wait(ADMIT, "std", 400, roomy, T0) == 0.0
     # Arrivals above as fast as the fleet drains: never served.
     assert predicted_wait(ADMIT, "std", 100, dataclasses.replace(load, drain=50.0), T0) == math.inf
+    # Slots a node keeps for the top level are room for gold only: std's
+    # room is what is past each node's reserve (3 - 2 here, none there): one
+    # slot, which takes 100 tokens of what is ahead at once.
+    reserved = dataclasses.replace(ADMIT, reserve_slots=2)
+    held = dataclasses.replace(load, rooms=(2, 3))
+    assert predicted_wait(reserved, "std", 100, held, T0) == (500 + 300 - 100) / 100.0
+    assert predicted_wait(reserved, "gold", 100, held, T0) == 0.0
+    assert predicted_wait(reserved, "std", 100, dataclasses.replace(load, rooms=(2, 2)), T0) == (
+        100 + 500 + 300) / 100.0
     # No node reports a rate: no evidence, no prediction.
     assert predicted_wait(ADMIT, "std", 100, dataclasses.replace(load, drain=0.0), T0) is None
 
@@ -590,7 +619,7 @@ def test_predicted_wait_leaves_out_aged_work_and_counts_lower_tiers_shares():
         {"gold": 0, "batch": 2}, interval_s=2.0, max_boost=2,
         budgets={"gold": 10.0, "batch": 5.0}, delays=["batch"], shares={"batch": 0.1},
     )  # fmt: skip
-    load = FleetLoad(queued_work={"gold": 300, "batch": 1900}, inflow={}, drain=200.0, room=0,
+    load = FleetLoad(queued_work={"gold": 300, "batch": 1900}, inflow={}, drain=200.0, rooms=(0,),
                      oldest={"gold": T0 + 18, "batch": T0})  # fmt: skip
     for now in (T0 + 8.9, T0 + 19, T0 + 1e5):
         assert predicted_wait(tiers, "gold", 100, load, now) == pytest.approx(400 / 180.0)

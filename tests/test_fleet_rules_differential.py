@@ -73,6 +73,7 @@ class CoreModel:
         self.credits: dict[str, float] = {}
         self.share_turns = 0  # claims a share credit sent out of priority order
         self.reserve_stops = 0  # claims that stopped at the node's reserved slots
+        self.at_reserve = False  # the last claim stopped there
         self.tokens = 0
 
     def _in(self, tier: str, tenant: str | None = None) -> list[WorkItem]:
@@ -102,9 +103,12 @@ class CoreModel:
         self._charge(item, -item.charge)
         self._push(dataclasses.replace(item, attempt=item.attempt + 1))
 
-    def _live(self, now: float) -> tuple[float, int]:
+    def _live(self, now: float, priority: int) -> tuple[float, int]:
+        """The live nodes' drain, and the free slots work at `priority` may take."""
         live = [(rate, room) for room, until, rate in self.nodes.values() if until > now]
-        return sum(rate for rate, _ in live) / 1000.0, sum(room for _, room in live)
+        room = sum(ordering.open_slots(priority, self.tiers.top_level, free,
+                                       self.tiers.reserve_slots) for _, free in live)  # fmt: skip
+        return sum(rate for rate, _ in live) / 1000.0, room
 
     def enqueue(self, item: WorkItem, max_queued: int | None) -> object:
         if item.id in self.queued or item.id in self.held or item.id in self.ended:
@@ -112,7 +116,7 @@ class CoreModel:
         if max_queued is not None and len(self._in(item.tier)) >= max_queued:
             return "full"
         tier = self.tiers.tier(item.tier)
-        drain, room = self._live(item.arrival)
+        drain, room = self._live(item.arrival, tier.priority)
         if item.tier in self.tiers.admitting and tier.budget_s is not None and drain > 0:
             views = [
                 SimpleNamespace(
@@ -141,6 +145,7 @@ class CoreModel:
             self._requeue(item_id)
         self.nodes = {n: v for n, v in self.nodes.items() if v[1] > now}
         taken = []
+        self.at_reserve = False
         while len(taken) < max_items:
             heads = [
                 (t, head.arrival, ordering.share_owed(self.credits.get(t.name, 0.0), head.work))
@@ -153,6 +158,7 @@ class CoreModel:
             if ordering.reserve_holds(chosen[1], self.tiers.top_level, max_items - len(taken),
                                       self.tiers.reserve_slots, owed):
                 self.reserve_stops += 1
+                self.at_reserve = True
                 break
             tier = chosen[0].name
             unowed = [(t, oldest, False) for t, oldest, _ in heads]
@@ -204,7 +210,7 @@ class CoreModel:
             return False
         mine = self.tiers.tier(lease.item.tier).priority
         urgent = sum(1 for i in self.queued.values() if self.tiers.tier(i.tier).priority < mine)
-        if not ordering.preemption_needed(urgent, self._live(now)[1]):
+        if not ordering.preemption_needed(urgent, self._live(now, self.tiers.top_level)[1]):
             return False
         node = self.held[lease.item.id][1]
         self._requeue(lease.item.id)
@@ -305,6 +311,7 @@ async def test_core_memory_and_lua_decide_alike(redis_server):
                     claim = await store.claim(node, n, now, lease_s, drain_rate=rate)
                     got = [(lease.item.id, lease.token) for lease in claim.leases]
                     assert got == want, (step, store.name, got, want)
+                    assert claim.at_reserve == core.at_reserve, (step, store.name)
                 for lease in claim.leases:
                     leases[lease.item.id] = lease
                 seen["claimed"] += len(want)

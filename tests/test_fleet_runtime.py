@@ -223,6 +223,32 @@ async def test_the_answer_comes_back_whole_streamed_or_not(redis_server, prefix)
         assert sum((await fleet.backend.store.depth()).values()) == 0
 
 
+async def test_a_node_held_at_its_reserve_is_full_to_its_drain_estimate(redis_server, prefix):
+    """A node whose free slots are all kept for top-level work, while lower
+    work waits for them, runs at what it can do: its drain estimate counts
+    that time, as one node's scheduler counts a release the reserve blocks.
+    Counted only while it has room, it stayed at its prior under overload,
+    and the fleet's admission refused far more than one node does."""
+    policy = make_policy(redis_server.url, prefix, scheduler={"reserve": {"slots": 1}})
+    async with Fleet(policy, engines=1, seqs=2) as fleet:
+        node = fleet.engines[0]
+        async with asyncio.timeout(LIMIT_S), Enqueues(fleet) as enqueues:
+            running = fleet.submit(tier="batch", max_tokens=5000)
+            await first_chunk(running)
+            # One slot free, nothing waits for it: not full, nothing measured.
+            assert node.status()["free_slots"] == 1 and not node.drain.counting
+            waiting = fleet.submit(tier="batch", max_tokens=5000)
+            reader = asyncio.ensure_future(read_all(waiting))
+            await enqueues.wait(2)
+            await node._claim()
+            assert (await fleet.backend.store.depth())["batch"] == 1
+            assert node.status()["free_slots"] == 1 and node.drain.counting
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            await running.aclose()
+
+
 async def test_a_client_gone_while_queued_takes_its_item_out(redis_server, prefix):
     async with Fleet(make_policy(redis_server.url, prefix), engines=1, seqs=1) as fleet:
         store = fleet.backend.store

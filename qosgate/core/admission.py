@@ -45,6 +45,15 @@ DEFAULT_DRAIN_RATE = 10_000.0
 MAX_RETRY_AFTER_S = 300.0
 
 
+def saturated(free_slots: int, held: bool) -> bool:
+    """Whether a backend is full for the work that waits: no free slot, or
+    the next queued work held back (for the reserved slots, or for room in
+    its KV cache). Only then does time teach the drain estimate what the
+    backend can do, and a newcomer without a reserve waits for a slot of its
+    own."""
+    return free_slots <= 0 or held
+
+
 class TierLoad(TierView, Protocol):
     """Port: what admission reads of one tier's queue."""
 
@@ -137,6 +146,12 @@ class DrainRateEstimator:
         self.advance(now, self._saturated)
         if self._saturated:
             self._tokens += tokens
+
+    @property
+    def counting(self) -> bool:
+        """Whether the time from the last call counts (the backend was said
+        saturated)."""
+        return self._saturated
 
     @property
     def rate(self) -> float:

@@ -95,6 +95,13 @@ def reserve_holds(
     return level > top_level and free_slots <= reserve_slots and not owed
 
 
+def open_slots(level: int, top_level: int, free_slots: int, reserve_slots: int) -> int:
+    """How many of a backend's `free_slots` a newcomer at `level` may take at
+    once: every one for top-level work, those past the reserve for the rest
+    (reserve_holds)."""
+    return free_slots if level <= top_level else max(0, free_slots - reserve_slots)
+
+
 def share_owed(credit: float, head_work: float) -> bool:
     """Whether a tier with work queued is owed its guaranteed share now: its
     credit covers the work of its oldest request."""

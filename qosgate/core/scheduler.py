@@ -21,6 +21,7 @@ from qosgate.core.admission import (
     AdmissionDecision,
     DrainRateEstimator,
     predicted_wait,
+    saturated,
 )
 from qosgate.core.fairness import FifoOrder, VtcOrder, service
 from qosgate.core.ordering import (
@@ -364,7 +365,7 @@ class Scheduler:
         # Work held for the prefill budget waits for a first token, not for a
         # slot: the backend still has room for top-level work.
         self._held_for_prefill = bool(held)
-        self._saturated = free_slots <= 0 or blocked is not None
+        self._saturated = saturated(free_slots, blocked is not None)
         self._room_slots = 0 if self._saturated else free_slots
         self._room_kv = 0 if self._saturated else free_kv
         # What the coming interval is: saturated only if work is still waiting

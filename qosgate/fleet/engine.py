@@ -49,7 +49,7 @@ from redis.exceptions import RedisError
 from qosgate.backends.base import Backend, BackendError, BackendUnavailable, Chunk, GenerationJob
 from qosgate.config.models import FleetConfig, PolicyConfig
 from qosgate.config.scheduling import scheduling_policy
-from qosgate.core.admission import DEFAULT_DRAIN_RATE, DrainRateEstimator
+from qosgate.core.admission import DEFAULT_DRAIN_RATE, DrainRateEstimator, saturated
 from qosgate.core.ordering import may_preempt, preemption_victim
 from qosgate.observability.otel import Tracing
 from qosgate.quotas import QuotaStore, QuotaStoreError, build_store
@@ -134,6 +134,8 @@ class EngineNode:
         self._wake_channel = self.store.wake_channel.encode()
         self._outbox = _Outbox(self.store.redis)
         self._runs: dict[str, asyncio.Task[None]] = {}
+        self._at_reserve = False
+        """The last claim stopped at the reserved slots (Claim.at_reserve)."""
         self._spans: dict[str, Any] = {}
         """The span of each traced run, ended with the run."""
         self._leases: dict[str, Lease] = {}
@@ -265,8 +267,10 @@ class EngineNode:
 
     def _note_load(self) -> None:
         """Tell the drain estimate whether the time from now on is measured:
-        only while the node is full is what it completes what it can do."""
-        full = bool(self._runs) and self._room() <= 0
+        only while the node is full for the work that waits is what it
+        completes what it can do. A node that keeps its reserved slots for
+        top-level work is full to the rest, as one node's scheduler counts it."""
+        full = bool(self._runs) and saturated(self._room(), self._at_reserve)
         self.drain.advance(asyncio.get_running_loop().time(), full)
 
     def wake(self) -> None:
@@ -299,6 +303,7 @@ class EngineNode:
                     log.error("claim failed: %s", exc)
                     self._arm_expiry(time.time() + 1.0)
                     return
+                self._at_reserve = claim.at_reserve
                 for lease in claim.leases:
                     if lease.item.affinity:
                         self.affinity[claim.placement(lease.item.id)] += 1

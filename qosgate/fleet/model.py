@@ -97,6 +97,9 @@ class Claim:
     away: frozenset[str] = frozenset()
     """Ids of the items taken whose key was bound to another node (that one
     was full or is gone)."""
+    at_reserve: bool = False
+    """It stopped at the node's reserved slots (ordering.reserve_holds) with
+    work below the top level still queued: to that work the node is full."""
 
     def placement(self, item_id: str) -> Literal["home", "away", "new"]:
         """Where a taken item's key was bound: here, elsewhere, or nowhere."""
@@ -271,10 +274,15 @@ class FleetLoad:
     """Tier -> tokens/s of new work arriving there (an exponential average)."""
     drain: float
     """Tokens/s the live engine nodes complete, summed (0: none reports)."""
-    room: int
-    """Free sequence slots of the live engine nodes, summed."""
+    rooms: tuple[int, ...]
+    """Free sequence slots of each live engine node, fewest first."""
     oldest: Mapping[str, float] = dataclasses.field(default_factory=dict)
     """Tier -> arrival of its oldest queued item (non-empty tiers)."""
+
+    @property
+    def room(self) -> int:
+        """Free sequence slots of the live engine nodes, summed."""
+        return sum(self.rooms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,8 +306,9 @@ def predicted_wait(
 ) -> float | None:
     """How long an item of `work` tokens entering `tier` at `now` is expected
     to wait before a node takes it: one node's rule (admission.predicted_wait)
-    over the fleet, where the nodes' free slots are its room. None when no
-    live node reports a drain rate (no evidence, so no refusal)."""
+    over the fleet, where the nodes' free slots that it may take
+    (ordering.open_slots) are its room. None when no live node reports a
+    drain rate (no evidence, so no refusal)."""
     if load.drain <= 0.0:
         return None
     views = [
@@ -309,9 +318,11 @@ def predicted_wait(
     ]  # fmt: skip
     priority = tiers.tier(tier).priority
     reserved = ordering.has_reserve(priority, tiers.top_level, tiers.reserve_slots)
+    room = sum(ordering.open_slots(priority, tiers.top_level, free, tiers.reserve_slots)
+               for free in load.rooms)  # fmt: skip
     return admission.predicted_wait(
         priority, work, views, now,
-        own_slot=load.room <= 0 and not reserved, room_work=load.room * work, drain=load.drain,
+        own_slot=room <= 0 and not reserved, room_work=room * work, drain=load.drain,
     )  # fmt: skip
 
 

@@ -214,7 +214,7 @@ class RedisWorkQueue(WorkQueue):
             repr(now - self.done_retention_s), repr(now - self.affinity_ttl_s), self.wake_channel,
             milli(drain_rate), *self._tier_args,
         ]  # fmt: skip
-        rows, held_until = await self._run(self._claim, args)
+        rows, held_until, at_reserve = await self._run(self._claim, args)
         leases = []
         home, away = set(), set()
         for row in rows:
@@ -234,7 +234,7 @@ class RedisWorkQueue(WorkQueue):
             if bound:
                 (home if bound == 1 else away).add(item.id)
         held_back_until = float(held_until) if held_until else None
-        return Claim(leases, held_back_until, frozenset(home), frozenset(away))
+        return Claim(leases, held_back_until, frozenset(home), frozenset(away), bool(at_reserve))
 
     async def heartbeat(
         self, node: str, room: int, now: float, ttl_s: float, *, drain_rate: float = 0.0
@@ -317,7 +317,7 @@ class RedisWorkQueue(WorkQueue):
             queued_work={tier: int(work.get(tier.encode(), 0)) for tier in tiers},
             inflow=inflow,
             drain=sum(int(rates.get(node, 0)) for node in live) / 1000.0,
-            room=sum(int(rooms.get(node, 0)) for node in live),
+            rooms=tuple(sorted(int(rooms.get(node, 0)) for node in live)),
             oldest={tier: float(head[0][1]) for tier, head in zip(tiers, heads) if head},
         )
 

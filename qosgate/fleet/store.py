@@ -257,16 +257,17 @@ class MemoryWorkQueue(WorkQueue):
         self.wakes += 1
 
     def _load(self, now: float) -> FleetLoad:
-        drain = room = 0
+        drain = 0
+        rooms = []
         for node_room, until, rate in self._nodes.values():
             if until > now:
                 drain += rate
-                room += node_room
+                rooms.append(node_room)
         return FleetLoad(
             queued_work=dict(self._work),
             inflow={name: rate.rate(now) for name, rate in self._inflow.items()},
             drain=drain / 1000.0,
-            room=room,
+            rooms=tuple(sorted(rooms)),
             oldest={name: queue[0][0] for name, queue in self._queues.items() if queue},
         )
 
@@ -374,6 +375,7 @@ class MemoryWorkQueue(WorkQueue):
         # still have held back for it.
         reserve = {n: room for n, (room, _, _) in self._nodes.items() if n != node and room > 0}
         held_back_until: float | None = None
+        at_reserve = False
         home: set[str] = set()
         away: set[str] = set()
         # Items held back so far, per tier (FIFO) or per tier and tenant
@@ -390,6 +392,7 @@ class MemoryWorkQueue(WorkQueue):
             tier, level, owed = chosen
             if ordering.reserve_holds(level, self.tiers.top_level, max_items - len(leases),
                              self.tiers.reserve_slots, owed):
+                at_reserve = True
                 break
             candidate = self._candidate(tier, skipped)
             if candidate is None:
@@ -422,7 +425,7 @@ class MemoryWorkQueue(WorkQueue):
             self._held[item.id] = lease = Lease(item, node, next(self._tokens), expires_at)
             leases.append(lease)
         self._set_room(node, max_items - len(leases), expires_at, milli(drain_rate))
-        return Claim(leases, held_back_until, frozenset(home), frozenset(away))
+        return Claim(leases, held_back_until, frozenset(home), frozenset(away), at_reserve)
 
     def _set_room(self, node: str, room: int, until: float, rate: int) -> None:
         before = self._nodes.get(node, (0, 0.0, 0))[0]

@@ -1,6 +1,7 @@
 -- ARGV: now, node, max_items, expires_at, interval_s, max_boost, done
 -- horizon, affinity horizon, wake channel, drain rate (milli), then the tier
--- args. Returns {leases, held back until ('' for none)}, one [id, tier,
+-- args. Returns {leases, held back until ('' for none), 1 if it stopped at
+-- the node's reserved slots}, one [id, tier,
 -- tenant, arrival, payload, attempt, token, affinity key, charge, where its
 -- key was bound (0: nowhere, 1: this node, 2: another), work] per lease.
 -- The tier choice restates core.ordering.pick_tier (with the tiers' share
@@ -39,6 +40,7 @@ for j = 1, #rooms, 2 do
   if rooms[j] ~= node and room > 0 then reserve[rooms[j]] = room end
 end
 local held_until = nil
+local at_reserve = 0
 -- Items held back so far per lane (a tier, or a tier's tenant when fair):
 -- always the first ones of their lane.
 local skipped = {}
@@ -75,7 +77,10 @@ while #out < max_items do
   end
   if best == nil then break end
   -- core.ordering.reserve_holds: the node's last free slots are for the top level
-  if best_level > T.top and max_items - #out <= T.reserve and not best_owed then break end
+  if best_level > T.top and max_items - #out <= T.reserve and not best_owed then
+    at_reserve = 1
+    break
+  end
   local tier = T.names[best]
   local id, lane
   if T.fair then
@@ -142,4 +147,4 @@ while #out < max_items do
   end
 end
 set_room(node, max_items - #out, expires_at, ARGV[10], wake)
-return {out, held_until or ''}
+return {out, held_until or '', at_reserve}
