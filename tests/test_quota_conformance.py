@@ -430,3 +430,27 @@ async def test_a_recorded_reservation_settles_exactly_once_whoever_asks(redis_se
     finally:
         await made.close()
         await later.close()
+
+
+async def test_closing_the_redis_store_closes_its_connections(redis_server):
+    """A store's connections end with it: a gateway that reloads its policy
+    builds a new store and closes the old one, and each reload must not leave
+    a pool of idle connections on the server."""
+    import redis.asyncio as aioredis
+
+    watcher = aioredis.Redis.from_url(redis_server.url)
+
+    async def clients() -> int:
+        return len(await watcher.client_list())
+
+    try:
+        before = await clients()
+        store = RedisQuotaStore(redis_server.url, key_prefix=f"close-{next(_ids)}:")
+        lim = limits(tokens_per_minute=1000)
+        await asyncio.gather(*(store.reserve("t", lim, 1, f"r{n}", T0, lease_s=LEASE)
+                               for n in range(4)))  # fmt: skip
+        assert await clients() > before
+        await store.close()
+        assert await clients() == before
+    finally:
+        await watcher.aclose()

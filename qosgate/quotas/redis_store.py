@@ -112,7 +112,8 @@ class RedisQuotaStore(QuotaStore):
                 # (up to `timeout`) rather than failing.
                 max_connections=max_connections, timeout=max(1.0, 4 * socket_timeout_s),
             )  # fmt: skip
-            client = aioredis.Redis(connection_pool=pool)
+            # The client owns its pool, so close() disconnects it too.
+            client = aioredis.Redis.from_pool(pool)
         self._redis = client
         self._reserve, self._settle, self._renew, self._carry = register_scripts(
             client, __package__, ("reserve", "settle", "renew", "carry")
