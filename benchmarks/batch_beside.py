@@ -1,7 +1,7 @@
 """A 20,000-line batch job beside latency traffic, on the live simulated GPU.
 
     .venv/bin/python benchmarks/batch_beside.py [--speed 1] [--duration 300] [--load 0.7]
-        [--lines 20000] [--in-flight N] [--warmup 10] [--json PATH]
+        [--lines 20000] [--in-flight N] [--waiting N] [--warmup 10] [--json PATH]
 
 Two runs of one `qosgate serve` process each (tests/fleet_support.py's Proc),
 with B3's policy, tenants and engine (benchmarks/b3_overload.yaml, as
@@ -116,6 +116,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lines", type=int, default=20_000, help="lines of the batch job")
     parser.add_argument("--in-flight", type=int,
                         help="batch.in_flight_per_job (default: the policy's default)")
+    parser.add_argument("--waiting", type=int,
+                        help="batch.waiting_per_job (default: the policy's default)")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="modelled seconds the client waits for one request (default 300: "
                         "a 1,024-token answer beside the job takes over 60)")
@@ -134,6 +136,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         problems.append("--lines must be at least 1")
     if args.in_flight is not None and not 1 <= args.in_flight <= 4096:
         problems.append("--in-flight must be between 1 and 4096")
+    if args.waiting is not None and not 1 <= args.waiting <= 4096:
+        problems.append("--waiting must be between 1 and 4096")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         problems.append("--timeout must be a positive number")
     if problems:
@@ -193,6 +197,8 @@ def gateway_policy(base: Scenario, args: argparse.Namespace, data_dir: Path) -> 
                     "max_lines": max(args.lines, 1)}  # fmt: skip
     if args.in_flight is not None:
         doc["batch"]["in_flight_per_job"] = args.in_flight
+    if args.waiting is not None:
+        doc["batch"]["waiting_per_job"] = args.waiting
     return doc
 
 

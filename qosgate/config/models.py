@@ -710,7 +710,7 @@ class BatchConfig(StrictModel):
     """Largest file accepted by POST /v1/files (413 beyond)."""
     max_lines: Count = 50_000
     """Most requests in one batch file."""
-    waiting_per_job: _number(int, gt=0, le=4096) = 16  # type: ignore[valid-type]
+    waiting_per_job: _number(int, gt=0, le=4096) = 64  # type: ignore[valid-type]
     """Lines of one job admitted and not yet answering (queued, or in their
     prefill) at once. The job sends another line whenever one starts
     answering, so it takes what capacity other work leaves, as fast as it
