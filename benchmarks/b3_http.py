@@ -132,6 +132,16 @@ def serve_policy(base: Scenario, policy: str, speed: float) -> dict[str, Any]:
     return doc
 
 
+def merged(doc: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """`doc` with `override` merged in, key by key into nested objects: an
+    experiment on one setting of the served policy (`--override`), given in
+    the gateway's own units."""
+    out = dict(doc)
+    for key, value in override.items():
+        out[key] = merged(out.get(key) or {}, value) if isinstance(value, dict) else value
+    return out
+
+
 def bench_scenario(base: Scenario, rate_rps: float, args: argparse.Namespace,
                    seed: int) -> dict[str, Any]:  # fmt: skip
     """B3's class mix and lengths as a `qosgate bench` open-loop scenario, its
@@ -249,7 +259,7 @@ def run_cell(base: Scenario, policy: str, rate_rps: float, args: argparse.Namesp
     """One policy's run of one cell: a fresh gateway (or fleet), the bench
     against it, and the gateways' own counts under the report's "gateway"."""
     name = f"{policy}-{rate_rps:.3f}"
-    doc = serve_policy(base, policy, args.speed)
+    doc = merged(serve_policy(base, policy, args.speed), args.override)
     fleet = Fleet(tmp / name, single=not args.fleet, gateways=args.gateways,
                   engines=args.engines, lease_s=FLEET_LEASE_S, doc=doc)  # fmt: skip
     sampler = EngineSampler(fleet.engines, interval_s=1.0 / args.speed)
@@ -413,6 +423,10 @@ def main(argv: list[str] | None = None) -> int:
                         "and --engines engine nodes, the load unit being all the engines")
     parser.add_argument("--gateways", type=int, default=3, help="fleet: gateway replicas")
     parser.add_argument("--engines", type=int, default=2, help="fleet: engine nodes")
+    parser.add_argument("--override", type=json.loads, default={},
+                        help="JSON object merged into every served policy, e.g. "
+                        "'{\"tiers\": {\"batch\": {\"min_share\": 0}}}' (an experiment, "
+                        "not B3: the report is not comparable with RESULTS.md's)")
     parser.add_argument("--json", dest="json_path", help="write the per-cell figures and checks")
     args = parser.parse_args(argv)
     try:
@@ -442,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         payload = {"speed": args.speed, "duration_s": args.duration, "warmup_s": args.warmup,
                    "timeout_s": args.timeout, "fleet": args.fleet and {
                        "gateways": args.gateways, "engines": args.engines},
-                   "capacity_rps": capacity, "load_average": os.getloadavg(), "cells": rows,
+                   "override": args.override, "capacity_rps": capacity, "load_average": os.getloadavg(), "cells": rows,
                    "simulator_cells": sweep.summarise(twins),
                    "runs": {str(cell): {policy: {key: report.get(key) for key in
                                                  ("tiers", "totals", "gateway")}
