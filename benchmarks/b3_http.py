@@ -456,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
         payload = {"speed": args.speed, "duration_s": args.duration, "warmup_s": args.warmup,
                    "timeout_s": args.timeout, "fleet": args.fleet and {
                        "gateways": args.gateways, "engines": args.engines},
-                   "override": args.override, "capacity_rps": capacity, "load_average": os.getloadavg(), "cells": rows,
+                   "override": args.override, "capacity_rps": capacity,
+                   "load_average": os.getloadavg(), "cells": rows,
                    "simulator_cells": sweep.summarise(twins),
                    "runs": {str(cell): {policy: {key: report.get(key) for key in
                                                  ("tiers", "totals", "gateway")}

@@ -785,7 +785,7 @@ class Job:
         if stream is not None:
             self.service.gateway.settle_held(stream)
 
-    async def _record_unrun(self, why: _Ending) -> None:
+    async def _record_unrun(self, why: Literal["expired", "cancelled"]) -> None:
         """Every line still without a result, as an error line saying `why`."""
         async for number, raw in self._pending():
             custom_id = parse_item(number, raw)["custom_id"]

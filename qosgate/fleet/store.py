@@ -104,13 +104,14 @@ class WorkQueue(ABC):
         """Return expired leases' items to their queues, then lease up to
         `max_items` to `node`, each from the tier `choose_tier` names at that
         moment (below the top level only while more of the node's room is
-        left than the tiers' `reserve_slots`), until `now + lease_s`, leaving items for the live nodes their
-        affinity keys are bound to while those have room (see model.py).
-        Binds a taken item's key to `node` unless a live node has it, and
-        records `node` as live
-        until `now + lease_s` with the room it has left (`max_items` less
-        what it took) and the tokens/s it drains when full (`drain_rate`; 0:
-        unknown), which admission sums over the live nodes."""
+        left than the tiers' `reserve_slots`: `Claim.at_reserve` says it
+        stopped there), until `now + lease_s`, leaving items for the live
+        nodes their affinity keys are bound to while those have room (see
+        model.py). Binds a taken item's key to `node` unless a live node has
+        it, and records `node` as live until `now + lease_s` with the room it
+        has left (`max_items` less what it took) and the tokens/s it drains
+        when full (`drain_rate`; 0: unknown), which admission sums over the
+        live nodes."""
 
     @abstractmethod
     async def heartbeat(

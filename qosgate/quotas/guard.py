@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections import Counter, defaultdict, deque
 import logging
 import time
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
