@@ -132,16 +132,6 @@ def serve_policy(base: Scenario, policy: str, speed: float) -> dict[str, Any]:
     return doc
 
 
-def merged(doc: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """`doc` with `override` merged in, key by key into nested objects: an
-    experiment on one setting of the served policy (`--override`), given in
-    the gateway's own units."""
-    out = dict(doc)
-    for key, value in override.items():
-        out[key] = merged(out.get(key) or {}, value) if isinstance(value, dict) else value
-    return out
-
-
 def bench_scenario(base: Scenario, rate_rps: float, args: argparse.Namespace,
                    seed: int) -> dict[str, Any]:  # fmt: skip
     """B3's class mix and lengths as a `qosgate bench` open-loop scenario, its
@@ -259,7 +249,7 @@ def run_cell(base: Scenario, policy: str, rate_rps: float, args: argparse.Namesp
     """One policy's run of one cell: a fresh gateway (or fleet), the bench
     against it, and the gateways' own counts under the report's "gateway"."""
     name = f"{policy}-{rate_rps:.3f}"
-    doc = merged(serve_policy(base, policy, args.speed), args.override)
+    doc = sweep.merged(serve_policy(base, policy, args.speed), args.override)
     fleet = Fleet(tmp / name, single=not args.fleet, gateways=args.gateways,
                   engines=args.engines, lease_s=FLEET_LEASE_S, doc=doc)  # fmt: skip
     sampler = EngineSampler(fleet.engines, interval_s=1.0 / args.speed)

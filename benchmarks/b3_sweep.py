@@ -187,6 +187,15 @@ def run_sweep(
 # -- figures and rules --------------------------------------------------------------------
 
 
+def merged(doc: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """`doc` with `override` merged in, key by key into nested objects: an
+    experiment on one setting of the policy (`--override`)."""
+    out = dict(doc)
+    for key, value in override.items():
+        out[key] = merged(out.get(key) or {}, value) if isinstance(value, dict) else value
+    return out
+
+
 def figure(table: dict[Cell, dict], cell: Cell, policy: str, *path: str) -> float:
     """One number of one policy's report in one cell; SweepError when it is not there."""
     if cell not in table:
@@ -377,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, help="arrival seed (default: the scenario's)")
     parser.add_argument("--prefill-budget", type=int, metavar="TOKENS",
                         help="run with scheduler.prefill_budget_tokens set (default: unset)")
+    parser.add_argument("--override", type=json.loads, default={},
+                        help="JSON object merged into the scenario's policy, e.g. "
+                        "'{\"tiers\": {\"batch\": {\"min_share\": 0}}}' (an experiment, "
+                        "not B3: the report is not comparable with RESULTS.md's)")
     parser.add_argument("--json", dest="json_path",
                         help="write the per-cell figures and checks")
     args = parser.parse_args(argv)
@@ -389,9 +402,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"b3_sweep: {exc}", file=sys.stderr)
         return 2
     base = load_scenario(SCENARIO)
-    if args.prefill_budget is not None:
+    if args.prefill_budget is not None or args.override:
         data = base.model_dump()
-        data["policy"]["scheduler"]["prefill_budget_tokens"] = args.prefill_budget
+        if args.prefill_budget is not None:
+            data["policy"]["scheduler"]["prefill_budget_tokens"] = args.prefill_budget
+        data["policy"] = merged(data["policy"], args.override)
         base = Scenario.model_validate(data)
     seed = base.seed if args.seed is None else args.seed
     table = run_sweep(base, mixes, arrivals, loads, policies, seed)
