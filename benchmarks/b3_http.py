@@ -378,10 +378,11 @@ def tier_counts(table: dict, twins: dict, speed: float) -> str:
     return "\n".join(lines)
 
 
-def judge(table: dict) -> tuple[int, list]:
-    """b3_sweep's rules on the table: (exit status, checks), printing each failure."""
+def judge(table: dict, seed: int) -> tuple[int, list]:
+    """b3_sweep's rules on the table (one run per cell, on `seed`): (exit
+    status, checks), printing each failure."""
     try:
-        checks = sweep.evaluate(table)
+        checks = sweep.evaluate(sweep.one_seed(table, seed))
     except sweep.SweepError as exc:
         print(f"ERROR  {exc}")
         return 2, []
@@ -435,20 +436,21 @@ def main(argv: list[str] | None = None) -> int:
           f"load average {os.getloadavg()[0]:.2f}")
     print(tier_counts(table, twins, args.speed))
     print()
-    rows = sweep.summarise(table)
+    rows = sweep.summarise(sweep.one_seed(table, base.seed))
+    twin_rows = sweep.summarise(sweep.one_seed(twins, base.seed))
     print(sweep.format_rows(rows))
     print()
     print("the simulator on the same requests:")
-    print(sweep.format_rows(sweep.summarise(twins)))
+    print(sweep.format_rows(twin_rows))
     print()
-    status, checks = judge(table)
+    status, checks = judge(table, base.seed)
     if args.json_path:
         payload = {"speed": args.speed, "duration_s": args.duration, "warmup_s": args.warmup,
                    "timeout_s": args.timeout, "fleet": args.fleet and {
                        "gateways": args.gateways, "engines": args.engines},
                    "override": args.override, "capacity_rps": capacity,
                    "load_average": os.getloadavg(), "cells": rows,
-                   "simulator_cells": sweep.summarise(twins),
+                   "simulator_cells": twin_rows,
                    "runs": {str(cell): {policy: {key: report.get(key) for key in
                                                  ("tiers", "totals", "gateway")}
                                         for policy, report in entry["policies"].items()}

@@ -2,30 +2,49 @@
 pass rules that can fail.
 
     .venv/bin/python benchmarks/b3_sweep.py [--loads 1,2,4] [--arrivals poisson]
-        [--mix b3] [--policies qos,strict,fcfs] [--prefill-budget TOKENS] [--json PATH]
+        [--mix b3] [--policies qos,strict,fcfs] [--seed S] [--seeds 5] [--jobs $(nproc)]
+        [--prefill-budget TOKENS] [--json PATH]
 
 Every cell (mix x arrivals x load) runs each policy on the same arrivals through
-the simulator's own API (qosgate.sim.commands.Simulation). The B3 scenario file
-gives the policy, the engine and the b3 mix; the `long` mix keeps its policy and
-tenants but gives docs-qa and the batch tenants 8k-token prompts beside short
-chat. Each cell is DURATION_S simulated seconds of arrivals (the acceptance run
-of B3 is 600 s): short enough for the 144 runs of the whole sweep to finish in
-about 10 minutes on one core.
+the simulator's own API (qosgate.sim.commands.Simulation), once per seed: S,
+S + 1, ... S + N - 1 (`--seed`, by default the scenario's; `--seeds`, 5 by
+default). The B3 scenario file gives the policy, the engine and the b3 mix; the
+`long` mix keeps its policy and tenants but gives docs-qa and the batch tenants
+8k-token prompts beside short chat. Each cell is DURATION_S simulated seconds of
+arrivals (the acceptance run of B3 is 600 s): the 144 runs of the whole sweep on
+one seed take about 10 minutes on one core, five seeds five times that;
+`--jobs J` runs J (cell, seed) units at a time in worker processes, with the
+same figures.
+
+The rules judge each cell over its seeds. The simulator is chaotic: any
+reordering of the lower tiers' work moves the tiers above by a request or
+two, in either direction from seed to seed. So "qos attainment >= strict" is
+judged on the paired differences d = qos - strict over the seeds: it fails
+when mean(d) + t x sd(d) / sqrt(N) < 0 (t: Student's one-sided 95% quantile,
+N - 1 degrees of freedom), a shortfall beyond the seeds' noise. Interactive's
+floor (where its demand, the mean over the seeds, fits), goodput against qos
+at 1x and tokens/s against fcfs judge the means over the seeds; served waits
+the longest of any seed; requests lost their sum. With `--seeds 1` every rule
+judges the one run as it is, qos against strict with no tolerance.
 
 Exit status: 0 when every rule passes, 1 when a rule fails (each printed as
 FAIL with its cell and figures), 2 when a rule cannot be evaluated (a policy
-that was not run, a ratio whose denominator is zero or missing, such as no
-1.0x baseline in the selection): an error, never a pass.
+or seed that was not run, a ratio whose denominator is zero or missing, such as
+no 1.0x baseline in the selection): an error, never a pass.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import fmean, stdev
 from typing import Any, Iterable
 
 from qosgate.sim.commands import Simulation
@@ -50,6 +69,7 @@ POLICIES = ("qos", "strict", "fcfs")
 TIERS = ("interactive", "standard", "batch")
 
 DURATION_S = 600.0
+SEEDS = 5
 WARMUP_S = 60.0
 DRAIN_S = 120.0
 
@@ -91,6 +111,11 @@ class Cell:
 
     def __str__(self) -> str:
         return f"mix={self.mix} arrivals={self.arrivals} load={self.load:g}x"
+
+
+# {cell: {seed: {"policies": {name: report}, "interactive_demand": ..., ...}}}: what
+# `run_sweep` ran and the rules judge.
+Table = dict[Cell, dict[int, dict]]
 
 
 def cell_scenario(base: Scenario, mix: str, arrivals: str) -> Scenario:
@@ -155,33 +180,64 @@ def interactive_share(scenario: Scenario) -> float:
                if tiers[c.tenant] == "interactive") / total
 
 
+def run_unit(base: Scenario, cell: Cell, policies: tuple[str, ...], seed: int) -> dict:
+    """One cell on one seed: every policy on the same arrivals, and the figures
+    the rules read beside the policies' reports. The simulator draws from the
+    seed alone, so a unit gives the same figures in any process."""
+    scenario = cell_scenario(base, cell.mix, cell.arrivals)
+    sim = Simulation(scenario, seed=seed, quiet=True)
+    own_capacity = interactive_capacity_rps(scenario, seed)
+    share = interactive_share(scenario)
+    result, _ = sim.run(cell.load, policies)
+    return {
+        "capacity_rps": sim.capacity_rps,
+        "rate_rps": result["rate_rps"],
+        "interactive_demand": result["rate_rps"] * share / own_capacity,
+        "interactive_alone": interactive_alone(sim, cell.load, seed),
+        "bounds": stated_bounds(scenario),
+        "policies": result["policies"],
+    }
+
+
+def _timed_unit(base: Scenario, cell: Cell, policies: tuple[str, ...],
+                seed: int) -> tuple[dict, float]:
+    started = time.process_time()
+    entry = run_unit(base, cell, policies, seed)
+    return entry, time.process_time() - started
+
+
 def run_sweep(
     base: Scenario, mixes: Iterable[str], arrivals: Iterable[str], loads: Iterable[float],
-    policies: tuple[str, ...], seed: int,
-) -> dict[Cell, dict]:
-    """{cell: {"interactive_demand": x capacity, "rate_rps", "policies": {name: report}}}."""
-    table: dict[Cell, dict] = {}
-    for mix in mixes:
-        for arr in arrivals:
-            scenario = cell_scenario(base, mix, arr)
-            sim = Simulation(scenario, seed=seed, quiet=True)
-            own_capacity = interactive_capacity_rps(scenario, seed)
-            share = interactive_share(scenario)
-            for load in loads:
-                started = time.process_time()
-                result, _ = sim.run(load, policies)
-                cell = Cell(mix, arr, load)
-                table[cell] = {
-                    "capacity_rps": sim.capacity_rps,
-                    "rate_rps": result["rate_rps"],
-                    "interactive_demand": result["rate_rps"] * share / own_capacity,
-                    "interactive_alone": interactive_alone(sim, load, seed),
-                    "bounds": stated_bounds(scenario),
-                    "policies": result["policies"],
-                }
-                print(f"  {cell}: {time.process_time() - started:.1f} CPU s",
-                      file=sys.stderr, flush=True)
-    return table
+    policies: tuple[str, ...], seeds: tuple[int, ...], jobs: int = 1,
+) -> Table:
+    """{cell: {seed: {"interactive_demand": x capacity, "rate_rps", "policies":
+    {name: report}, ...}}}: every (cell, seed) unit, `jobs` at a time in
+    worker processes (1: in this one)."""
+    units = [(Cell(mix, arr, load), seed)
+             for mix in mixes for arr in arrivals for load in loads for seed in seeds]
+    table: Table = {cell: {} for cell, _ in units}
+
+    def record(cell: Cell, seed: int, entry: dict, cpu_s: float) -> None:
+        table[cell][seed] = entry
+        print(f"  {cell} seed {seed}: {cpu_s:.1f} CPU s", file=sys.stderr, flush=True)
+
+    if jobs == 1:
+        for cell, seed in units:
+            record(cell, seed, *_timed_unit(base, cell, policies, seed))
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            pending = {pool.submit(_timed_unit, base, cell, policies, seed): (cell, seed)
+                       for cell, seed in units}
+            for done in as_completed(pending):
+                record(*pending[done], *done.result())
+    # Units end in any order across workers: the table's does not depend on it.
+    return {cell: dict(sorted(runs.items())) for cell, runs in table.items()}
+
+
+def one_seed(table: dict[Cell, dict], seed: int) -> Table:
+    """A table of one run per cell (one entry each, as b3_http.py measures) in
+    the shape the rules take."""
+    return {cell: {seed: entry} for cell, entry in table.items()}
 
 
 # -- figures and rules --------------------------------------------------------------------
@@ -196,21 +252,48 @@ def merged(doc: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def figure(table: dict[Cell, dict], cell: Cell, policy: str, *path: str) -> float:
-    """One number of one policy's report in one cell; SweepError when it is not there."""
+def common_seeds(table: Table) -> tuple[int, ...]:
+    """The seeds every cell ran; SweepError when a cell lacks one that another
+    ran: the cells' means, and the goodput rule's ratio of two of them, would
+    be over different arrivals."""
+    ran = sorted({seed for runs in table.values() for seed in runs})
+    if not ran:
+        raise SweepError("no cell ran a seed")
+    for cell in sorted(table, key=Cell.sort_key):
+        missing = [seed for seed in ran if seed not in table[cell]]
+        if missing:
+            raise SweepError(f"{cell}: seed(s) {missing} were not run, which other cells ran "
+                             f"(the sweep's: {ran})")
+    return tuple(ran)
+
+
+def _runs(table: Table, cell: Cell) -> dict[int, dict]:
     if cell not in table:
         raise SweepError(f"{cell} was not run, and a rule needs it "
                          "(select it with --loads/--arrivals/--mix)")
-    runs = table[cell]["policies"]
+    return table[cell]
+
+
+def figure(table: Table, cell: Cell, seed: int, policy: str, *path: str) -> float:
+    """One number of one policy's report in one cell on one seed; SweepError
+    when it is not there."""
+    if seed not in _runs(table, cell):
+        raise SweepError(f"{cell}: seed {seed} was not run, and a rule needs it")
+    runs = table[cell][seed]["policies"]
     if policy not in runs:
-        raise SweepError(f"{cell}: a rule needs policy {policy!r}, which was not run "
-                         f"(run: {', '.join(runs) or 'none'})")
+        raise SweepError(f"{cell} seed {seed}: a rule needs policy {policy!r}, which was not "
+                         f"run (run: {', '.join(runs) or 'none'})")
     node: Any = runs[policy]
     for key in path:
         node = node.get(key) if isinstance(node, dict) else None
     if isinstance(node, bool) or not isinstance(node, (int, float)):
-        raise SweepError(f"{cell}: {policy} {'.'.join(path)} is missing ({node!r})")
+        raise SweepError(f"{cell} seed {seed}: {policy} {'.'.join(path)} is missing ({node!r})")
     return float(node)
+
+
+def figures(table: Table, cell: Cell, policy: str, *path: str) -> list[float]:
+    """`figure` on each of the cell's seeds, in their order."""
+    return [figure(table, cell, seed, policy, *path) for seed in _runs(table, cell)]
 
 
 def ratio(num: float, den: float, what: str) -> float:
@@ -219,8 +302,42 @@ def ratio(num: float, den: float, what: str) -> float:
     return num / den
 
 
-def _attainment(table, cell, policy, tier) -> float:
-    return figure(table, cell, policy, "tiers", tier, "ttft_slo_attainment")
+def _attainments(table: Table, cell: Cell, policy: str, tier: str) -> list[float]:
+    return figures(table, cell, policy, "tiers", tier, "ttft_slo_attainment")
+
+
+# One-sided 95% quantiles of Student's t for 1, 2, ... 30 degrees of freedom;
+# the normal's beyond.
+T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812,
+       1.796, 1.782, 1.771, 1.761, 1.753, 1.746, 1.740, 1.734, 1.729, 1.725,
+       1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
+T95_BEYOND = 1.645
+
+
+def t95(df: int) -> float:
+    return T95[df - 1] if df <= len(T95) else T95_BEYOND
+
+
+@dataclass(frozen=True)
+class Paired:
+    """qos's attainment less strict's on the same arrivals, over the seeds:
+    the mean difference and its standard error (None on one seed)."""
+    mean: float
+    se: float | None
+    n: int
+
+    @classmethod
+    def of(cls, qos: list[float], strict: list[float]) -> Paired:
+        diffs = [q - s for q, s in zip(qos, strict, strict=True)]
+        n = len(diffs)
+        return cls(fmean(diffs), stdev(diffs) / math.sqrt(n) if n >= 2 else None, n)
+
+    @property
+    def upper(self) -> float:
+        """The mean difference plus its one-sided 95% margin: below 0, qos is
+        below strict by more than the seeds' noise."""
+        assert self.se is not None
+        return self.mean + t95(self.n - 1) * self.se
 
 
 @dataclass(frozen=True)
@@ -230,6 +347,7 @@ class Check:
     value: float
     threshold: float
     op: str = ">="
+    detail: str = ""
 
     @property
     def passed(self) -> bool:
@@ -238,51 +356,70 @@ class Check:
         return self.value >= self.threshold if self.op == ">=" else self.value == self.threshold
 
 
-def evaluate(table: dict[Cell, dict]) -> list[Check]:
-    """Every rule in every cell of the table; SweepError when one cannot be evaluated."""
+def versus_strict(table: Table, cell: Cell, tier: str) -> Check:
+    """qos's attainment against strict's. On one seed the figures themselves,
+    with no tolerance. On several, their paired differences: any reordering
+    of the lower tiers' work moves the tiers above by a request or two, in
+    either direction from seed to seed, so the rule fails only on a mean
+    difference below 0 by more than its noise."""
+    qos = _attainments(table, cell, "qos", tier)
+    strict = _attainments(table, cell, "strict", tier)
+    rule = f"{tier} attainment qos >= strict"
+    if len(qos) == 1:
+        return Check(cell, rule, qos[0], strict[0])
+    paired = Paired.of(qos, strict)
+    return Check(cell, f"{rule}, paired over {paired.n} seeds: mean difference + t x se",
+                 paired.upper, 0.0,
+                 detail=f"mean difference {paired.mean:+.3f} ± {paired.se:.3f} se, "
+                 f"t {t95(paired.n - 1):.3f}")
+
+
+def evaluate(table: Table) -> list[Check]:
+    """Every rule in every cell of the table, over the seeds every cell ran;
+    SweepError when one cannot be evaluated."""
     checks: list[Check] = []
+    n = len(common_seeds(table)) if table else 1
+    mean_of, longest_of, sum_of = ("", "", "") if n == 1 else (
+        f", mean of {n} seeds", f", longest of {n} seeds", f", sum of {n} seeds")
     for cell in sorted(table, key=Cell.sort_key):
-        entry = table[cell]
-        qos_int = _attainment(table, cell, "qos", "interactive")
-        if entry["interactive_demand"] <= INTERACTIVE_DEMAND_LIMIT:
-            alone = entry.get("interactive_alone")
-            checks.append(Check(cell, "interactive attainment (qos), interactive demand "
-                                f"{entry['interactive_demand']:.2f}x capacity, alone on the "
-                                f"engine {_f(alone)}",
+        entries = list(table[cell].values())
+        qos_int = fmean(_attainments(table, cell, "qos", "interactive"))
+        demand = fmean(entry["interactive_demand"] for entry in entries)
+        if demand <= INTERACTIVE_DEMAND_LIMIT:
+            alone = _mean([entry.get("interactive_alone") for entry in entries])
+            checks.append(Check(cell, f"interactive attainment (qos){mean_of}, interactive "
+                                f"demand {demand:.2f}x capacity, alone on the engine {_f(alone)}",
                                 qos_int, INTERACTIVE_FLOOR[cell.arrivals]))
         for tier in ("interactive", "standard"):
-            checks.append(Check(cell, f"{tier} attainment qos >= strict",
-                                _attainment(table, cell, "qos", tier),
-                                _attainment(table, cell, "strict", tier)))
-        goodput = figure(table, cell, "qos", "totals", "goodput_rps")
+            checks.append(versus_strict(table, cell, tier))
+        goodput = fmean(figures(table, cell, "qos", "totals", "goodput_rps"))
         if cell.load >= BASELINE_LOAD:
             base = Cell(cell.mix, cell.arrivals, BASELINE_LOAD)
             if base not in table:
                 raise SweepError(
                     f"{cell}: qos goodput is compared with qos at {BASELINE_LOAD:g}x, "
                     f"which is not in the selection (add {BASELINE_LOAD:g} to --loads)")
-            den = figure(table, base, "qos", "totals", "goodput_rps")
-            checks.append(Check(cell, f"qos goodput / qos goodput at {BASELINE_LOAD:g}x",
+            den = fmean(figures(table, base, "qos", "totals", "goodput_rps"))
+            checks.append(Check(cell, f"qos goodput / qos goodput at {BASELINE_LOAD:g}x{mean_of}",
                                 ratio(goodput, den, f"{cell}: qos goodput at {BASELINE_LOAD:g}x"),
                                 GOODPUT_FLOOR))
-        thr_q = figure(table, cell, "qos", "totals", "throughput_tokens_per_s")
-        thr_f = figure(table, cell, "fcfs", "totals", "throughput_tokens_per_s")
-        checks.append(Check(cell, "qos throughput / fcfs throughput",
+        thr_q = fmean(figures(table, cell, "qos", "totals", "throughput_tokens_per_s"))
+        thr_f = fmean(figures(table, cell, "fcfs", "totals", "throughput_tokens_per_s"))
+        checks.append(Check(cell, f"qos throughput / fcfs throughput{mean_of}",
                             ratio(thr_q, thr_f, f"{cell}: fcfs throughput"), THROUGHPUT_FLOOR))
-        if "bounds" not in entry:
+        if any("bounds" not in entry for entry in entries):
             raise SweepError(f"{cell}: the tiers' stated bounds are missing")
-        for tier, bound in entry["bounds"].items():
-            if bound is None:
+        for tier, bound in entries[0]["bounds"].items():
+            # A seed on which the tier served nothing had nothing wait.
+            waited = _longest([_maybe(table, cell, seed, "qos", "tiers", tier,
+                                      "served_wait_max_s") for seed in table[cell]])
+            if bound is None or waited is None:
                 continue
-            try:
-                waited = figure(table, cell, "qos", "tiers", tier, "served_wait_max_s")
-            except SweepError:
-                continue  # the tier served nothing in this cell: nothing waited
-            checks.append(Check(cell, f"{tier} max served wait (qos) within its stated bound",
-                                waited, bound, "<="))
+            checks.append(Check(cell, f"{tier} max served wait (qos) within its stated "
+                                f"bound{longest_of}", waited, bound, "<="))
         for policy in POLICIES:
-            checks.append(Check(cell, f"requests lost ({policy})",
-                                figure(table, cell, policy, "totals", "lost"), 0.0, "=="))
+            checks.append(Check(cell, f"requests lost ({policy}){sum_of}",
+                                sum(figures(table, cell, policy, "totals", "lost")), 0.0, "=="))
     return checks
 
 
@@ -293,61 +430,137 @@ def _f(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _maybe(table, cell, policy, *path) -> float | None:
+def _maybe(table: Table, cell: Cell, seed: int, policy: str, *path: str) -> float | None:
     try:
-        return figure(table, cell, policy, *path)
+        return figure(table, cell, seed, policy, *path)
     except SweepError:
         return None
+
+
+def _mean(values: list[float | None]) -> float | None:
+    """The mean over the seeds; None when a seed lacks the figure (a mean over
+    fewer seeds would not be the cell's)."""
+    return None if not values or None in values else fmean(values)
+
+
+def _longest(values: list[float | None]) -> float | None:
+    present = [value for value in values if value is not None]
+    return max(present) if present else None
+
+
+def _sum(values: list[float | None]) -> float | None:
+    return None if not values or None in values else sum(values)
 
 
 def _div(num: float | None, den: float | None) -> float | None:
     return None if num is None or not den else num / den
 
 
-def summarise(table: dict[Cell, dict]) -> list[dict]:
-    """The figures printed per cell (and written by --json)."""
+def _cell_figures(table: Table, cell: Cell, seeds: tuple[int, ...]) -> dict:
+    """The figures printed for a cell over some of its seeds: the means, the
+    longest served waits and the requests lost in all."""
+    def over(how, policy: str, *path: str) -> float | None:
+        return how([_maybe(table, cell, seed, policy, *path) for seed in seeds])
+
+    entries = [table[cell][seed] for seed in seeds]
+    att = {(p, t): over(_mean, p, "tiers", t, "ttft_slo_attainment")
+           for p in POLICIES for t in ("interactive", "standard")}
+    base = Cell(cell.mix, cell.arrivals, BASELINE_LOAD)
+    goodput = over(_mean, "qos", "totals", "goodput_rps")
+    base_goodput = _mean([_maybe(table, base, seed, "qos", "totals", "goodput_rps")
+                          for seed in seeds])
+    return {
+        "rate_rps": _mean([entry["rate_rps"] for entry in entries]),
+        "interactive_demand": _mean([entry["interactive_demand"] for entry in entries]),
+        "interactive_alone": _mean([entry.get("interactive_alone") for entry in entries]),
+        "attainment": {p: {t: att[p, t] for t in ("interactive", "standard")}
+                       for p in POLICIES},
+        "qos_over_strict": {t: _div(att["qos", t], att["strict", t])
+                            for t in ("interactive", "standard")},
+        "qos_goodput_rps": goodput,
+        "qos_goodput_over_baseline": _div(goodput, base_goodput),
+        "qos_throughput_over_fcfs": _div(
+            over(_mean, "qos", "totals", "throughput_tokens_per_s"),
+            over(_mean, "fcfs", "totals", "throughput_tokens_per_s")),
+        "served_wait_max_s": {p: {t: over(_longest, p, "tiers", t, "served_wait_max_s")
+                                  for t in TIERS} for p in POLICIES},
+        "lost": {p: over(_sum, p, "totals", "lost") for p in POLICIES},
+    }
+
+
+def _paired_figures(table: Table, cell: Cell, tier: str) -> dict | None:
+    try:
+        paired = Paired.of(_attainments(table, cell, "qos", tier),
+                           _attainments(table, cell, "strict", tier))
+    except SweepError:
+        return None
+    return {"mean": paired.mean, "se": paired.se, "n": paired.n}
+
+
+def summarise(table: Table) -> list[dict]:
+    """The figures printed per cell (and written by --json): over its seeds,
+    then per seed, and qos's attainment less strict's paired by seed."""
     rows = []
     for cell in sorted(table, key=Cell.sort_key):
-        att = {(p, t): _maybe(table, cell, p, "tiers", t, "ttft_slo_attainment")
-               for p in POLICIES for t in ("interactive", "standard")}
-        base = Cell(cell.mix, cell.arrivals, BASELINE_LOAD)
-        goodput = _maybe(table, cell, "qos", "totals", "goodput_rps")
+        seeds = tuple(table[cell])
         rows.append({
             "mix": cell.mix, "arrivals": cell.arrivals, "load": cell.load,
-            "rate_rps": table[cell]["rate_rps"],
-            "interactive_demand": table[cell]["interactive_demand"],
-            "interactive_alone": table[cell].get("interactive_alone"),
-            "attainment": {p: {t: att[p, t] for t in ("interactive", "standard")}
-                           for p in POLICIES},
-            "qos_over_strict": {t: _div(att["qos", t], att["strict", t])
-                                for t in ("interactive", "standard")},
-            "qos_goodput_rps": goodput,
-            "qos_goodput_over_baseline": _div(
-                goodput, _maybe(table, base, "qos", "totals", "goodput_rps")),
-            "qos_throughput_over_fcfs": _div(
-                _maybe(table, cell, "qos", "totals", "throughput_tokens_per_s"),
-                _maybe(table, cell, "fcfs", "totals", "throughput_tokens_per_s")),
-            "served_wait_max_s": {p: {t: _maybe(table, cell, p, "tiers", t, "served_wait_max_s")
-                                      for t in TIERS} for p in POLICIES},
-            "lost": {p: _maybe(table, cell, p, "totals", "lost") for p in POLICIES},
+            **_cell_figures(table, cell, seeds),
+            "seeds": list(seeds),
+            "qos_minus_strict": {t: _paired_figures(table, cell, t)
+                                 for t in ("interactive", "standard")},
+            "per_seed": [{"seed": seed, **_cell_figures(table, cell, (seed,))}
+                         for seed in seeds],
         })
     return rows
 
 
+def below_strict(table: Table) -> dict[str, tuple[int, int]]:
+    """Tier -> (how many (cell, seed) pairs had qos's attainment below
+    strict's, of how many had both)."""
+    counts = {}
+    for tier in ("interactive", "standard"):
+        pairs = [(_maybe(table, cell, seed, "qos", "tiers", tier, "ttft_slo_attainment"),
+                  _maybe(table, cell, seed, "strict", "tiers", tier, "ttft_slo_attainment"))
+                 for cell in table for seed in table[cell]]
+        both = [(q, s) for q, s in pairs if q is not None and s is not None]
+        counts[tier] = (sum(q < s for q, s in both), len(both))
+    return counts
+
+
+def format_below_strict(counts: dict[str, tuple[int, int]]) -> str:
+    return "qos below strict on a single seed, of the (cell, seed) pairs: " + ", ".join(
+        f"{tier} {below} of {both}" for tier, (below, both) in counts.items())
+
+
+def _versus_strict_text(row: dict, tier: str, paired: bool) -> str:
+    if not paired:
+        return f"{_f(row['qos_over_strict'][tier], '.2f'):>5}"
+    diff = row["qos_minus_strict"][tier]
+    text = "-" if diff is None else f"{diff['mean']:+.3f}±{_f(diff['se'])}"
+    return f"{text:>12}"
+
+
 def format_rows(rows: list[dict]) -> str:
+    """The cells' figures; with several seeds, their means and, beside qos's
+    and strict's attainments, the mean difference ± its standard error in
+    place of their ratio."""
+    paired = any(len(r["seeds"]) >= 2 for r in rows)
+    versus = f"{'q-s ± se':>12}" if paired else f"{'q/s':>5}"
     head = (f"{'mix':<5} {'arrivals':<8} {'load':>5} {'i.dem':>5} | "
-            f"{'interactive q/s/f':>17} {'q/s':>5} {'alone':>5} | {'standard q/s/f':>17} {'q/s':>5} | "
+            f"{'interactive q/s/f':>17} {versus} {'alone':>5} | {'standard q/s/f':>17} {versus} | "
             f"{'gp/1x':>5} {'thr/f':>5} | {'qos max served wait i/s/b (s)':>27} | lost q/s/f")
     lines = [head, "-" * len(head)]
     for r in rows:
-        a, qs, waits = r["attainment"], r["qos_over_strict"], r["served_wait_max_s"]["qos"]
+        a, waits = r["attainment"], r["served_wait_max_s"]["qos"]
         lost = r["lost"]
         lines.append(
             f"{r['mix']:<5} {r['arrivals']:<8} {r['load']:>5g} {r['interactive_demand']:>5.2f} | "
             + " ".join(f"{_f(a[p]['interactive'], '.3f'):>5}" for p in POLICIES)
-            + f" {_f(qs['interactive'], '.2f'):>5} {_f(r['interactive_alone'], '.3f'):>5} | "
+            + f" {_versus_strict_text(r, 'interactive', paired)}"
+            f" {_f(r['interactive_alone'], '.3f'):>5} | "
             + " ".join(f"{_f(a[p]['standard'], '.3f'):>5}" for p in POLICIES)
-            + f" {_f(qs['standard'], '.2f'):>5} | "
+            + f" {_versus_strict_text(r, 'standard', paired)} | "
             f"{_f(r['qos_goodput_over_baseline'], '.2f'):>5} "
             f"{_f(r['qos_throughput_over_fcfs'], '.2f'):>5} | "
             + " ".join(f"{_f(waits[t], '.1f'):>8}" for t in TIERS) + " | "
@@ -359,7 +572,8 @@ def format_rows(rows: list[dict]) -> str:
 def format_check(check: Check) -> str:
     verdict = "PASS" if check.passed else "FAIL"
     return (f"{verdict}  {check.cell}: {check.rule}: "
-            f"{check.value:.3f} {check.op} {check.threshold:.3f}")
+            f"{check.value:.3f} {check.op} {check.threshold:.3f}"
+            + (f" ({check.detail})" if check.detail else ""))
 
 
 # -- command line ---------------------------------------------------------------------------
@@ -376,6 +590,13 @@ def _pick(text: str | None, known: Iterable, parse=str) -> tuple:
     return picked
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not 1 or more")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--loads", help="comma-separated multiples of capacity "
@@ -383,7 +604,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arrivals", help=f"comma-separated subset of {', '.join(ARRIVALS)}")
     parser.add_argument("--mix", help=f"comma-separated subset of {', '.join(MIXES)}")
     parser.add_argument("--policies", help=f"comma-separated subset of {', '.join(POLICIES)}")
-    parser.add_argument("--seed", type=int, help="arrival seed (default: the scenario's)")
+    parser.add_argument("--seed", type=int, help="the first arrival seed (default: the "
+                        "scenario's)")
+    parser.add_argument("--seeds", type=_positive, default=SEEDS, metavar="N",
+                        help=f"run every cell on N seeds, --seed, --seed + 1, ... (default "
+                        f"{SEEDS}); the rules judge the means, qos against strict by its "
+                        "paired differences; 1: one run per cell, qos against strict with no "
+                        "tolerance")
+    parser.add_argument("--jobs", type=_positive, default=1, metavar="J",
+                        help="run J (cell, seed) units at a time in worker processes, with "
+                        f"the same figures as one at a time (default 1; this machine has "
+                        f"{os.cpu_count()} CPUs)")
     parser.add_argument("--prefill-budget", type=int, metavar="TOKENS",
                         help="run with scheduler.prefill_budget_tokens set (default: unset)")
     parser.add_argument("--override", type=json.loads, default={},
@@ -391,7 +622,8 @@ def main(argv: list[str] | None = None) -> int:
                         "'{\"tiers\": {\"batch\": {\"min_share\": 0}}}' (an experiment, "
                         "not B3: the report is not comparable with RESULTS.md's)")
     parser.add_argument("--json", dest="json_path",
-                        help="write the per-cell figures and checks")
+                        help="write the per-cell figures (the means over the seeds, each "
+                        "seed's, and qos - strict paired by seed) and the checks")
     args = parser.parse_args(argv)
     try:
         loads = _pick(args.loads, LOADS, float)
@@ -409,9 +641,13 @@ def main(argv: list[str] | None = None) -> int:
         data["policy"] = merged(data["policy"], args.override)
         base = Scenario.model_validate(data)
     seed = base.seed if args.seed is None else args.seed
-    table = run_sweep(base, mixes, arrivals, loads, policies, seed)
+    seeds = tuple(range(seed, seed + args.seeds))
+    table = run_sweep(base, mixes, arrivals, loads, policies, seeds, args.jobs)
     rows = summarise(table)
     print(format_rows(rows))
+    below = below_strict(table)
+    if len(seeds) >= 2:
+        print(format_below_strict(below))
     try:
         checks = evaluate(table)
     except SweepError as exc:
@@ -423,9 +659,13 @@ def main(argv: list[str] | None = None) -> int:
         print(format_check(check))
     print(f"{len(checks) - len(failed)} of {len(checks)} checks pass, {len(failed)} FAIL")
     if args.json_path:
-        payload = {"duration_s": DURATION_S, "warmup_s": WARMUP_S, "seed": seed, "cells": rows,
+        payload = {"duration_s": DURATION_S, "warmup_s": WARMUP_S, "seed": seed,
+                   "seeds": list(seeds), "cells": rows,
+                   "qos_below_strict_on_a_single_seed": {
+                       tier: {"pairs": n, "of": of} for tier, (n, of) in below.items()},
                    "checks": [{"cell": str(c.cell), "rule": c.rule, "value": c.value,
-                               "threshold": c.threshold, "passed": c.passed} for c in checks]}
+                               "threshold": c.threshold, "passed": c.passed,
+                               "detail": c.detail} for c in checks]}
         Path(args.json_path).write_text(json.dumps(payload, indent=1))
         print(f"wrote {args.json_path}")
     return 1 if failed else 0

@@ -78,20 +78,20 @@ def test_the_bench_scenario_sends_b3s_mix_with_stretched_slos():
 
 
 def test_good_figures_pass_and_a_bad_one_fails():
-    status, checks = http.judge(table())
+    status, checks = http.judge(table(), BASE.seed)
     assert status == 0
     # per cell: demand rule, 2 x vs strict, throughput, 3 x lost, plus goodput at 1x and 2x;
     # no stated bound (the client cannot see queue waits)
     assert len(checks) == 2 * 7 + 2
-    assert http.judge(table(interactive=0.9))[0] == 1
+    assert http.judge(table(interactive=0.9), BASE.seed)[0] == 1
 
 
 def test_a_policy_not_run_is_an_error():
-    assert http.judge(table(policies=("qos", "fcfs")))[0] == 2
+    assert http.judge(table(policies=("qos", "fcfs")), BASE.seed)[0] == 2
 
 
 def test_no_baseline_load_is_an_error():
-    assert http.judge(table(loads=(2.0, 4.0)))[0] == 2
+    assert http.judge(table(loads=(2.0, 4.0)), BASE.seed)[0] == 2
 
 
 def test_an_unknown_policy_on_the_command_line_is_an_error():
