@@ -24,6 +24,7 @@ RUNS = {
     "b4-onoff": ["simulate", "b4_fairness_onoff.yaml"],
     "b4-weighted": ["simulate", "b4_fairness_weighted.yaml"],
     "b5": ["simulate", "b5_starvation.yaml"],
+    "b5-share": ["simulate", "b5_delay_share.yaml"],
     "b9": ["simulate", "b9_hour.yaml"],
     "b10": ["simulate", "b10_seed_tables.yaml"],
 }

@@ -396,7 +396,7 @@ def test_validate_warns_about_unbounded_waits_and_missing_slos(
     path.write_text(text)
     assert main(["validate", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "tier 'slow' (on_timeout: delay) has min_share 0" in out
+    assert "tier 'slow' (on_timeout: delay) never expires" in out
     assert "neither ttft_slo_ms nor e2e_slo_ms" in out
 
 

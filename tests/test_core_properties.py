@@ -131,20 +131,23 @@ def test_every_request_ends_once_nothing_lost_capacity_held(kind, fairness, pree
     fairness=st.sampled_from(["vtc", "fifo"]),
 )
 def test_a_delay_tier_gets_its_share_under_a_flood(flood, batch, share, fairness):
-    """The share bound (docs/SCHEDULING.md): under a flood of interactive
-    work that never lets up, a delay tier with `min_share` s is released its
-    oldest request before more than W / s tokens of other work went out since
-    it was last released or had work queued, W that request's own work, plus
-    one request of the others (the one that crossed the line); so of all
-    tokens released while it has work queued, it gets at least s of them,
-    less one request of its own and one of the others."""
+    """The share bound (docs/SCHEDULING.md): under a flood of more important
+    work without a latency objective that never lets up, a delay tier with
+    `min_share` s is released its oldest request before more than W / s
+    tokens of other work went out since it was last released or had work
+    queued, W that request's own work, plus one request of the others (the
+    one that crossed the line); so of all tokens released while it has work
+    queued, it gets at least s of them, less one request of its own and one
+    of the others."""
     policy = PolicyConfig.model_validate({
         "tiers": {
-            "interactive": {"priority": 0, "max_queue_wait_ms": 500},
+            # A flood that could wait: a share divides what latency tiers leave.
+            "bulk": {"priority": 0, "max_queue_wait_ms": 10**7, "on_timeout": "delay",
+                     "min_share": 0},
             "batch": {"priority": 2, "max_queue_wait_ms": 1000, "on_timeout": "delay",
                       "min_share": share},
         },
-        "tenants": [{"id": "i", "tier": "interactive"}, {"id": "b", "tier": "batch"}],
+        "tenants": [{"id": "i", "tier": "bulk"}, {"id": "b", "tier": "batch"}],
         "scheduler": {"fairness": fairness},
     })
     sched = Scheduler(scheduling_policy(policy), drain_rate_hint=1e12)  # admit the whole flood
@@ -158,7 +161,7 @@ def test_a_delay_tier_gets_its_share_under_a_flood(flood, batch, share, fairness
         k += 1
         prompt, max_tokens = flood[k % len(flood)]
         now = k * 0.001
-        sched.submit(Request(f"i{k}", "i", "interactive", prompt, max_tokens, now), now)
+        sched.submit(Request(f"i{k}", "i", "bulk", prompt, max_tokens, now), now)
         [released] = sched.schedule(now, BackendCapacity(1, 10**12, 10**12)).dispatch
         sched.finish(released.id, now, Outcome.COMPLETED, 1)
         total += released.work
@@ -172,6 +175,45 @@ def test_a_delay_tier_gets_its_share_under_a_flood(flood, batch, share, fairness
             others += released.work
             other_largest = max(other_largest, released.work)
         assert mine >= share * total - largest - other_largest - 1e-6, (mine, total, share)
+
+
+@SETTINGS
+@given(
+    flood=st.lists(st.tuples(st.integers(1, 400), st.integers(1, 300)), min_size=1, max_size=40),
+    batch=st.lists(st.tuples(st.integers(1, 400), st.integers(1, 300)), min_size=1, max_size=12),
+    share=st.sampled_from([0.02, 0.05, 0.2, 0.5]),
+    max_boost=st.integers(0, 3),
+    policy_kind=st.sampled_from(["qos", "strict"]),
+)
+def test_no_share_or_ageing_passes_queued_latency_work(flood, batch, share, max_boost,
+                                                        policy_kind):
+    """Lowest tier first: while a tier with a latency objective has work
+    queued, a delay tier is never released ahead of it, whatever its share
+    or its age; the latency tier is served exactly as if the delay tier had
+    no work."""
+    tiers = {
+        "interactive": {"priority": 0, "max_queue_wait_ms": 500},
+        "batch": {"priority": 2, "max_queue_wait_ms": 10, "on_timeout": "delay",
+                  "min_share": share, "expire_after_ms": 10**7},
+    }
+    policy = PolicyConfig.model_validate({
+        "tiers": tiers,
+        "tenants": [{"id": "i", "tier": "interactive"}, {"id": "b", "tier": "batch"}],
+        "scheduler": {"policy": policy_kind,
+                      "aging": {"interval_ms": 10, "max_boost": max_boost}},
+    })
+    sched = Scheduler(scheduling_policy(policy), drain_rate_hint=1e12)
+    for k, (p, m) in enumerate(batch):
+        assert sched.submit(Request(f"b{k}", "b", "batch", p, m, 0.0), 0.0).admitted
+    for k in range(1, 4 * len(flood)):
+        prompt, max_tokens = flood[k % len(flood)]
+        now = k * 0.05  # batch is long past its budget: it has aged all it may
+        sched.submit(Request(f"i{k}", "i", "interactive", prompt, max_tokens, now), now)
+        [released] = sched.schedule(now, BackendCapacity(1, 10**12, 10**12)).dispatch
+        assert released.tier == "interactive", (k, released)
+        sched.finish(released.id, now, Outcome.COMPLETED, 1)
+    # With the flood over, batch goes.
+    assert sched.schedule(now, BackendCapacity(1, 10**12, 10**12)).dispatch[0].tier == "batch"
 
 
 @SETTINGS

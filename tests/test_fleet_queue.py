@@ -611,10 +611,10 @@ def test_predicted_wait_is_work_ahead_over_what_drains_beyond_the_inflow():
     assert predicted_wait(ADMIT, "std", 100, dataclasses.replace(load, drain=0.0), T0) is None
 
 
-def test_predicted_wait_leaves_out_aged_work_and_counts_lower_tiers_shares():
+def test_predicted_wait_leaves_out_aged_work_and_lower_tiers_shares():
     # batch (2) ages past its 5 s budget, but never to gold's level: however
-    # long it waited, none of its work is served before a gold newcomer.
-    # While it has work queued, its guaranteed share (10%) is not gold's.
+    # long it waited, none of its work is served before a gold newcomer. Nor
+    # does its guaranteed share (10%) pass gold's work: gold keeps the drain.
     tiers = FleetTiers.of(
         {"gold": 0, "batch": 2}, interval_s=2.0, max_boost=2,
         budgets={"gold": 10.0, "batch": 5.0}, delays=["batch"], shares={"batch": 0.1},
@@ -622,7 +622,7 @@ def test_predicted_wait_leaves_out_aged_work_and_counts_lower_tiers_shares():
     load = FleetLoad(queued_work={"gold": 300, "batch": 1900}, inflow={}, drain=200.0, rooms=(0,),
                      oldest={"gold": T0 + 18, "batch": T0})  # fmt: skip
     for now in (T0 + 8.9, T0 + 19, T0 + 1e5):
-        assert predicted_wait(tiers, "gold", 100, load, now) == pytest.approx(400 / 180.0)
+        assert predicted_wait(tiers, "gold", 100, load, now) == pytest.approx(400 / 200.0)
     idle = dataclasses.replace(load, queued_work={"gold": 300, "batch": 0}, oldest={})
     assert predicted_wait(tiers, "gold", 100, idle, T0 + 19) == pytest.approx(400 / 200.0)
 
@@ -879,7 +879,9 @@ RATES = [0.0, 35.0, 120.25, 1234.5678, 9000.0]
 
 @pytest.mark.parametrize("fairness", ["fifo", "vtc"])
 async def test_stores_agree_on_random_operations_and_lose_nothing(request, fairness):
-    rng = random.Random(20240611)
+    # A seed whose run reaches every path, preemption included (it needs a
+    # low tier's lease while more urgent work is queued).
+    rng = random.Random(20240614)
     # gold and silver refuse late work at the door; bronze and batch age.
     tiers = FleetTiers.of(
         {"gold": 0, "silver": 1, "bronze": 2, "batch": 5}, interval_s=0.75, max_boost=3,

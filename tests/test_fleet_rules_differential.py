@@ -154,9 +154,8 @@ class CoreModel:
             chosen = ordering.pick_tier(heads, now, self.tiers.ageing)
             if chosen is None:
                 break
-            owed = next(o for t, _, o in heads if t is chosen[0])
             if ordering.reserve_holds(chosen[1], self.tiers.top_level, max_items - len(taken),
-                                      self.tiers.reserve_slots, owed):
+                                      self.tiers.reserve_slots):
                 self.reserve_stops += 1
                 self.at_reserve = True
                 break

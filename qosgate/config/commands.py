@@ -60,19 +60,14 @@ def policy_warnings(policy: PolicyConfig) -> list[str]:
                 f"tier {name!r} has neither ttft_slo_ms nor e2e_slo_ms: "
                 "its SLO attainment cannot be judged"
             )
-        if tier.on_timeout != "delay" or tier.priority <= top_priority:
-            continue
-        # Progress under sustained higher-tier load comes from the tier's
-        # guaranteed share, which only `qos` gives.
-        if scheduler.policy == "qos" and tier.share == 0:
+        # A delay tier runs on what the tiers above it leave (its share only
+        # divides what the tiers with a latency objective leave): under their
+        # sustained load only its expiry bounds its wait.
+        if tier.on_timeout == "delay" and tier.priority > top_priority and tier.expiry_ms is None:
             warnings.append(
-                f"tier {name!r} (on_timeout: delay) has min_share 0: under sustained load "
-                "from the tiers above it, its wait is unbounded"
-            )
-        if scheduler.policy == "strict":
-            warnings.append(
-                f"tier {name!r} (on_timeout: delay) can wait without bound: "
-                "scheduler.policy 'strict' gives no tier a guaranteed share"
+                f"tier {name!r} (on_timeout: delay) never expires (neither expire_after_ms "
+                "nor e2e_slo_ms): under sustained load from the tiers above it, its wait "
+                "is unbounded"
             )
     preemptible = [name for name, tier in policy.tiers.items() if tier.preemptible]
     if scheduler.preemption and not preemptible:

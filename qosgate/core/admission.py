@@ -61,9 +61,6 @@ class TierLoad(TierView, Protocol):
     def work(self) -> float:
         """Tokens (prompt + expected output) of its queued requests."""
 
-    @property
-    def min_share(self) -> float: ...
-
     def inflow_rate(self, now: float) -> float:
         """Tokens/s of work arriving in it (ArrivalRate)."""
 
@@ -82,26 +79,23 @@ def predicted_wait(
     wait: the work served before it (everything queued at its priority or
     above, its own work for a slot of its own when `own_slot`, less what the
     free room takes at once: `room_work`) over the drain left to it: less
-    the guaranteed shares of the less important tiers with work queued
-    (ordering.share_credit), less the inflow of the more important tiers,
-    which keeps going ahead of it. Ageing adds nothing: it never lifts a
-    `delay` tier to the level of a tier that is admitted here
-    (policy.with_age_floors)."""
+    the inflow of the more important tiers, which keeps going ahead of it.
+    Less important tiers take nothing from a tier that is admitted here (one
+    with a latency objective): ageing never lifts them to its level
+    (policy.with_age_floors), and a guaranteed share never passes its work
+    (ordering.pick_tier)."""
     ahead = float(work) if own_slot else 0.0
     inflow = 0.0
-    shares = 0.0
     for other in tiers:
         if other.priority <= priority:
             ahead += other.work
             if other.priority < priority:
                 inflow += other.inflow_rate(now)
-        elif other.work > 0:
-            shares += other.min_share
     if room_work > 0:
         ahead = max(0.0, ahead - room_work)
     if ahead <= 0.0:
         return 0.0
-    drain = drain * (1.0 - shares) - inflow
+    drain = drain - inflow
     return ahead / drain if drain > 0 else math.inf
 
 

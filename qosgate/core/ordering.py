@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Protocol, Reversible, Sequence, TypeVar
 
-from qosgate.core.policy import Ageing
+from qosgate.core.policy import Ageing, has_latency_objective
 
 # A run sent back this often is no longer chosen as a victim, so a
 # preemptible tier cannot be livelocked by a steady stream of higher work.
@@ -66,13 +66,19 @@ def pick_tier(
     """Of the tiers that may release now, with their oldest arrivals and
     whether their guaranteed share is owed (share_owed), in (priority, name)
     order: the one to release from, and its level. A tier owed its share
-    first; then the lowest level; then the older head (so an aged request
-    overtakes fresher work of the tier it climbed to), the lower priority,
-    the earlier given."""
+    first, unless a tier with a latency objective has work here: shares
+    divide what those tiers leave, so under their load the lowest tiers are
+    shed first and the latency tiers are served exactly as without shares.
+    Then the lowest level; then the older head (so an aged request overtakes
+    fresher work of the tier it climbed to), the lower priority, the earlier
+    given."""
+    heads = list(heads)
+    shares_hold = not any(has_latency_objective(tier) for tier, _, _ in heads)
     best: tuple[T, int] | None = None
     best_key: tuple[bool, int, float, int] | None = None
     for tier, oldest, owed in heads:
-        key = (not owed, tier_level(tier, oldest, now, ageing), oldest, tier.priority)
+        key = (not (owed and shares_hold), tier_level(tier, oldest, now, ageing), oldest,
+               tier.priority)
         if best_key is None or key < best_key:
             best, best_key = (tier, key[1]), key
     return best
@@ -85,14 +91,11 @@ def has_reserve(priority: int, top_level: int, reserve_slots: int) -> bool:
     return priority == top_level and reserve_slots > 0
 
 
-def reserve_holds(
-    level: int, top_level: int, free_slots: int, reserve_slots: int, owed: bool
-) -> bool:
+def reserve_holds(level: int, top_level: int, free_slots: int, reserve_slots: int) -> bool:
     """Whether a release at `level` waits because the free slots left are held
-    for top-level work. The reserve holds against the order by level, not
-    against a tier's guaranteed share (`owed`): under a flood of top-level
-    work the free slots never pass the reserve, and nothing below would run."""
-    return level > top_level and free_slots <= reserve_slots and not owed
+    for top-level work (a guaranteed share included: it never takes capacity
+    kept for the top level)."""
+    return level > top_level and free_slots <= reserve_slots
 
 
 def open_slots(level: int, top_level: int, free_slots: int, reserve_slots: int) -> int:
@@ -104,7 +107,8 @@ def open_slots(level: int, top_level: int, free_slots: int, reserve_slots: int) 
 
 def share_owed(credit: float, head_work: float) -> bool:
     """Whether a tier with work queued is owed its guaranteed share now: its
-    credit covers the work of its oldest request."""
+    credit covers the work of its oldest request (pick_tier says when that
+    lets it go first)."""
     return credit > 0.0 and credit >= head_work
 
 

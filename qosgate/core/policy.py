@@ -5,7 +5,10 @@ file), read alike by the single node's scheduler and the fleet."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal, Mapping
+from typing import TYPE_CHECKING, Literal, Mapping
+
+if TYPE_CHECKING:
+    from qosgate.core.ordering import TierView
 
 PolicyKind = Literal["qos", "strict", "fcfs"]
 
@@ -28,7 +31,8 @@ class TierParams:
     preemptible: bool = False
     min_share: float = 0.0
     """Fraction of the tokens released to the backend that the tier is
-    guaranteed while it has work queued, whatever more important tiers ask."""
+    guaranteed while it has work queued, against tiers without a latency
+    objective (ordering.pick_tier): a tier with one is never passed."""
     deadline_s: float | None = None
     """Queue wait after which a queued request of this tier expires (None:
     never): the budget of a `reject` tier, a `delay` tier's expire_after_ms
@@ -38,16 +42,22 @@ class TierParams:
     (with_age_floors sets it from the other tiers)."""
 
 
+def has_latency_objective(tier: TierView) -> bool:
+    """Whether a tier refuses late work: it has a queue budget and does not
+    `delay`. Such a tier's queued work is never passed by ageing or by a
+    guaranteed share, so lower tiers are shed before it is refused."""
+    return not tier.delays and tier.budget_s is not None
+
+
 def with_age_floors(tiers: Mapping[str, TierParams]) -> dict[str, TierParams]:
     """The tiers with their age floors: a tier may age up to just below the
-    least important tier more important than it that refuses late work (a
-    tier with a latency objective), and no further. So ageing only reorders
-    `delay` tiers among themselves and never takes capacity that a latency
-    tier's admitted work needs: low tiers' progress comes from `min_share`."""
+    least important tier more important than it that has a latency objective,
+    and no further. So ageing only reorders `delay` tiers among themselves and
+    never takes capacity that a latency tier's admitted work needs."""
     floors = {}
     for name, tier in tiers.items():
         above = [t.priority for t in tiers.values()
-                 if not t.delays and t.budget_s is not None and t.priority < tier.priority]
+                 if has_latency_objective(t) and t.priority < tier.priority]
         floors[name] = max(above) + 1 if above else 0
     return {name: replace(tier, age_floor=floors[name]) for name, tier in tiers.items()}
 

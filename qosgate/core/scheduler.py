@@ -34,7 +34,7 @@ from qosgate.core.ordering import (
     share_owed,
     tier_level,
 )
-from qosgate.core.policy import SchedulingPolicy, TierParams
+from qosgate.core.policy import SchedulingPolicy, TierParams, has_latency_objective
 from qosgate.core.request import Outcome, Request, RequestState
 from qosgate.core.tier_queue import TierQueue
 
@@ -207,7 +207,7 @@ class Scheduler:
 
         predicted = 0.0
         budget = queue.budget_s
-        if self._admission and budget is not None and not queue.delays:
+        if self._admission and has_latency_objective(queue):
             # On a saturated backend the newcomer also waits for a slot of its
             # own, unless capacity is held in reserve for its level.
             reserved = has_reserve(queue.priority, self._top_level, self._reserve_slots)
@@ -308,8 +308,7 @@ class Scheduler:
                 break
             best, level = chosen
             below_top = level > top_level
-            if reserve_holds(level, top_level, free_slots, self._reserve_slots,
-                             share_owed(best.credit, best.oldest().work)):
+            if reserve_holds(level, top_level, free_slots, self._reserve_slots):
                 # What is left is held for top-level work.
                 blocked = best
                 break

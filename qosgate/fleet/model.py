@@ -221,11 +221,11 @@ def choose_tier(
     oldest: Mapping[str, WorkItem | float],
     now: float,
     credits: Mapping[str, float] | None = None,
-) -> tuple[str, int, bool] | None:
+) -> tuple[str, int] | None:
     """The tier to take the next item from, given each non-empty tier's oldest
     item (or its arrival alone: no share is owed) and the tiers' share credits
-    (the core's ordering.pick_tier): its name, the level it competes at, and
-    whether its share is owed. None when every tier is empty."""
+    (the core's ordering.pick_tier): its name and the level it competes at.
+    None when every tier is empty."""
     credits = credits or {}
     heads = [
         (t, head, False) if isinstance(head, float)
@@ -236,7 +236,7 @@ def choose_tier(
     if chosen is None:
         return None
     tier, level = chosen
-    return tier.name, level, next(owed for t, _, owed in heads if t is tier)
+    return tier.name, level
 
 
 def pick_tier(
@@ -292,7 +292,6 @@ class _TierLoad:
     priority: int
     delays: bool
     budget_s: float | None
-    min_share: float
     work: int
     oldest_arrival: float | None
     inflow: float
@@ -312,7 +311,7 @@ def predicted_wait(
     if load.drain <= 0.0:
         return None
     views = [
-        _TierLoad(t.priority, t.delays, t.budget_s, t.min_share, load.queued_work.get(t.name, 0),
+        _TierLoad(t.priority, t.delays, t.budget_s, load.queued_work.get(t.name, 0),
                   load.oldest.get(t.name), load.inflow.get(t.name, 0.0))
         for t in tiers.tiers
     ]  # fmt: skip

@@ -390,9 +390,9 @@ class MemoryWorkQueue(WorkQueue):
             chosen = choose_tier(self.tiers, heads, now, self._credits)
             if chosen is None:
                 break
-            tier, level, owed = chosen
+            tier, level = chosen
             if ordering.reserve_holds(level, self.tiers.top_level, max_items - len(leases),
-                             self.tiers.reserve_slots, owed):
+                                      self.tiers.reserve_slots):
                 at_reserve = True
                 break
             candidate = self._candidate(tier, skipped)

@@ -49,6 +49,10 @@ local passed = {}
 local out = {}
 while #out < max_items do
   local best, best_owed, best_level, best_prio, best_head
+  -- the same order without shares, which holds while a tier with a latency
+  -- objective has work here (core.ordering.pick_tier)
+  local plain, plain_level, plain_prio, plain_head
+  local latency_waiting = false
   for i = 1, T.n do
     local name = T.names[i]
     local head = (not passed[name]) and redis.call('ZRANGE', T.q[name], 0, 0)[1]
@@ -73,11 +77,17 @@ while #out < max_items do
               or (arrival == best_head and prio < best_prio))))) then
         best, best_owed, best_level, best_prio, best_head = i, owed, level, prio, arrival
       end
+      if plain == nil or level < plain_level or (level == plain_level and (arrival < plain_head
+          or (arrival == plain_head and prio < plain_prio))) then
+        plain, plain_level, plain_prio, plain_head = i, level, prio, arrival
+      end
+      if budget and not T.delays[name] then latency_waiting = true end
     end
   end
   if best == nil then break end
+  if latency_waiting then best, best_level = plain, plain_level end
   -- core.ordering.reserve_holds: the node's last free slots are for the top level
-  if best_level > T.top and max_items - #out <= T.reserve and not best_owed then
+  if best_level > T.top and max_items - #out <= T.reserve then
     at_reserve = 1
     break
   end
