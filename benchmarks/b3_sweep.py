@@ -180,30 +180,30 @@ def interactive_share(scenario: Scenario) -> float:
                if tiers[c.tenant] == "interactive") / total
 
 
-def run_unit(base: Scenario, cell: Cell, policies: tuple[str, ...], seed: int) -> dict:
-    """One cell on one seed: every policy on the same arrivals, and the figures
-    the rules read beside the policies' reports. The simulator draws from the
-    seed alone, so a unit gives the same figures in any process."""
-    scenario = cell_scenario(base, cell.mix, cell.arrivals)
+def run_unit(base: Scenario, mix: str, arrivals: str, loads: tuple[float, ...],
+             policies: tuple[str, ...], seed: int) -> list[tuple[Cell, dict, float]]:
+    """One mix and arrival process on one seed, at every load: every policy on
+    the same arrivals, and the figures the rules read beside the policies'
+    reports, with the CPU seconds each load took. The engine's capacities are
+    measured once for all the loads. The simulator draws from the seed alone,
+    so a unit gives the same figures in any process."""
+    scenario = cell_scenario(base, mix, arrivals)
     sim = Simulation(scenario, seed=seed, quiet=True)
     own_capacity = interactive_capacity_rps(scenario, seed)
     share = interactive_share(scenario)
-    result, _ = sim.run(cell.load, policies)
-    return {
-        "capacity_rps": sim.capacity_rps,
-        "rate_rps": result["rate_rps"],
-        "interactive_demand": result["rate_rps"] * share / own_capacity,
-        "interactive_alone": interactive_alone(sim, cell.load, seed),
-        "bounds": stated_bounds(scenario),
-        "policies": result["policies"],
-    }
-
-
-def _timed_unit(base: Scenario, cell: Cell, policies: tuple[str, ...],
-                seed: int) -> tuple[dict, float]:
-    started = time.process_time()
-    entry = run_unit(base, cell, policies, seed)
-    return entry, time.process_time() - started
+    out = []
+    for load in loads:
+        started = time.process_time()
+        result, _ = sim.run(load, policies)
+        out.append((Cell(mix, arrivals, load), {
+            "capacity_rps": sim.capacity_rps,
+            "rate_rps": result["rate_rps"],
+            "interactive_demand": result["rate_rps"] * share / own_capacity,
+            "interactive_alone": interactive_alone(sim, load, seed),
+            "bounds": stated_bounds(scenario),
+            "policies": result["policies"],
+        }, time.process_time() - started))
+    return out
 
 
 def run_sweep(
@@ -213,23 +213,24 @@ def run_sweep(
     """{cell: {seed: {"interactive_demand": x capacity, "rate_rps", "policies":
     {name: report}, ...}}}: every (cell, seed) unit, `jobs` at a time in
     worker processes (1: in this one)."""
-    units = [(Cell(mix, arr, load), seed)
-             for mix in mixes for arr in arrivals for load in loads for seed in seeds]
-    table: Table = {cell: {} for cell, _ in units}
+    loads = tuple(loads)
+    units = [(mix, arr, seed) for mix in mixes for arr in arrivals for seed in seeds]
+    table: Table = {Cell(mix, arr, load): {} for mix, arr, _ in units for load in loads}
 
-    def record(cell: Cell, seed: int, entry: dict, cpu_s: float) -> None:
-        table[cell][seed] = entry
-        print(f"  {cell} seed {seed}: {cpu_s:.1f} CPU s", file=sys.stderr, flush=True)
+    def record(seed: int, results: list[tuple[Cell, dict, float]]) -> None:
+        for cell, entry, cpu_s in results:
+            table[cell][seed] = entry
+            print(f"  {cell} seed {seed}: {cpu_s:.1f} CPU s", file=sys.stderr, flush=True)
 
     if jobs == 1:
-        for cell, seed in units:
-            record(cell, seed, *_timed_unit(base, cell, policies, seed))
+        for mix, arr, seed in units:
+            record(seed, run_unit(base, mix, arr, loads, policies, seed))
     else:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
-            pending = {pool.submit(_timed_unit, base, cell, policies, seed): (cell, seed)
-                       for cell, seed in units}
+            pending = {pool.submit(run_unit, base, mix, arr, loads, policies, seed): seed
+                       for mix, arr, seed in units}
             for done in as_completed(pending):
-                record(*pending[done], *done.result())
+                record(pending[done], done.result())
     # Units end in any order across workers: the table's does not depend on it.
     return {cell: dict(sorted(runs.items())) for cell, runs in table.items()}
 
