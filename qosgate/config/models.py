@@ -281,13 +281,15 @@ class TierConfig(StrictModel):
     """`delay` tiers: queue wait at which a request stops waiting and expires
     (504). Default: half the tier's e2e_slo_ms, leaving the other half for
     its service, but no less than max_queue_wait_ms; without an e2e_slo_ms,
-    none (it waits until served; min_share guarantees it progress)."""
+    none (it waits until served, which under sustained load from the tiers
+    above it may be never)."""
     min_share: Share | None = None
     """Under `qos`: the fraction of the tokens released to the backend that
-    this tier is guaranteed while it has work queued, however much more
-    important tiers ask for. Default: 0.05 for `delay` tiers (so they never
-    starve), 0 for `reject` tiers (what they cannot be served is refused at
-    the door)."""
+    this tier is guaranteed while it has work queued, against tiers without
+    a latency objective: it never passes the queued work of a `reject` tier
+    with a queue budget, so under their load the lowest tiers are shed first.
+    Default: 0.05 for `delay` tiers (so no delay tier starves another), 0 for
+    `reject` tiers."""
     max_queue_len: Count = 10_000
     """Cap on queued requests of this tier; beyond it requests get 429."""
     on_timeout: Literal["reject", "delay"] = "reject"
