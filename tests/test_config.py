@@ -398,6 +398,19 @@ def test_validate_warns_about_unbounded_waits_and_missing_slos(
     out = capsys.readouterr().out
     assert "tier 'slow' (on_timeout: delay) never expires" in out
     assert "neither ttft_slo_ms nor e2e_slo_ms" in out
+    # Nothing expires under fcfs, and no tier waits for another.
+    path.write_text(text.replace("scheduler:\n", "scheduler:\n  policy: fcfs\n"))
+    assert main(["validate", str(path)]) == 0
+    assert "never expires" not in capsys.readouterr().out
+
+
+def test_validate_warns_that_a_reject_tiers_share_has_no_effect(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "share.yaml"
+    path.write_text(GOOD.replace("    priority: 0\n", "    priority: 0\n    min_share: 0.1\n"))
+    assert main(["validate", str(path)]) == 0
+    assert "has min_share 0.1: a share never passes" in capsys.readouterr().out
 
 
 def test_shares_and_expiry_are_checked_naming_the_field(tmp_path: Path) -> None:

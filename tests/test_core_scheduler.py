@@ -681,3 +681,39 @@ def test_a_delay_tier_expires_at_expire_after_ms_and_by_default_at_half_its_e2e_
     plan = sched.schedule(30.0, FULL)
     assert list(plan.expired) == [b] and b.outcome is Outcome.EXPIRED
     assert not sched.schedule(10**6, FULL).expired and f.state is RequestState.QUEUED
+
+
+def test_a_share_banks_nothing_while_a_latency_tier_keeps_it_waiting():
+    # bulk (1) and batch (2) are delay tiers; batch has the default 5% share.
+    tiers = {
+        "interactive": {"priority": 0, "max_queue_wait_ms": 500},
+        "bulk": {"priority": 1, "max_queue_wait_ms": 10_000, "on_timeout": "delay",
+                 "min_share": 0},
+        "batch": {"priority": 2, "max_queue_wait_ms": 10_000, "on_timeout": "delay"},
+    }
+    tenants = [{"id": "i1", "tier": "interactive"}, {"id": "k1", "tier": "bulk"},
+               {"id": "b1", "tier": "batch"}]
+    sched = Scheduler(scheduling_policy(policy(tiers=tiers, tenants=tenants)),
+                      drain_rate_hint=10**9)
+    one = BackendCapacity(1, 10**9, 10**9)
+    sched.submit(b := req("batch", at=0.0), 0.0)  # 200 tokens of work
+    for k in range(5):
+        sched.submit(req("bulk", "k1", at=0.0), 0.0)
+    # 100 interactive requests (20,000 tokens) go first: batch earns nothing
+    # from them, though 5% of them would cover its head five times over.
+    for k in range(100):
+        now = 0.001 * (k + 1)
+        sched.submit(req("interactive", at=now), now)
+        [r] = sched.schedule(now, one).dispatch
+        assert r.tier == "interactive"
+        sched.finish(r.id, now, Outcome.COMPLETED, 100)
+    assert sched.queue("batch").credit == 0.0
+    # In the lull, bulk goes by priority until batch is owed: 200 / 0.05 =
+    # 4,000 tokens of bulk work, 20 requests; five are all there is, so bulk's
+    # five go first and batch last.
+    order = []
+    for _ in range(6):
+        [r] = sched.schedule(1.0, one).dispatch
+        order.append(r.tier)
+        sched.finish(r.id, 1.0, Outcome.COMPLETED, 100)
+    assert order == ["bulk"] * 5 + ["batch"] and b.state is not RequestState.QUEUED

@@ -34,6 +34,7 @@ from types import SimpleNamespace
 from qosgate.core import admission, ordering
 from qosgate.core.admission import ArrivalRate
 from qosgate.core.fairness import lifted
+from qosgate.core.policy import has_latency_objective
 from qosgate.fleet import FleetTiers, Lease, MemoryWorkQueue, WorkItem
 from qosgate.fleet.redis_store import RedisWorkQueue
 from qosgate.fleet.store import milli
@@ -45,8 +46,9 @@ TENANTS = ["a", "b", "c", "d"]
 NODES = ["n1", "n2", "n3"]
 RATES = [0.0, 35.0, 120.25, 1234.5678, 9000.0]
 # gold and silver refuse late work at the door; bronze and batch age, but
-# only as far as bronze's level (their age floor, below silver); silver,
-# bronze and batch have guaranteed shares; a node's last two free slots are
+# only as far as bronze's level (their age floor, below silver); bronze and
+# batch have guaranteed shares between them (silver's never applies: a share
+# never passes a latency tier's work); a node's last two free slots are
 # gold's.
 TIERS = FleetTiers.of(
     {"gold": 0, "silver": 1, "bronze": 2, "batch": 4}, interval_s=0.75, max_boost=3, fair=True,
@@ -73,6 +75,7 @@ class CoreModel:
         self.credits: dict[str, float] = {}
         self.share_turns = 0  # claims a share credit sent out of priority order
         self.reserve_stops = 0  # claims that stopped at the node's reserved slots
+        self.latency_holds = 0  # claims where a share owed waited for latency work
         self.at_reserve = False  # the last claim stopped there
         self.tokens = 0
 
@@ -154,6 +157,8 @@ class CoreModel:
             chosen = ordering.pick_tier(heads, now, self.tiers.ageing)
             if chosen is None:
                 break
+            self.latency_holds += (any(owed for _, _, owed in heads)
+                                   and any(has_latency_objective(t) for t, _, _ in heads))
             if ordering.reserve_holds(chosen[1], self.tiers.top_level, max_items - len(taken),
                                       self.tiers.reserve_slots):
                 self.reserve_stops += 1
@@ -166,7 +171,7 @@ class CoreModel:
             tenant = min((counters[i.tenant], i.tenant) for i in self._in(tier))[1]
             item = self._in(tier, tenant)[0]
             self._unqueue(item.id)
-            for t in self.tiers.tiers:
+            for t in self.tiers.tiers if ordering.settles_shares(chosen[0]) else ():
                 if t.min_share and self._in(t.name):
                     self.credits[t.name] = ordering.share_credit(
                         self.credits.get(t.name, 0.0), t.min_share, item.work,
@@ -358,6 +363,7 @@ async def test_core_memory_and_lua_decide_alike(redis_server):
         # Every rule was exercised, not only the easy paths.
         seen["share turns"] = core.share_turns
         seen["reserve stops"] = core.reserve_stops
+        seen["shares held for latency work"] = core.latency_holds
         assert all(count > 20 for count in seen.values()), seen
     finally:
         await lua.close()

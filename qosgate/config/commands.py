@@ -63,7 +63,14 @@ def policy_warnings(policy: PolicyConfig) -> list[str]:
         # A delay tier runs on what the tiers above it leave (its share only
         # divides what the tiers with a latency objective leave): under their
         # sustained load only its expiry bounds its wait.
-        if tier.on_timeout == "delay" and tier.priority > top_priority and tier.expiry_ms is None:
+        if tier.on_timeout == "reject" and tier.min_share:
+            warnings.append(
+                f"tier {name!r} (on_timeout: reject) has min_share {tier.min_share:g}: a share "
+                "never passes a tier with a latency objective, and such a tier is never "
+                "passed by one, so it has no effect"
+            )
+        if (scheduler.policy != "fcfs" and tier.on_timeout == "delay"
+                and tier.priority > top_priority and tier.expiry_ms is None):
             warnings.append(
                 f"tier {name!r} (on_timeout: delay) never expires (neither expire_after_ms "
                 "nor e2e_slo_ms): under sustained load from the tiers above it, its wait "

@@ -112,6 +112,14 @@ def share_owed(credit: float, head_work: float) -> bool:
     return credit > 0.0 and credit >= head_work
 
 
+def settles_shares(taken: TierView) -> bool:
+    """Whether a release of tier `taken` counts toward the tiers' shares: not
+    one of a tier with a latency objective. A share never passes such a tier
+    (pick_tier), so what it takes is not the shares' to divide, and a tier
+    kept waiting by it banks nothing for the lull after."""
+    return not has_latency_objective(taken)
+
+
 def share_credit(credit: float, share: float, work: float, *, taken: bool) -> float:
     """A tier's share credit after `work` tokens were released, while it still
     has work queued (a tier whose queue empties starts again from 0). It earns

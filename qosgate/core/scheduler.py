@@ -30,6 +30,7 @@ from qosgate.core.ordering import (
     pick_tier,
     preemption_victim,
     reserve_holds,
+    settles_shares,
     share_credit,
     share_owed,
     tier_level,
@@ -342,7 +343,7 @@ class Scheduler:
                 open_batches[best.name] = batch
             best.pop()
             self._dispatch(best, req, now)
-            if self._shares:
+            if self._shares and settles_shares(best):
                 for queue in self._queue_list:
                     if len(queue):
                         queue.credit = share_credit(

@@ -256,7 +256,11 @@ def settle_shares(
     """After an item of `work` tokens of tier `taken` went to a node: every
     tier with a share and work queued (`queued`: tier -> items) settles its
     credit as the core's ordering.share_credit says, as one node's scheduler
-    does at each release. A tier whose queue empties drops its credit."""
+    does at each release (none for a release of a tier with a latency
+    objective: ordering.settles_shares). A tier whose queue empties drops its
+    credit."""
+    if not ordering.settles_shares(tiers.tier(taken)):
+        return
     for tier in tiers.tiers:
         if tier.min_share > 0 and queued.get(tier.name, 0) > 0:
             credits[tier.name] = ordering.share_credit(

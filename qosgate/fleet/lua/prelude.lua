@@ -87,8 +87,10 @@ local function unqueue(id, tier)
   if not lane_head(tier, tenant, 0) then redis.call('ZREM', T.backlog[tier], tenant) end
 end
 -- model.settle_shares (core.ordering.share_credit for each tier with a
--- share and work queued) after `work` tokens of `taken` went to a node.
+-- share and work queued) after `work` tokens of `taken` went to a node;
+-- none for a tier with a latency objective (core.ordering.settles_shares).
 local function settle_shares(taken, work)
+  if T.budget[taken] and not T.delays[taken] then return end
   for i = 1, T.n do
     local name = T.names[i]
     local share = T.share[name]
