@@ -12,9 +12,9 @@ default). The B3 scenario file gives the policy, the engine and the b3 mix; the
 `long` mix keeps its policy and tenants but gives docs-qa and the batch tenants
 8k-token prompts beside short chat. Each cell is DURATION_S simulated seconds of
 arrivals (the acceptance run of B3 is 600 s): the 144 runs of the whole sweep on
-one seed take about 10 minutes on one core, five seeds five times that;
-`--jobs J` runs J (cell, seed) units at a time in worker processes, with the
-same figures.
+one seed take about 4 minutes on one core, five seeds five times that;
+`--jobs J` runs J units (a mix and arrival process on one seed, every load) at
+a time in worker processes, with the same figures.
 
 The rules judge each cell over its seeds. The simulator is chaotic: any
 reordering of the lower tiers' work moves the tiers above by a request or
@@ -211,7 +211,7 @@ def run_sweep(
     policies: tuple[str, ...], seeds: tuple[int, ...], jobs: int = 1,
 ) -> Table:
     """{cell: {seed: {"interactive_demand": x capacity, "rate_rps", "policies":
-    {name: report}, ...}}}: every (cell, seed) unit, `jobs` at a time in
+    {name: report}, ...}}}: every unit (run_unit), `jobs` at a time in
     worker processes (1: in this one)."""
     loads = tuple(loads)
     units = [(mix, arr, seed) for mix in mixes for arr in arrivals for seed in seeds]
@@ -613,7 +613,8 @@ def main(argv: list[str] | None = None) -> int:
                         "paired differences; 1: one run per cell, qos against strict with no "
                         "tolerance")
     parser.add_argument("--jobs", type=_positive, default=1, metavar="J",
-                        help="run J (cell, seed) units at a time in worker processes, with "
+                        help="run J units (a mix and arrivals on one seed) at a time in worker "
+                        "processes, with "
                         f"the same figures as one at a time (default 1; this machine has "
                         f"{os.cpu_count()} CPUs)")
     parser.add_argument("--prefill-budget", type=int, metavar="TOKENS",

@@ -188,9 +188,11 @@ def test_a_delay_tier_gets_its_share_under_a_flood(flood, batch, share, fairness
 def test_no_share_or_ageing_passes_queued_latency_work(flood, batch, share, max_boost,
                                                         policy_kind):
     """Lowest tier first: while a tier with a latency objective has work
-    queued, a delay tier is never released ahead of it, whatever its share
-    or its age; the latency tier is served exactly as if the delay tier had
-    no work."""
+    queued, a delay tier is never released ahead of it, whatever its age; the
+    latency tier is served exactly as if the delay tier had no work. (Its
+    releases earn the delay tier no share, so the share is never owed here:
+    test_core_scheduler's test_an_owed_share_waits_while_latency_work_is_queued
+    holds an owed one.)"""
     tiers = {
         "interactive": {"priority": 0, "max_queue_wait_ms": 500},
         "batch": {"priority": 2, "max_queue_wait_ms": 10, "on_timeout": "delay",

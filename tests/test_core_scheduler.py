@@ -639,7 +639,7 @@ def test_time_held_for_the_prefill_budget_does_not_teach_the_drain_rate():
     assert sched.drain.rate == pytest.approx(1000.0)
 
 
-def test_an_owed_share_neither_passes_top_level_work_nor_takes_its_reserved_slots():
+def test_a_delay_tier_neither_passes_top_level_work_nor_takes_its_reserved_slots():
     sched = Scheduler(scheduling_policy(policy(scheduler={"reserve": {"slots": 2}})),
                       drain_rate_hint=10**9)
     b = req("batch", at=0.0)  # 200 tokens of work; min_share 0.05 by default
@@ -652,8 +652,9 @@ def test_an_owed_share_neither_passes_top_level_work_nor_takes_its_reserved_slot
         for r in sched.schedule(now, BackendCapacity(1, 10**9, 10**9)).dispatch:
             released.append(r)
             sched.finish(r.id, now, Outcome.COMPLETED, 100)
-    # Its share was owed after 200 / 0.05 = 4,000 tokens of interactive (20
-    # requests), but interactive has a latency objective: batch is shed first.
+    # Its 5% share of 30 interactive releases would cover its head, but
+    # interactive has a latency objective: its releases earn no share, and
+    # batch is shed first.
     assert len(released) == 30 and b not in released and b.state is RequestState.QUEUED
     # With the flood over, the reserve still holds; past it, batch goes.
     assert not sched.schedule(0.5, BackendCapacity(2, 10**9, 10**9)).dispatch
@@ -683,8 +684,9 @@ def test_a_delay_tier_expires_at_expire_after_ms_and_by_default_at_half_its_e2e_
     assert not sched.schedule(10**6, FULL).expired and f.state is RequestState.QUEUED
 
 
-def test_a_share_banks_nothing_while_a_latency_tier_keeps_it_waiting():
-    # bulk (1) and batch (2) are delay tiers; batch has the default 5% share.
+def beside_bulk(**scheduler) -> Scheduler:
+    """interactive (0) above two delay tiers, bulk (1, no share) and batch (2,
+    the default 5% share)."""
     tiers = {
         "interactive": {"priority": 0, "max_queue_wait_ms": 500},
         "bulk": {"priority": 1, "max_queue_wait_ms": 10_000, "on_timeout": "delay",
@@ -693,8 +695,12 @@ def test_a_share_banks_nothing_while_a_latency_tier_keeps_it_waiting():
     }
     tenants = [{"id": "i1", "tier": "interactive"}, {"id": "k1", "tier": "bulk"},
                {"id": "b1", "tier": "batch"}]
-    sched = Scheduler(scheduling_policy(policy(tiers=tiers, tenants=tenants)),
-                      drain_rate_hint=10**9)
+    return Scheduler(scheduling_policy(policy(tiers=tiers, tenants=tenants, scheduler=scheduler)),
+                     drain_rate_hint=10**9)
+
+
+def test_a_share_banks_nothing_while_a_latency_tier_keeps_it_waiting():
+    sched = beside_bulk()
     one = BackendCapacity(1, 10**9, 10**9)
     sched.submit(b := req("batch", at=0.0), 0.0)  # 200 tokens of work
     for k in range(5):
@@ -717,3 +723,28 @@ def test_a_share_banks_nothing_while_a_latency_tier_keeps_it_waiting():
         order.append(r.tier)
         sched.finish(r.id, 1.0, Outcome.COMPLETED, 100)
     assert order == ["bulk"] * 5 + ["batch"] and b.state is not RequestState.QUEUED
+
+
+def test_an_owed_share_waits_while_latency_work_is_queued():
+    sched = beside_bulk(reserve={"slots": 1})
+    # Two free slots: one past the reserve, so one release below the top.
+    one, two = BackendCapacity(1, 10**9, 10**9), BackendCapacity(2, 10**9, 10**9)
+    sched.submit(b := req("batch", at=0.0), 0.0)  # 200 tokens; 5% share by default
+    for _ in range(30):
+        sched.submit(req("bulk", "k1", at=0.0), 0.0)
+    # bulk goes by priority until batch is owed: 200 / 0.05 = 4,000 tokens of
+    # bulk work, its first 20 requests.
+    for _ in range(20):
+        [r] = sched.schedule(1.0, two).dispatch
+        assert r.tier == "bulk"
+        sched.finish(r.id, 1.0, Outcome.COMPLETED, 100)
+    assert sched.queue("batch").credit >= b.work
+    # Owed, but interactive work is queued: it goes first, and again.
+    for _ in range(3):
+        sched.submit(i := req("interactive", at=1.0), 1.0)
+        assert list(sched.schedule(1.0, one).dispatch) == [i]
+        sched.finish(i.id, 1.0, Outcome.COMPLETED, 100)
+    # With none queued, an owed share still leaves the reserved slot alone,
+    # and past it passes bulk's waiting work.
+    assert not sched.schedule(1.0, one).dispatch
+    assert list(sched.schedule(1.0, two).dispatch) == [b]
