@@ -101,7 +101,7 @@ def test_the_job_file_is_one_the_gateway_accepts_with_b3s_lengths(tmp_path):
 
 def test_a_sample_short_of_slots_is_counted_by_how_many():
     samples = [{"capacity": 256, "inflight": n} for n in (250, 251, 249, 249, 240)]
-    assert beside.busy_fraction(samples, 6) == 0.4
+    assert beside.slots_full_fraction(samples, 6) == 0.4
     assert beside.slots_short(samples, 6) == {1: 2, 10: 1}
 
 
@@ -121,7 +121,7 @@ def test_each_rule_can_fail():
         "standard TTFT p99 alone / beside the job",
     ]
     assert failed(beside.evaluate(run(), run(busy=0.94), 5.0)) == [
-        "backend busy share of the samples while the job runs"]
+        "engine saturated share of the time while the job runs"]
     assert failed(beside.evaluate(run(), run(rate=4.4), 5.0)) == ["job lines/s / idle capacity"]
 
 
@@ -154,11 +154,23 @@ def test_a_job_that_ended_before_the_latency_traffic_cannot_be_judged():
         beside.evaluate(run(), with_job, 5.0)
 
 
-def test_busy_counts_samples_with_every_slot_below_the_reserve_running():
+def test_slots_full_counts_samples_with_every_slot_below_the_reserve_running():
     samples = [{"inflight": 250, "capacity": 256}, {"inflight": 249, "capacity": 256},
                {"inflight": 0, "capacity": 0}, {"inflight": 251, "capacity": 257}]  # fmt: skip
-    assert beside.busy_fraction(samples, reserved_slots=6) == 0.5
-    assert beside.busy_fraction([], reserved_slots=6) is None
+    assert beside.slots_full_fraction(samples, reserved_slots=6) == 0.5
+    assert beside.slots_full_fraction([], reserved_slots=6) is None
+
+
+def test_busy_is_the_engines_saturated_seconds_over_the_window_in_modelled_time():
+    samples = [{"t": 100.0, "saturated_s": 10.0}, {"t": 110.0, "saturated_s": 14.0},
+               {"t": 120.0, "saturated_s": 28.0}]  # fmt: skip
+    # 18 modelled seconds saturated over 20 wall seconds at speed 1, 40 at speed 2.
+    assert beside.busy_fraction(samples, speed=1.0) == pytest.approx(0.9)
+    assert beside.busy_fraction(samples, speed=2.0) == pytest.approx(0.45)
+    assert beside.busy_fraction(samples[:1], speed=1.0) is None
+    # A gateway whose backend serves no such series (not the sim) cannot be judged.
+    unknown = [{"t": 100.0, "saturated_s": float("nan")}, {"t": 110.0, "saturated_s": float("nan")}]
+    assert beside.busy_fraction(unknown, speed=1.0) is None
 
 
 def test_the_job_rate_is_lines_completed_over_the_window():

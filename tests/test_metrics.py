@@ -367,3 +367,26 @@ def test_admin_stats_percentiles_are_the_reports_percentiles():
     ttft = stats_view(metrics)["ttft"]["interactive"]
     assert ttft["p50_s"] == pytest.approx(0.25) == percentile([0.1, 0.2, 0.3, 0.4], 50)
     assert ttft["p99_s"] == pytest.approx(0.397) and ttft["n"] == 4
+
+
+async def test_the_sim_engine_serves_its_own_time_on_metrics() -> None:
+    """The simulated engine's step time and saturated time, as vLLM's engine
+    serves its own series: what a benchmark reads the engine's business from."""
+    from qosgate.backends import build_backend
+
+    policy = make_policy()
+    assert policy.backend.kind == "sim"
+    backend = build_backend(policy.backend)
+    async with live_app(policy, backend) as live, aiohttp.ClientSession() as http:
+        before = await scrape(http, live.url)
+        assert value(before, "qosgate_sim_step_seconds_total") == 0
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        async with http.post(live.url + "/v1/chat/completions", json=body,
+                             headers={"Authorization": f"Bearer {ALICE_KEY}"}) as r:
+            assert r.status == 200
+        after = await scrape(http, live.url)
+    stepped = value(after, "qosgate_sim_step_seconds_total")
+    assert stepped == pytest.approx(backend.engine.step_seconds) and stepped > 0
+    # One short request never fills a step: no step was saturated.
+    assert value(after, "qosgate_sim_saturated_step_seconds_total") == 0
+    assert value(after, "qosgate_sim_preemptions_total") == 0

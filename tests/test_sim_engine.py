@@ -276,6 +276,38 @@ def test_admission_waits_for_kv_room() -> None:
     assert [sid for r in run_to_end(engine) for sid in r.finished] == ["a", "b"]
 
 
+def test_a_step_is_saturated_by_its_slots_its_token_budget_or_the_cache() -> None:
+    # Slots: two sequences, two slots, a budget they leave mostly unused.
+    engine = SimEngine(flat(max_num_seqs=2), max_num_batched_tokens=100)
+    engine.add("a", 10, 3)
+    assert not engine.step().saturated  # one of two slots, 10 of 100 tokens
+    engine.add("b", 10, 3)
+    assert engine.step().saturated  # both slots running
+    # The token budget: one sequence whose prompt fills it.
+    engine = SimEngine(flat(), max_num_batched_tokens=100)
+    engine.add("long", 250, 2)
+    assert [r.saturated for r in run_to_end(engine)] == [True, True, False, False]
+    # The cache: b waits for KV room while a runs alone on few tokens.
+    engine = SimEngine(flat(kv_capacity_tokens=100))
+    engine.add("a", 60, 5)
+    engine.add("b", 50, 5)
+    assert engine.step().saturated
+    # Without chunking, a prompt too long for what a step has left waits: full too.
+    engine = SimEngine(flat(), max_num_batched_tokens=100, enable_chunked_prefill=False)
+    engine.add("a", 10, 4)
+    engine.step()
+    engine.add("b", 100, 2)
+    assert engine.step().saturated
+
+
+def test_the_engine_counts_its_step_time_and_saturated_time() -> None:
+    engine = SimEngine(flat(t0=10.0), max_num_batched_tokens=100)
+    engine.add("long", 250, 2)
+    results = run_to_end(engine)
+    assert engine.step_seconds == pytest.approx(sum(r.duration for r in results)) == 0.04
+    assert engine.saturated_seconds == pytest.approx(0.02)  # the two full prefill steps
+
+
 def test_abort_frees_capacity() -> None:
     engine = SimEngine(flat(kv_capacity_tokens=1000, max_num_seqs=2))
     engine.add("a", 300, 50)

@@ -295,3 +295,20 @@ def test_a_missing_referenced_file_is_named_relative_to_the_scenario(tmp_path: P
     with pytest.raises(ValidationError) as error:
         Scenario.model_validate(data, context={"base_dir": tmp_path})
     assert f"{field} file {str(tmp_path / 'missing.file')!r} not found" in str(error.value)
+
+
+def test_the_engine_block_says_how_much_of_its_time_the_engine_was_saturated(
+    tmp_path: Path,
+) -> None:
+    # At 2x the engine's capacity it is saturated most of the time (not in the
+    # drain, as it empties); at a twentieth it runs few sequences on few
+    # tokens and hardly ever is.
+    shares = {}
+    for load in (2.0, 0.05):
+        out = tmp_path / f"out-{load}.json"
+        scenario = three_tier(policies=["qos"], arrivals={"load": load})
+        assert simulate(write(tmp_path, scenario, f"s-{load}.yaml"), "--json", out) == 0
+        engine = json.loads(out.read_text())["policies"]["qos"]["engine"]
+        assert 0 <= engine["saturated_s"] <= engine["busy_s"]
+        shares[load] = engine["saturated_s"] / engine["busy_s"]
+    assert shares[2.0] > 0.6 and shares[0.05] < 0.1, shares

@@ -63,6 +63,9 @@ class StepResult:
     preempted: list[str] = field(default_factory=list)
     """Sequences preempted for lack of KV (recompute): back in the engine's
     waiting queue with nothing generated; they start over."""
+    saturated: bool = False
+    """The step did all an engine of this shape can do in one step: every
+    slot running, or the whole token budget used, or the KV cache full."""
 
 
 _WAITING = 0
@@ -156,6 +159,10 @@ class SimEngine:
         self._pending: list[tuple[float, int, _Seq]] = []
         self._n_pending = 0
         self._pending_prompt = 0
+        self.step_seconds = 0.0
+        """Modelled GPU seconds spent in steps."""
+        self.saturated_seconds = 0.0
+        """Of those, seconds in saturated steps (`StepResult.saturated`)."""
 
     @classmethod
     def from_config(cls, cfg: SimBackendConfig) -> SimEngine:
@@ -292,12 +299,16 @@ class SimEngine:
         # is full and the preempted would only be taken straight back. A prefill
         # reserves its whole prompt and first output token up front, so admissions
         # never overcommit the cache among themselves; decode growth is what runs it out.
+        bound = bool(preempted)  # by the KV cache or the token budget, with work waiting
         if not preempted:
             kv_free = self.kv_capacity_tokens - self._kv_used - decodes - self._prefill_left
             room = self.max_num_seqs - len(self._running)
             while room > 0 and budget > 0:
                 seq = self._peek_waiting()
-                if seq is None or seq.prompt + 1 > kv_free:
+                if seq is None:
+                    break
+                if seq.prompt + 1 > kv_free:
+                    bound = True
                     break
                 if self.enable_chunked_prefill:
                     chunk = min(seq.prompt, budget)
@@ -305,6 +316,7 @@ class SimEngine:
                     # A prompt longer than the whole budget goes alone rather than never.
                     chunk = seq.prompt
                 else:
+                    bound = True
                     break
                 self._pop_waiting(seq)
                 seq.state = _PREFILLING
@@ -321,6 +333,13 @@ class SimEngine:
         # Execute. Cost first: K is the decoders' context before this step's token.
         lengths = [c for _, c in chunks]
         duration_ms = self.profile.step_ms(lengths, decodes, self._decode_ctx)
+        # Counted before the step's finishes leave: a slot a sequence frees at
+        # this step's end is the next step's to fill.
+        saturated = (bound or len(self._running) >= self.max_num_seqs
+                     or decodes + sum(lengths) >= budget_total)  # fmt: skip
+        self.step_seconds += duration_ms / 1000.0
+        if saturated:
+            self.saturated_seconds += duration_ms / 1000.0
         self._step = step
         self._kv_used += decodes
         self._decode_ctx += decodes
@@ -371,6 +390,7 @@ class SimEngine:
             first_token=first_token,
             finished=finished,
             preempted=preempted,
+            saturated=saturated,
         )
 
     # -- internals ---------------------------------------------------------

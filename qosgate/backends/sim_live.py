@@ -21,6 +21,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
 from qosgate.backends.base import Backend, BackendError, BackendUnavailable, Chunk, GenerationJob
 from qosgate.backends.sim import SimEngine, StepResult
 from qosgate.backends.tokens import estimate_prompt_tokens
@@ -79,6 +83,33 @@ class _Live:
     recomputed from scratch; tokens the client already has are not sent again."""
 
 
+ENGINE_PREFIX = "qosgate_sim_"
+"""The simulated engine's own series on /metrics (as `vllm:` is vLLM's)."""
+
+
+class _EngineSeries(Collector):
+    """The engine's time, read at scrape time: a GPU's utilisation, modelled."""
+
+    def __init__(self, backend: SimBackend) -> None:
+        self._backend = backend
+
+    def collect(self) -> Any:
+        engine = self._backend.engine
+        for name, text, value in (
+            ("step_seconds", "Modelled GPU seconds the simulated engine spent in steps",
+             engine.step_seconds),
+            ("saturated_step_seconds",
+             "Of those, seconds in steps that did all the engine can do in one: every "
+             "slot running, the whole token budget used, or the KV cache full",
+             engine.saturated_seconds),
+            ("preemptions", "Sequences the simulated engine preempted for lack of KV",
+             self._backend.engine_preemptions),
+        ):  # fmt: skip
+            family = CounterMetricFamily(f"{ENGINE_PREFIX}{name}", text)
+            family.add_metric([], value)
+            yield family
+
+
 class SimBackend(Backend):
     """The `Backend` port over a real-time `SimEngine`."""
 
@@ -95,6 +126,9 @@ class SimBackend(Backend):
         self._ready = False
         self.engine_preemptions = 0
         """Sequences the engine preempted for lack of KV (recomputed)."""
+        registry = CollectorRegistry(auto_describe=True)
+        registry.register(_EngineSeries(self))
+        self.engine_metrics = (registry, ENGINE_PREFIX)
 
     # -- lifecycle -----------------------------------------------------------
 

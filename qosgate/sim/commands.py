@@ -151,6 +151,7 @@ class Simulation:
             "steps": run.steps,
             "busy_s": run.engine_busy_s,
             "utilisation": run.engine_busy_s / run.end_time if run.end_time else 0.0,
+            "saturated_s": run.engine_saturated_s,
             "engine_preemptions": run.engine_preemptions,
             "gateway_preemptions": run.gateway_preemptions,
             "batches": len(sizes),

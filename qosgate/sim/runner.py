@@ -35,6 +35,8 @@ class PolicyRun:
     end_time: float
     steps: int = 0
     engine_busy_s: float = 0.0
+    engine_saturated_s: float = 0.0
+    """Of engine_busy_s, seconds in saturated steps (`StepResult.saturated`)."""
     engine_preemptions: int = 0
     gateway_preemptions: int = 0
     batch_sizes: list[int] = field(default_factory=list)
@@ -139,6 +141,8 @@ def run_policy(
             step = engine.step()
             run.steps += 1
             run.engine_busy_s += step.duration
+            if step.saturated:
+                run.engine_saturated_s += step.duration
             step_end = now + step.duration
         if next_arrival >= n and scheduler.queued_count == 0 and scheduler.running_count == 0:
             break
@@ -146,6 +150,8 @@ def run_policy(
     if step_end != _INF:
         # The step in flight runs past the horizon; only its share before counts.
         run.engine_busy_s -= step_end - now
+        if step is not None and step.saturated:
+            run.engine_saturated_s -= step_end - now
     # The horizon ended the run: whatever is left is cancelled, never lost.
     for req in list(scheduler.running()):
         scheduler.cancel(req.id, now, engine.generated(req.id))
