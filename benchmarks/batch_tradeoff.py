@@ -19,7 +19,8 @@ in simulated time, so it does not depend on the machine:
   the latency arrivals are the same with and without the job.
 
 For every fraction it prints the job's completed lines/s over the idle
-capacity, and interactive's and standard's TTFT attainment and p99 as
+capacity, the share of the measured window's time the engine spent in
+saturated steps (docs/SIMULATE.md), and interactive's and standard's TTFT attainment and p99 as
 ratios to the run without the job (alone / beside for p99), means over the
 seeds, with the seeds' spread of the alone run's p99 (the noise a p99 of
 one run carries).
@@ -80,6 +81,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS),
                         help="job rates as fractions of the idle capacity, comma separated; "
                              "0 is the run without the job and is always run")
+    parser.add_argument("--override", type=json.loads, default={},
+                        help="JSON object merged into the policy, e.g. "
+                        "'{\"scheduler\": {\"reserve\": {\"slots\": 0}}}' (an experiment: "
+                        "not the figures RESULTS.md quotes as the default)")
     parser.add_argument("--json", dest="json_path", help="write the figures here")
     args = parser.parse_args(argv)
     problems = []
@@ -98,6 +103,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         problems.append(f"--fractions must be numbers separated by commas: {args.fractions!r}")
     if any(not (math.isfinite(f) and 0 <= f <= 10) for f in fractions):
         problems.append("every fraction must be between 0 and 10")
+    if not isinstance(args.override, dict):
+        problems.append("--override must be a JSON object")
     if problems:
         parser.error("; ".join(problems))
     args.fractions = tuple(fractions)
@@ -124,6 +131,7 @@ def cell_scenario(base: Scenario, args: argparse.Namespace, latency_rps: float,
                arrivals={"process": "poisson", "rate_rps": latency_rps})
     for key in ("targets", "reference_load", "reference_policies"):
         doc.pop(key, None)
+    doc["policy"] = sweep.merged(doc["policy"], args.override)
     return Scenario.model_validate(doc)
 
 
@@ -140,7 +148,18 @@ def run_cell(scenario: Scenario, latency_rps: float, seed: int) -> dict[str, Any
     done = sum(1 for r in run.requests if r.tenant == JOB_TENANT and r.finished_at is not None
                and r.output_tokens > 0 and start <= r.finished_at <= end)  # fmt: skip
     return {"tiers": {t: report["tiers"][t] for t in LATENCY_TIERS},
-            "job_lines_per_s": done / (end - start)}
+            "job_lines_per_s": done / (end - start),
+            "saturated_share": saturated_share(run.saturation, start, end)}
+
+
+def saturated_share(saturation: list[tuple[float, float]], start: float,
+                    end: float) -> float | None:  # fmt: skip
+    """The engine's saturated seconds between the samples at `start` and
+    `end`, over that time; None without both."""
+    at = dict(saturation)
+    if start not in at or end not in at or end <= start:
+        return None
+    return (at[end] - at[start]) / (end - start)
 
 
 def _ratio(num: float | None, den: float | None, what: str) -> float:
@@ -161,6 +180,9 @@ def summarise(runs: dict[float, dict[int, dict]], idle_rps: float) -> list[dict[
         row: dict[str, Any] = {"fraction": fraction}
         row["job_rate"] = statistics.fmean(
             seeds[s]["job_lines_per_s"] for s in seeds) / idle_rps
+        shares = [seeds[s].get("saturated_share") for s in seeds]
+        row["saturated_share"] = (None if None in shares
+                                  else statistics.fmean(shares))  # type: ignore[arg-type]
         for tier in LATENCY_TIERS:
             p99 = [_ratio(alone[s]["tiers"][tier]["ttft_p99_s"], seeds[s]["tiers"][tier]["ttft_p99_s"],
                           f"{tier} TTFT p99 at {fraction}, seed {s}") for s in seeds]
@@ -206,14 +228,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     spread = alone_spread(runs)
     print("| job rate asked (x idle) | job done (x idle) | interactive p99 ms (alone/beside) "
-          "| standard p99 ms (alone/beside) | attainment ratios (interactive, standard) | rule |")
-    print("|---:|---:|---:|---:|---:|---|")
+          "| standard p99 ms (alone/beside) | attainment ratios (interactive, standard) "
+          "| engine saturated | rule |")
+    print("|---:|---:|---:|---:|---:|---:|---|")
     for row in rows:
         print(f"| {row['fraction']:.2f} | {row['job_rate']:.3f} "
               f"| {row['interactive_p99_ms']:.0f} ({row['interactive_p99_ratio']:.3f}) "
               f"| {row['standard_p99_ms']:.0f} ({row['standard_p99_ratio']:.3f}) "
               f"| {row['interactive_attainment_ratio']:.3f}, "
-              f"{row['standard_attainment_ratio']:.3f} | {'PASS' if row['passed'] else 'fail'} |")
+              f"{row['standard_attainment_ratio']:.3f} "
+              f"| {'-' if row['saturated_share'] is None else format(row['saturated_share'], '.3f')} "
+              f"| {'PASS' if row['passed'] else 'fail'} |")
     print("alone p99 spread over the seeds (coefficient of variation): "
           + ", ".join(f"{t} {v:.3f}" if v is not None else f"{t} -" for t, v in spread.items()))
     passing = [row["fraction"] for row in rows if row["passed"]]

@@ -88,3 +88,26 @@ def test_a_missing_figure_or_zero_baseline_cannot_be_judged(beside, idle):
 def test_a_zero_alone_attainment_cannot_be_judged():
     with pytest.raises(tradeoff.TradeoffError, match="baseline is 0"):
         tradeoff.summarise({0.0: {1: run(attainment=0.0)}, 1.0: {1: run(rate=5.0)}}, 5.0)
+
+
+def test_the_saturated_share_is_of_the_window_between_two_samples():
+    saturation = [(0.0, 0.0), (10.0, 2.0), (20.0, 9.0), (30.0, 19.0)]
+    assert tradeoff.saturated_share(saturation, 10.0, 30.0) == pytest.approx(17 / 20)
+    assert tradeoff.saturated_share(saturation, 10.0, 25.0) is None  # no sample at 25
+    assert tradeoff.saturated_share(saturation, 20.0, 20.0) is None
+
+
+def test_a_cell_reports_the_job_the_latency_tiers_and_the_engines_saturation():
+    args = tradeoff.parse_args(["--duration", "40", "--warmup", "5"])
+    cell = tradeoff.run_cell(tradeoff.cell_scenario(BASE, args, 8.0, 6.0), 8.0, 1)
+    assert set(cell["tiers"]) == {"interactive", "standard"}
+    assert cell["job_lines_per_s"] > 0
+    assert 0 < cell["saturated_share"] <= 1
+
+
+def test_an_override_is_merged_into_the_policy():
+    args = tradeoff.parse_args(["--override", '{"scheduler": {"reserve": {"slots": 0}}}'])
+    scenario = tradeoff.cell_scenario(BASE, args, 10.0, 3.0)
+    assert scenario.policy.scheduler.reserve.slots == 0
+    assert tradeoff.cell_scenario(BASE, tradeoff.parse_args([]), 10.0, 3.0) \
+        .policy.scheduler.reserve.slots == BASE.policy.scheduler.reserve.slots

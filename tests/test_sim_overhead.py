@@ -121,3 +121,18 @@ async def test_the_live_backend_holds_a_request_for_its_overhead(tmp_path: Path)
         assert backend.capacity().free_slots == 2
     finally:
         await backend.close()
+
+
+def test_the_run_samples_the_engines_saturated_seconds_as_they_pass(tmp_path: Path) -> None:
+    # Four requests on two slots: the slots are full, so every step is
+    # saturated, from the first step until the last request ends (about 2 s
+    # of 10 ms steps); a sample counts only the part of a step before it.
+    cfg = SimBackendConfig(profile=profile_file(tmp_path))
+    arrivals = [Arrival(f"r{i}", 0.0, "alice", "interactive", 10, 100, 100) for i in range(4)]
+    run = run_policy(make_policy(), cfg, arrivals, drain_until=60, sample_every_s=0.5)
+    assert all(r.outcome.value == "completed" for r in run.requests)
+    at = dict(run.saturation)
+    assert [t for t, _ in run.saturation] == [t for t, _ in run.samples]
+    assert at[0.0] == 0.0
+    assert at[0.5] == pytest.approx(0.5) and at[1.5] == pytest.approx(1.5)
+    assert run.engine_saturated_s == pytest.approx(run.engine_busy_s) == pytest.approx(2.0)
