@@ -414,10 +414,16 @@ def test_validate_warns_that_a_reject_tiers_share_has_no_effect(
 
 
 def test_shares_and_expiry_are_checked_naming_the_field(tmp_path: Path) -> None:
+    third = ("  bulk:\n    priority: 2\n    on_timeout: delay\n"
+             "    e2e_slo_ms: 60000\n    min_share: 0.25\ntenants:\n")
     many = GOOD.replace("    priority: 1\n", "    priority: 1\n    min_share: 0.3\n").replace(
-        "    priority: 0\n", "    priority: 0\n    min_share: 0.25\n")
-    with pytest.raises(ConfigError, match="tiers: the tiers' min_share add up to 0.55"):
+        "tenants:\n", third)
+    with pytest.raises(ConfigError, match="tiers: the delay tiers' min_share add up to 0.55"):
         load_policy_text(many)
+    # A reject tier's share never acts, so it does not count against the cap.
+    reject = GOOD.replace("    priority: 1\n", "    priority: 1\n    min_share: 0.3\n").replace(
+        "    priority: 0\n", "    priority: 0\n    min_share: 0.25\n")
+    assert load_policy_text(reject).tiers["slow"].share == 0.3
     early = GOOD.replace("    priority: 1\n", "    priority: 1\n    expire_after_ms: 1\n")
     with pytest.raises(ConfigError, match="expire_after_ms must not be less than"):
         load_policy_text(early)

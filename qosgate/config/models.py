@@ -773,12 +773,14 @@ class PolicyConfig(StrictModel):
     @model_validator(mode="after")
     def _references(self) -> PolicyConfig:
         errors: list[str] = []
-        shares = sum(tier.share for tier in self.tiers.values())
+        # A reject tier's share never acts (a share never passes a tier with a
+        # latency objective, nor is such a tier passed by one): not counted.
+        shares = sum(tier.share for tier in self.tiers.values() if tier.on_timeout == "delay")
         if shares > MAX_SHARES:
             errors.append(
-                f"tiers: the tiers' min_share add up to {shares:g} (defaults included: 0.05 "
-                f"per delay tier); at most {MAX_SHARES:g}, so the rest of the capacity still "
-                "goes by priority"
+                f"tiers: the delay tiers' min_share add up to {shares:g} (defaults included: "
+                f"0.05 per delay tier); at most {MAX_SHARES:g}, so the rest of the capacity "
+                "still goes by priority"
             )
         seen: dict[str, int] = {}
         for index, tenant in enumerate(self.tenants):
