@@ -13,7 +13,10 @@ import pytest
 
 from qosgate.batch.redis_store import RedisBatchStore
 from qosgate.batch.sqlite_store import SqliteBatchStore
-from qosgate.batch.store import BatchRecord, BatchStore, FileRecord, JournalEntry, LineResult
+from qosgate.batch.store import (
+    BatchRecord, BatchStore, BatchStoreUnavailable, FileRecord, JournalEntry, LineResult,
+)  # fmt: skip
+from tests.redis_server import free_port
 
 
 @pytest.fixture(params=["sqlite", "redis"])
@@ -135,3 +138,17 @@ async def test_a_long_journal_is_walked_in_order(make_store: Callable[[], BatchS
     ]
     record = await store.get_batch("t", "batch_long")
     assert record is not None and record.completed + record.failed == 2500
+
+
+async def test_a_redis_that_does_not_answer_is_the_store_unavailable(tmp_path: Path) -> None:
+    """A lease asked of a Redis nobody listens on fails as the port says
+    (the runner then keeps its jobs and tries again), not with redis-py's error."""
+    store = RedisBatchStore(f"redis://127.0.0.1:{free_port()}/0", tmp_path, timeout_s=1.0)
+    await store.open()
+    try:
+        with pytest.raises(BatchStoreUnavailable, match="redis unreachable"):
+            await store.acquire("batch-1")
+        with pytest.raises(BatchStoreUnavailable, match="redis unreachable"):
+            await store.take(set())
+    finally:
+        await store.close()

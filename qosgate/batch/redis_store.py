@@ -17,7 +17,6 @@ asked), `batches:<tenant>`, `statuses`, `active`, `sent:<id>` (the journal),
 
 from __future__ import annotations
 
-import importlib.resources
 import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -25,21 +24,14 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+
+from qosgate.quotas.redis_client import connection_pool, guarded, register_scripts
 
 from .store import (
     ACTIVE, BatchRecord, BatchStoreUnavailable, FileRecord, JournalEntry, LeaseLost, LineResult,
 )  # fmt: skip
 
 _PAGE = 1000
-
-_LUA = importlib.resources.files(__package__) / "lua"
-
-
-def _script(name: str, *, fenced: bool = False) -> str:
-    names = ("fence", name) if fenced else (name,)
-    return "\n".join((_LUA / f"{n}.lua").read_text(encoding="utf-8") for n in names)
-
 
 _FILE_FIELDS = ("id", "tenant", "filename", "purpose", "bytes", "created_at", "lines")
 
@@ -81,18 +73,14 @@ class RedisBatchStore:
 
     async def open(self) -> None:
         self.files_dir.mkdir(parents=True, exist_ok=True)
-        self._redis = aioredis.Redis.from_url(
-            self._url, socket_timeout=self._timeout_s, socket_connect_timeout=self._timeout_s,
-            # A password in the URL wins over this one (redis-py's rule).
-            **({"password": self._password} if self._password else {}),
-        )  # fmt: skip
-        register = self._redis.register_script
-        self._record = register(_script("record", fenced=True))
-        self._save = register(_script("save", fenced=True))
-        self._sent = register(_script("sent", fenced=True))
-        self._renew = register(_script("renew"))
-        self._release = register(_script("release"))
-        self._cancel = register(_script("cancel"))
+        # The client owns its pool, so close() disconnects it too.
+        self._redis = client = aioredis.Redis.from_pool(connection_pool(
+            self._url, timeout_s=self._timeout_s, password=self._password))
+        # A fenced script writes only under the lease's token (fence.lua first).
+        self._record, self._save, self._sent = register_scripts(
+            client, __package__, ("record", "save", "sent"), prelude=("fence",))
+        self._renew, self._release, self._cancel = register_scripts(
+            client, __package__, ("renew", "release", "cancel"))
 
     async def close(self) -> None:
         if self._redis is not None:
@@ -254,21 +242,17 @@ class RedisBatchStore:
 
     async def acquire(self, batch_id: str) -> bool:
         token = f"{self._owner}:{secrets.token_hex(8)}"
-        try:
-            taken = await self.redis.set(
-                self._key("lease", batch_id), token, nx=True, px=self._lease_ms()
-            )
-        except (RedisError, OSError) as exc:
-            raise BatchStoreUnavailable(str(exc)) from exc
+        taken = await guarded(self.redis.set(
+            self._key("lease", batch_id), token, nx=True, px=self._lease_ms()
+        ), BatchStoreUnavailable)
         if taken:
             self._tokens[batch_id] = token
         return bool(taken)
 
     async def take(self, exclude: set[str]) -> list[BatchRecord]:
-        try:
-            ids = [raw.decode() for raw in await self.redis.zrange(self._key("active"), 0, -1)]
-        except (RedisError, OSError) as exc:
-            raise BatchStoreUnavailable(str(exc)) from exc
+        active = await guarded(self.redis.zrange(self._key("active"), 0, -1),
+                               BatchStoreUnavailable)  # fmt: skip
+        ids = [raw.decode() for raw in active]
         taken = []
         for batch_id in ids:
             if batch_id in exclude or not await self.acquire(batch_id):
@@ -287,23 +271,18 @@ class RedisBatchStore:
         if not held:
             return {}
         keys = [key for b in held for key in (self._key("lease", b), self._key("batch", b))]
-        try:
-            answers = await self._renew(
-                keys=keys, args=[self._lease_ms(), *(self._tokens[b] for b in held)]
-            )
-        except (RedisError, OSError) as exc:
-            raise BatchStoreUnavailable(str(exc)) from exc
+        answers = await guarded(self._renew(
+            keys=keys, args=[self._lease_ms(), *(self._tokens[b] for b in held)]
+        ), BatchStoreUnavailable)
         return {b: None if a == -1 else int(a) for b, a in zip(held, answers, strict=True)}
 
     async def release(self, batch_id: str) -> None:
         token = self._tokens.pop(batch_id, None)
         if token is None:
             return
-        try:
-            await self._release(keys=[self._key("lease", batch_id)], args=[token])
-        except (RedisError, OSError) as exc:
-            # It runs out on its own within lease_s.
-            raise BatchStoreUnavailable(str(exc)) from exc
+        # Unanswered, it runs out on its own within lease_s.
+        await guarded(self._release(keys=[self._key("lease", batch_id)], args=[token]),
+                      BatchStoreUnavailable)  # fmt: skip
 
     async def request_cancel(self, batch_id: str, at: int) -> bool:
         return bool(await self._cancel(keys=[self._key("batch", batch_id)], args=[at]))

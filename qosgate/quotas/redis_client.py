@@ -1,4 +1,5 @@
-"""What the Redis stores (the quota store here, the fleet's work queue) share:
+"""What the Redis stores (the quota store here, the fleet's work queue, the
+batch jobs' store) share:
 how they connect, how they load their Lua scripts, and what a failed call
 raises."""
 
@@ -21,7 +22,7 @@ T = TypeVar("T")
 def connection_pool(
     url: str,
     *,
-    timeout_s: float,
+    timeout_s: float | None,
     password: str | None,
     pool_class: type[aioredis.ConnectionPool] = aioredis.ConnectionPool,
     **options: Any,
