@@ -429,3 +429,29 @@ async def test_hostile_requests_get_a_clear_4xx(tmp_path: Path) -> None:
         await live.batches.wait(batch.id)
         assert (await client.files.delete(running.id)).deleted
         await client.close()
+
+
+async def test_a_batch_store_that_does_not_answer_is_a_503_to_retry(tmp_path: Path) -> None:
+    """Batches in a fleet's Redis that is down: every call of the Batch API
+    is a 503 `batch_store_unavailable` with a Retry-After, naming no host;
+    never a 500. An upload it could not record leaves no file behind."""
+    from tests.redis_server import free_port
+
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    extra = f"  store: redis\nfleet: {{role: gateway, url: '{dead}', timeout_ms: 500}}\n"
+    async with live_app(make_policy(_policy_yaml(tmp_path, extra=extra))) as live:
+        client = _client(live.url)
+        for call in (
+            lambda: client.batches.list(),
+            lambda: client.batches.retrieve("batch_x"),
+            lambda: client.files.list(),
+            lambda: client.files.create(file=("in.jsonl", _jsonl([_line("a")])), purpose="batch"),
+        ):
+            with pytest.raises(openai.APIStatusError) as caught:
+                await call()
+            assert caught.value.status_code == 503
+            assert caught.value.body["code"] == "batch_store_unavailable"
+            assert caught.value.response.headers["Retry-After"] == "1"
+            assert "127.0.0.1" not in caught.value.body["message"]
+        assert [p.name for p in (tmp_path / "files").iterdir()] == []
+        await client.close()

@@ -14,8 +14,9 @@ import pytest
 from qosgate.batch.redis_store import RedisBatchStore
 from qosgate.batch.sqlite_store import SqliteBatchStore
 from qosgate.batch.store import (
-    BatchRecord, BatchStore, BatchStoreUnavailable, FileRecord, JournalEntry, LineResult,
+    BatchRecord, BatchStore, FileRecord, JournalEntry, LineResult,
 )  # fmt: skip
+from qosgate.runtime.errors import BatchStoreUnavailable
 from tests.redis_server import free_port
 
 
@@ -150,5 +151,14 @@ async def test_a_redis_that_does_not_answer_is_the_store_unavailable(tmp_path: P
             await store.acquire("batch-1")
         with pytest.raises(BatchStoreUnavailable, match="redis unreachable"):
             await store.take(set())
+        with pytest.raises(BatchStoreUnavailable, match="redis unreachable"):
+            await store.list_batches("t", after=None, limit=5)
+        with pytest.raises(BatchStoreUnavailable, match="redis unreachable"):
+            [n async for n in store.recorded("batch-1")]
+        # What a client is told names no host; the detail is for the logs.
+        with pytest.raises(BatchStoreUnavailable) as caught:
+            await store.get_file("t", "file-1")
+        assert caught.value.status == 503 and caught.value.retry_after_header == "1"
+        assert "127.0.0.1" not in caught.value.message and "127.0.0.1" in str(caught.value)
     finally:
         await store.close()

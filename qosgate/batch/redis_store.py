@@ -17,21 +17,49 @@ asked), `batches:<tenant>`, `statuses`, `active`, `sent:<id>` (the journal),
 
 from __future__ import annotations
 
+import functools
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import redis.asyncio as aioredis
 
-from qosgate.quotas.redis_client import connection_pool, guarded, register_scripts
-
-from .store import (
-    ACTIVE, BatchRecord, BatchStoreUnavailable, FileRecord, JournalEntry, LeaseLost, LineResult,
+from qosgate.quotas.redis_client import (
+    REDIS_FAILURES, connection_pool, failure, guarded, register_scripts,
 )  # fmt: skip
+from qosgate.runtime.errors import BatchStoreUnavailable
+
+from .store import ACTIVE, BatchRecord, FileRecord, JournalEntry, LeaseLost, LineResult
 
 _PAGE = 1000
+
+T = TypeVar("T")
+
+def _answers(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """A store method whose Redis failures are BatchStoreUnavailable (503 at the API)."""
+
+    @functools.wraps(method)
+    async def call(self: RedisBatchStore, *args: Any, **kwargs: Any) -> T:
+        return await guarded(method(self, *args, **kwargs), BatchStoreUnavailable)
+
+    return call
+
+
+def _streams(method: Callable[..., AsyncIterator[T]]) -> Callable[..., AsyncIterator[T]]:
+    """`_answers` for a method that yields."""
+
+    @functools.wraps(method)
+    async def stream(self: RedisBatchStore, *args: Any, **kwargs: Any) -> AsyncIterator[T]:
+        try:
+            async for item in method(self, *args, **kwargs):
+                yield item
+        except REDIS_FAILURES as exc:
+            raise failure(exc, BatchStoreUnavailable) from exc
+
+    return stream
+
 
 _FILE_FIELDS = ("id", "tenant", "filename", "purpose", "bytes", "created_at", "lines")
 
@@ -89,6 +117,7 @@ class RedisBatchStore:
 
     # -- files -----------------------------------------------------------------
 
+    @_answers
     async def add_file(self, record: FileRecord) -> None:
         seq = await self.redis.incr(self._key("seq"))
         fields = {name: getattr(record, name) for name in _FILE_FIELDS}
@@ -97,10 +126,12 @@ class RedisBatchStore:
             pipe.zadd(self._key("files", record.tenant), {record.id: seq})
             await pipe.execute()
 
+    @_answers
     async def get_file(self, tenant: str, file_id: str) -> FileRecord | None:
         raw = await self.redis.hgetall(self._key("file", file_id))
         return _file(raw, tenant)
 
+    @_answers
     async def list_files(
         self, tenant: str, *, after: str | None, limit: int, purpose: str | None, newest_first: bool
     ) -> list[FileRecord]:
@@ -114,6 +145,7 @@ class RedisBatchStore:
                     break
         return found
 
+    @_answers
     async def delete_file(self, tenant: str, file_id: str) -> bool:
         if await self.get_file(tenant, file_id) is None:
             return False
@@ -147,6 +179,7 @@ class RedisBatchStore:
 
     # -- batches ---------------------------------------------------------------
 
+    @_answers
     async def add_batch(self, record: BatchRecord) -> None:
         seq = await self.redis.incr(self._key("seq"))
         key = self._key("batch", record.id)
@@ -157,12 +190,14 @@ class RedisBatchStore:
             await pipe.execute()
         await self.save_batch(record)
 
+    @_answers
     async def get_batch(self, tenant: str, batch_id: str) -> BatchRecord | None:
         raw = await self.redis.hgetall(self._key("batch", batch_id))
         if not raw or raw.get(b"tenant", b"").decode() != tenant or b"doc" not in raw:
             return None
         return _batch(batch_id, raw)
 
+    @_answers
     async def list_batches(
         self, tenant: str, *, after: str | None, limit: int
     ) -> list[BatchRecord]:
@@ -175,6 +210,7 @@ class RedisBatchStore:
                     break
         return found
 
+    @_answers
     async def save_batch(self, record: BatchRecord) -> None:
         await self._fenced(
             self._save, record.id,
@@ -190,6 +226,7 @@ class RedisBatchStore:
         if landed == -1:
             raise LeaseLost(f"batch {batch_id}: its lease was taken over")
 
+    @_answers
     async def active_batches(self) -> list[BatchRecord]:
         found = []
         for raw_id in await self.redis.zrange(self._key("active"), 0, -1):
@@ -198,19 +235,23 @@ class RedisBatchStore:
                 found.append(_batch(raw_id.decode(), raw))
         return found
 
+    @_answers
     async def status_counts(self) -> dict[str, int]:
         raw = await self.redis.hgetall(self._key("statuses"))
         return {k.decode(): int(v) for k, v in raw.items() if int(v)}
 
     # -- the journal -------------------------------------------------------------
 
+    @_answers
     async def line_sent(self, batch_id: str, line_no: int, request_id: str, tenant: str) -> None:
         await self._fenced(self._sent, batch_id, [self._key("sent", batch_id)],
                            [request_id, orjson.dumps([line_no, tenant])])  # fmt: skip
 
+    @_answers
     async def line_unsent(self, batch_id: str, request_id: str) -> None:
         await self.redis.hdel(self._key("sent", batch_id), request_id)
 
+    @_answers
     async def journal(self, batch_id: str) -> list[JournalEntry]:
         sent = await self.redis.hgetall(self._key("sent", batch_id))
         entries = []
@@ -224,6 +265,7 @@ class RedisBatchStore:
             entries.append(JournalEntry(line_no, raw_id.decode(), tenant, charged))
         return sorted(entries, key=lambda e: (e.line_no, e.request_id))
 
+    @_answers
     async def record(self, batch_id: str, result: LineResult) -> None:
         value = orjson.dumps(
             [result.custom_id, result.ok, result.text, result.tokens, result.request_id]
@@ -240,19 +282,19 @@ class RedisBatchStore:
     def _lease_ms(self) -> int:
         return max(1, round(self.lease_s * 1000))
 
+    @_answers
     async def acquire(self, batch_id: str) -> bool:
         token = f"{self._owner}:{secrets.token_hex(8)}"
-        taken = await guarded(self.redis.set(
+        taken = await self.redis.set(
             self._key("lease", batch_id), token, nx=True, px=self._lease_ms()
-        ), BatchStoreUnavailable)
+        )
         if taken:
             self._tokens[batch_id] = token
         return bool(taken)
 
+    @_answers
     async def take(self, exclude: set[str]) -> list[BatchRecord]:
-        active = await guarded(self.redis.zrange(self._key("active"), 0, -1),
-                               BatchStoreUnavailable)  # fmt: skip
-        ids = [raw.decode() for raw in active]
+        ids = [raw.decode() for raw in await self.redis.zrange(self._key("active"), 0, -1)]
         taken = []
         for batch_id in ids:
             if batch_id in exclude or not await self.acquire(batch_id):
@@ -266,24 +308,26 @@ class RedisBatchStore:
             taken.append(record)
         return taken
 
+    @_answers
     async def renew(self, batch_ids: list[str]) -> dict[str, int | None]:
         held = [batch_id for batch_id in batch_ids if batch_id in self._tokens]
         if not held:
             return {}
         keys = [key for b in held for key in (self._key("lease", b), self._key("batch", b))]
-        answers = await guarded(self._renew(
+        answers = await self._renew(
             keys=keys, args=[self._lease_ms(), *(self._tokens[b] for b in held)]
-        ), BatchStoreUnavailable)
+        )
         return {b: None if a == -1 else int(a) for b, a in zip(held, answers, strict=True)}
 
+    @_answers
     async def release(self, batch_id: str) -> None:
         token = self._tokens.pop(batch_id, None)
         if token is None:
             return
         # Unanswered, it runs out on its own within lease_s.
-        await guarded(self._release(keys=[self._key("lease", batch_id)], args=[token]),
-                      BatchStoreUnavailable)  # fmt: skip
+        await self._release(keys=[self._key("lease", batch_id)], args=[token])
 
+    @_answers
     async def request_cancel(self, batch_id: str, at: int) -> bool:
         return bool(await self._cancel(keys=[self._key("batch", batch_id)], args=[at]))
 
@@ -298,11 +342,13 @@ class RedisBatchStore:
                 return
             start = f"({int(page[-1])}"
 
+    @_streams
     async def recorded(self, batch_id: str) -> AsyncIterator[int]:
         async for page in self._numbers(batch_id):
             for number in page:
                 yield number
 
+    @_streams
     async def results(self, batch_id: str) -> AsyncIterator[LineResult]:
         key = self._key("results", batch_id)
         async for page in self._numbers(batch_id):

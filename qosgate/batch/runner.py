@@ -59,6 +59,7 @@ from qosgate.runtime.errors import (
     BadRequest,
     BatchNotCancellable,
     BatchObjectNotFound,
+    BatchStoreUnavailable,
     Expired,
     FileInUse,
     GatewayClosing,
@@ -76,8 +77,7 @@ from .files import (
     check_endpoint, check_input, input_lines, new_id, output_line, parse_item, unrun_line,
 )  # fmt: skip
 from .store import (
-    ENDPOINTS, STATUSES, BatchRecord, BatchStore, BatchStoreUnavailable, FileRecord, JobLeases,
-    LeaseLost, LineResult,
+    ENDPOINTS, STATUSES, BatchRecord, BatchStore, FileRecord, JobLeases, LeaseLost, LineResult,
 )  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -137,12 +137,18 @@ class BatchService:
             return
         self._started = True
         await self.store.open()
-        self._status_counts = await self.store.status_counts()
         if self.leases is None:
+            self._status_counts = await self.store.status_counts()
             for record in await self.store.active_batches():
                 self._launch(record)
             return
-        await self._take_over()
+        try:
+            self._status_counts = await self.store.status_counts()
+            await self._take_over()
+        except BatchStoreUnavailable as exc:
+            # A shared store down at start is an outage, not a broken
+            # gateway: the API answers 503 and the lease rounds try again.
+            log.warning("batch jobs: the store does not answer at start: %s", exc)
         self._arm_tick()
 
     def stop_feeding(self) -> None:
@@ -311,7 +317,12 @@ class BatchService:
             part.replace(self.store.files_dir / record.id)
         finally:
             part.unlink(missing_ok=True)
-        await self.store.add_file(record)
+        try:
+            await self.store.add_file(record)
+        except BaseException:
+            # Not recorded (the store is down): nobody could ever see or delete it.
+            (self.store.files_dir / record.id).unlink(missing_ok=True)
+            raise
         return record
 
     async def file(self, tenant: str, file_id: str) -> FileRecord:

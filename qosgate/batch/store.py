@@ -150,10 +150,6 @@ class LeaseLost(Exception):
     replica drives the job now, and this one must stop."""
 
 
-class BatchStoreUnavailable(Exception):
-    """The shared store could not be reached (a lease's state is unknown)."""
-
-
 class BatchStore(Protocol):
     """Where batch records and journals live. Every write is durable
     (committed) when its call returns: a line's result counts from then."""

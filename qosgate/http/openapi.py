@@ -255,6 +255,8 @@ _BATCH_ERRORS = {
     404: "No such file or batch of the tenant's (`not_found`; another tenant's is none of "
     "its), or the gateway has no `batch.data_dir` (`batches_not_configured`).",
     429: _AUTH_THROTTLED,
+    503: "The batch jobs' Redis (`batch.store: redis`) does not answer "
+    "(`batch_store_unavailable`); Retry-After.",
 }
 
 

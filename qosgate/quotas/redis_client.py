@@ -58,11 +58,20 @@ def register_scripts(
     ]  # fmt: skip
 
 
+REDIS_FAILURES = (RedisError, OSError)
+"""What a call to Redis raises when Redis gives no answer."""
+
+
+def failure(exc: BaseException, error: Callable[[str], Exception]) -> Exception:
+    """`error` saying why Redis gave no answer (`exc`, one of REDIS_FAILURES)."""
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError)):
+        return error(f"redis unreachable: {exc}")
+    return error(f"redis failed: {exc}")
+
+
 async def guarded(call: Awaitable[T], error: Callable[[str], Exception]) -> T:
     """`call`'s answer, or `error` saying why Redis gave none."""
     try:
         return await call
-    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-        raise error(f"redis unreachable: {exc}") from exc
-    except RedisError as exc:
-        raise error(f"redis failed: {exc}") from exc
+    except REDIS_FAILURES as exc:
+        raise failure(exc, error) from exc

@@ -179,6 +179,20 @@ class FileInUse(BadRequest):
     """The file is the input of a batch still running."""
 
 
+class BatchStoreUnavailable(GatewayError):
+    """The batch jobs' shared store (Redis, in fleet mode) cannot be reached.
+    The client is told to try again shortly; what went wrong (which may name
+    hosts) is in `detail`, for the logs, and is what str() gives."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__("The batch store cannot be reached now; try again shortly.",
+                         retry_after_s=1.0)  # fmt: skip
+        self.detail = detail
+
+    def __str__(self) -> str:
+        return self.detail
+
+
 class BatchNotCancellable(BadRequest):
     """The batch has already ended (or is ending) and cannot be cancelled."""
 
@@ -215,4 +229,5 @@ _give_rows({
     InvalidBatchFile: (400, Outcome.BAD_REQUEST, "invalid_file", _INVALID),
     FileInUse: (409, Outcome.BAD_REQUEST, "file_in_use", _INVALID),
     BatchNotCancellable: (409, Outcome.BAD_REQUEST, "batch_not_cancellable", _INVALID),
+    BatchStoreUnavailable: (503, Outcome.BACKEND_ERROR, "batch_store_unavailable", _SERVER),
 })  # fmt: skip
