@@ -26,7 +26,7 @@ from qosgate.backends.base import Chunk, GenerationJob
 from qosgate.batch.redis_store import RedisBatchStore
 from qosgate.batch.runner import BatchService
 from qosgate.batch.store import BatchRecord, LeaseLost, LineResult
-from qosgate.runtime.errors import BatchNotCancellable
+from qosgate.runtime.errors import BatchNotCancellable, BatchStoreUnavailable
 
 LEASE_S = 0.6
 """Short, so that a takeover comes within a second; renewed every 0.2 s."""
@@ -76,13 +76,14 @@ async def replicas(redis_server, tmp_path: Path) -> AsyncIterator[
     prefix = f"batch-fleet-{uuid.uuid4().hex[:8]}:"
     started: list[Replica] = []
 
-    async def start(name: str, script=words, *, in_flight: int = 4) -> Replica:
+    async def start(name: str, script=words, *, in_flight: int = 4,
+                    store_class: type[WatchedStore] = WatchedStore) -> Replica:  # fmt: skip
         policy = _policy(in_flight)
         backend = ScriptedBackend(script, free_slots=16)
         gateway = ScriptedGateway(policy, backend)
         await gateway.start()
-        store = WatchedStore(redis_server.url, tmp_path / "files", key_prefix=prefix,
-                             owner=name, lease_s=LEASE_S)  # fmt: skip
+        store = store_class(redis_server.url, tmp_path / "files", key_prefix=prefix,
+                            owner=name, lease_s=LEASE_S)  # fmt: skip
         service = BatchService(gateway, lambda: policy, store, leases=store)
         await service.start()
         replica = Replica(service, backend)
@@ -177,6 +178,32 @@ async def test_a_replica_that_stops_hands_its_job_over(replicas) -> None:
     await _completed_once(b, batch.id)
     assert (a.service.driven, b.service.driven) == (1, 1)
     assert sorted(b.ran()) == sorted(f"p{i}" for i in range(LINES))
+
+
+class BlinkAtFinalize(WatchedStore):
+    """Does not answer the first time a job's status is to become
+    `finalizing`, as a Redis that stops answering for a moment."""
+
+    blinked = False
+
+    async def save_batch(self, record: BatchRecord) -> None:
+        if record.status == "finalizing" and not self.blinked:
+            self.blinked = True
+            raise BatchStoreUnavailable("the store did not answer")
+        await super().save_batch(record)
+
+
+async def test_a_job_the_store_fails_under_stops_and_is_taken_over_not_failed(replicas) -> None:
+    a = await replicas("a", store_class=BlinkAtFinalize)
+    batch = await _submit(a.service, [_line(i) for i in range(LINES)])
+    async with asyncio.timeout(LIMIT_S):
+        await a.service.wait(batch.id)  # the first run stops at the failed write
+        assert a.store.blinked
+        while (await a.service.batch(TENANT, batch.id)).status != "completed":
+            await a.store.rounds_pass(1)
+    await _completed_once(a, batch.id)
+    assert a.service.driven == 2  # taken over by a lease round, here
+    assert sorted(a.ran()) == sorted(f"p{i}" for i in range(LINES))  # no line ran twice
 
 
 async def test_a_driver_whose_lease_is_taken_stops_and_the_holder_finishes(

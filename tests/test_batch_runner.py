@@ -22,7 +22,7 @@ from qosgate.batch.sqlite_store import SqliteBatchStore
 from qosgate.batch.store import BatchRecord, LineResult
 from qosgate.config.models import PolicyConfig
 from qosgate.runtime.ask import Ask
-from qosgate.runtime.errors import Overloaded, QuotaExceeded
+from qosgate.runtime.errors import BatchStoreUnavailable, Overloaded, QuotaExceeded
 from qosgate.runtime.gate import Gateway, RequestStream
 
 TENANT = "t"
@@ -236,6 +236,46 @@ async def test_a_result_is_recorded_before_its_quota_settles(tmp_path: Path) -> 
     (state,) = await service.gateway.quotas.usage(TENANT)
     assert state.used == charged * 6
     assert [r.tokens async for r in _results(service, batch.id)] == [charged] * 6
+    await _close(service)
+
+
+class BlinkingStore(SqliteBatchStore):
+    """Fails the first try to record each line in `blink`, as a shared
+    store that stops answering for a moment does."""
+
+    def __init__(self, path: Path, blink: set[str]) -> None:
+        super().__init__(path)
+        self.blink = set(blink)
+
+    async def record(self, batch_id: str, result: LineResult) -> None:
+        if result.custom_id in self.blink:
+            self.blink.discard(result.custom_id)
+            raise BatchStoreUnavailable("the store did not answer")
+        await super().record(batch_id, result)
+
+
+async def test_a_result_the_store_could_not_record_runs_again_and_is_charged_once(
+    tmp_path: Path,
+) -> None:
+    async def three(job: GenerationJob) -> AsyncIterator[Chunk]:
+        async for chunk in words(job, 3):
+            yield chunk
+
+    store = BlinkingStore(tmp_path, {"c1", "c3"})
+    service = await _service(tmp_path, _policy(2, limit=10**6), ScriptedBackend(three),
+                             store=store)  # fmt: skip
+    batch = await _submit(service, [_line(i) for i in range(5)])
+    await service.wait(batch.id)
+    ended = await service.batch(TENANT, batch.id)
+    assert (ended.status, ended.completed, ended.failed) == ("completed", 5, 0)
+    results = [r async for r in _results(service, batch.id)]
+    assert sorted(r.custom_id for r in results) == [f"c{i}" for i in range(5)]
+    gateway = service.gateway
+    assert isinstance(gateway, ScriptedGateway)
+    assert [len(gateway.tries[f"p{i}"]) for i in range(5)] == [1, 2, 1, 2, 1]
+    # The try whose result was lost is refunded: each line is charged once.
+    (state,) = await gateway.quotas.usage(TENANT)
+    assert state.used == (PROMPT_TOKENS + 3) * 5
     await _close(service)
 
 

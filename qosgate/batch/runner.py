@@ -317,12 +317,9 @@ class BatchService:
             part.replace(self.store.files_dir / record.id)
         finally:
             part.unlink(missing_ok=True)
-        try:
-            await self.store.add_file(record)
-        except BaseException:
-            # Not recorded (the store is down): nobody could ever see or delete it.
-            (self.store.files_dir / record.id).unlink(missing_ok=True)
-            raise
+        # Kept if this fails: a write whose answer was lost may have landed,
+        # and a recorded file must have its content.
+        await self.store.add_file(record)
         return record
 
     async def file(self, tenant: str, file_id: str) -> FileRecord:
@@ -518,6 +515,16 @@ class Job:
             self.lose()
             if self._tasks:
                 await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        except BatchStoreUnavailable as exc:
+            # An outage, not the job's failure: it stops where it stands, its
+            # lease goes (or runs out), and a lease round resumes it, here or
+            # on another replica, once the store answers.
+            log.warning("batch %s: the store did not answer (%s); it stops here and is "
+                        "taken over once it does", self.record.id, exc)  # fmt: skip
+            self.end("closing")
+            self.cut()
+            if self._tasks:
+                await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         except Exception:
             log.exception("batch %s failed", self.record.id)
             with contextlib.suppress(Exception):
@@ -651,6 +658,12 @@ class Job:
             await self._try(number, item, tries)
         except LeaseLost:
             self.lose()
+        except BatchStoreUnavailable as exc:
+            # Its result (or its try) could not be written: not the line's
+            # fault. It runs again after a wait; the try is refunded.
+            log.warning("batch %s line %d: the store did not answer (%s); it runs again",
+                        self.record.id, number, exc)  # fmt: skip
+            self._again(number, item, tries, exc)
         except Exception:
             # A bug: the line gets an error line rather than go missing from
             # both files (what it reserved stays charged).
@@ -760,7 +773,7 @@ class Job:
         else:
             again = isinstance(
                 exc, QueueFull | Overloaded | Expired | BackendUnavailableError
-                | QuotaStoreUnavailable,
+                | QuotaStoreUnavailable | BatchStoreUnavailable,
             )
         if not again or dry or self.ending is not None:
             return again
@@ -782,9 +795,9 @@ class Job:
             await self._store.record(
                 self.record.id, LineResult(number, custom_id, ok, text, tokens, request_id)
             )
-        except LeaseLost:
-            # Not this driver's to record: the line runs again under the
-            # one that holds the job now, and this try is refunded.
+        except (LeaseLost, BatchStoreUnavailable):
+            # Not recorded: the line runs again (under the job's driver now,
+            # for a lost lease), and this try is refunded.
             if stream is not None:
                 self.service.gateway.settle_held(stream, refund=True)
             raise
