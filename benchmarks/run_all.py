@@ -27,10 +27,6 @@ RUNS = {
     "b5-share": ["simulate", "b5_delay_share.yaml"],
     "b9": ["simulate", "b9_hour.yaml"],
     "b10": ["simulate", "b10_seed_tables.yaml"],
-    # B11's rules on the job-rate/latency curve, in the simulator (the live
-    # run is benchmarks/batch_beside.py, 12 minutes).
-    "b11-tradeoff": [sys.executable, str(HERE / "batch_tradeoff.py"),
-                     "--json", str(OUT / "batch_tradeoff.json")],
 }
 
 

@@ -90,11 +90,15 @@ def test_a_zero_alone_attainment_cannot_be_judged():
         tradeoff.summarise({0.0: {1: run(attainment=0.0)}, 1.0: {1: run(rate=5.0)}}, 5.0)
 
 
-def test_the_saturated_share_is_of_the_window_between_two_samples():
+def test_the_saturated_share_is_of_the_window_between_the_samples_at_its_edges():
     saturation = [(0.0, 0.0), (10.0, 2.0), (20.0, 9.0), (30.0, 19.0)]
     assert tradeoff.saturated_share(saturation, 10.0, 30.0) == pytest.approx(17 / 20)
-    assert tradeoff.saturated_share(saturation, 10.0, 25.0) is None  # no sample at 25
-    assert tradeoff.saturated_share(saturation, 20.0, 20.0) is None
+    # Edges between samples take the last sample at or before each.
+    assert tradeoff.saturated_share(saturation, 12.5, 25.0) == pytest.approx(7 / 10)
+    # A run that ended before the window's end: up to its last sample.
+    assert tradeoff.saturated_share(saturation, 10.0, 40.0) == pytest.approx(17 / 20)
+    assert tradeoff.saturated_share(saturation, 20.0, 25.0) is None  # one sample
+    assert tradeoff.saturated_share(saturation, -1.0, 30.0) is None  # none before the start
 
 
 def test_a_cell_reports_the_job_the_latency_tiers_and_the_engines_saturation():

@@ -33,7 +33,7 @@ class PolicyRun:
     samples: list[tuple[float, dict[str, int]]]
     """Queue depth per tier at regular instants."""
     end_time: float
-    saturation: list[tuple[float, float]] = field(default_factory=list)
+    saturated_s_samples: list[tuple[float, float]] = field(default_factory=list)
     """At the instants of `samples`, the engine's saturated seconds so far."""
     steps: int = 0
     engine_busy_s: float = 0.0
@@ -114,7 +114,7 @@ def run_policy(
             saturated = run.engine_saturated_s
             if step is not None and step.saturated and next_sample < step_end < _INF:
                 saturated -= step_end - next_sample  # the step in flight, counted at its start
-            run.saturation.append((next_sample, saturated))
+            run.saturated_s_samples.append((next_sample, saturated))
             next_sample += sample_every_s
 
         if now == step_end:
@@ -169,7 +169,7 @@ def run_policy(
         req.outcome = Outcome.CANCELLED
         req.finished_at = now
     run.samples.append((now, scheduler.depth_by_tier()))
-    run.saturation.append((now, run.engine_saturated_s))
+    run.saturated_s_samples.append((now, run.engine_saturated_s))
     run.requests = list(by_id.values())
     run.end_time = now
     return run
