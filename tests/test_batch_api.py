@@ -430,7 +430,9 @@ async def test_hostile_requests_get_a_clear_4xx(tmp_path: Path) -> None:
         await client.close()
 
 
-async def test_a_batch_store_that_does_not_answer_is_a_503_to_retry(tmp_path: Path) -> None:
+async def test_a_batch_store_that_does_not_answer_is_a_503_to_retry(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Batches in a fleet's Redis that is down: every call of the Batch API
     is a 503 `batch_store_unavailable` with a Retry-After, naming no host;
     never a 500."""
@@ -453,3 +455,6 @@ async def test_a_batch_store_that_does_not_answer_is_a_503_to_retry(tmp_path: Pa
             assert caught.value.response.headers["Retry-After"] == "1"
             assert "127.0.0.1" not in caught.value.body["message"]
         await client.close()
+    # The operator's log says why (the client's answer does not).
+    logged = [r.getMessage() for r in caplog.records if r.name == "qosgate.http"]
+    assert any(m.startswith("batch_store_unavailable: redis unreachable") for m in logged), logged

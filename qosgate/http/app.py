@@ -151,6 +151,8 @@ async def _error_middleware(request: web.Request, handler: Any) -> web.StreamRes
         _count_refusal(request, exc.outcome)
         response = error_response(exc)
         reason = exc.code
+        if exc.detail is not None:
+            log.warning("%s: %s", exc.code, exc.detail)
         request[OUTCOME] = exc.outcome.value
         if isinstance(exc, RequestTimeout):
             # The rest of the body may still come; read as a next request it

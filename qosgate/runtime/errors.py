@@ -23,6 +23,8 @@ class GatewayError(Exception):
     """OpenAI-style `error.code`."""
     type: ClassVar[str] = "server_error"
     """OpenAI-style `error.type`."""
+    detail: str | None = None
+    """What went wrong, for the gateway's log only (it may name hosts)."""
 
     def __init__(
         self, message: str, *, retry_after_s: float | None = None, param: str | None = None
@@ -181,8 +183,8 @@ class FileInUse(BadRequest):
 
 class BatchStoreUnavailable(GatewayError):
     """The batch jobs' shared store (Redis, in fleet mode) cannot be reached.
-    The client is told to try again shortly; what went wrong (which may name
-    hosts) is in `detail`, for the logs, and is what str() gives."""
+    The client is told to try again shortly; what went wrong is in `detail`,
+    which str() gives too."""
 
     def __init__(self, detail: str) -> None:
         super().__init__("The batch store cannot be reached now; try again shortly.",
