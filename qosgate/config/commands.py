@@ -17,6 +17,7 @@ from qosgate.config.models import (
     TierConfig,
     VllmBackendConfig,
 )
+from qosgate.core.policy import has_latency_objective
 
 EXIT_OK = 0
 EXIT_INVALID = 2
@@ -63,7 +64,7 @@ def policy_warnings(policy: PolicyConfig) -> list[str]:
         # A delay tier runs on what the tiers above it leave (its share only
         # divides what the tiers with a latency objective leave): under their
         # sustained load only its expiry bounds its wait.
-        if tier.on_timeout == "reject" and tier.min_share:
+        if has_latency_objective(tier) and tier.min_share:
             warnings.append(
                 f"tier {name!r} (on_timeout: reject) has min_share {tier.min_share:g}: a share "
                 "never passes a tier with a latency objective, and such a tier is never "

@@ -15,6 +15,7 @@ from pydantic import (
     BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator,
 )  # fmt: skip
 
+from qosgate.core.policy import has_latency_objective
 from qosgate.profiles import get_profile, resolve_profile
 
 # Unbounded; the scenario files of `qosgate simulate` and `qosgate bench` use them.
@@ -340,6 +341,16 @@ class TierConfig(StrictModel):
         if self.expire_after_ms is not None or self.e2e_slo_ms is None:
             return self.expire_after_ms
         return max(self.max_queue_wait_ms, self.e2e_slo_ms / 2)
+
+    @property
+    def delays(self) -> bool:
+        """`on_timeout: delay` (the core's TierParams.delays)."""
+        return self.on_timeout == "delay"
+
+    @property
+    def budget_s(self) -> float:
+        """max_queue_wait_ms in seconds (the core's TierParams.budget_s)."""
+        return self.max_queue_wait_ms / 1000.0
 
     @property
     def share(self) -> float:
@@ -773,9 +784,10 @@ class PolicyConfig(StrictModel):
     @model_validator(mode="after")
     def _references(self) -> PolicyConfig:
         errors: list[str] = []
-        # A reject tier's share never acts (a share never passes a tier with a
-        # latency objective, nor is such a tier passed by one): not counted.
-        shares = sum(tier.share for tier in self.tiers.values() if tier.on_timeout == "delay")
+        # A share never acts for a tier with a latency objective (it never
+        # passes one, nor is such a tier passed by one): not counted.
+        shares = sum(tier.share for tier in self.tiers.values()
+                     if not has_latency_objective(tier))  # fmt: skip
         if shares > MAX_SHARES:
             errors.append(
                 f"tiers: the delay tiers' min_share add up to {shares:g} (defaults included: "

@@ -10,8 +10,8 @@ def _tier(name: str, tier: TierConfig) -> TierParams:
     return TierParams(
         name,
         priority=tier.priority,
-        budget_s=tier.max_queue_wait_ms / 1000.0,
-        delays=tier.on_timeout == "delay",
+        budget_s=tier.budget_s,
+        delays=tier.delays,
         max_len=tier.max_queue_len,
         max_wait_s=tier.batch.max_wait_ms / 1000.0,
         max_batch_size=tier.batch.max_batch_size,
