@@ -1,7 +1,8 @@
 """A 20,000-line batch job beside latency traffic, on the live simulated GPU.
 
     .venv/bin/python benchmarks/batch_beside.py [--speed 1] [--duration 300] [--load 0.7]
-        [--lines 20000] [--in-flight N] [--waiting N] [--warmup 10] [--json PATH]
+        [--lines 20000] [--in-flight N] [--waiting N] [--warmup 10] [--override JSON]
+        [--json PATH]
 
 Two runs of one `qosgate serve` process each (tests/fleet_support.py's Proc),
 with B3's policy, tenants and engine (benchmarks/b3_overload.yaml, as
@@ -130,6 +131,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="modelled seconds the client waits for one request (default 300: "
                         "a 1,024-token answer beside the job takes over 60)")
+    parser.add_argument("--override", type=json.loads, default={},
+                        help="JSON object merged into B3's policy for both runs, e.g. "
+                        "'{\"scheduler\": {\"prefill_budget_tokens\": 2048}}' (an "
+                        "experiment: not the defaults' figures)")
     parser.add_argument("--json", dest="json_path", help="write the figures and checks")
     args = parser.parse_args(argv)
     problems = []
@@ -149,9 +154,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         problems.append("--waiting must be between 1 and 4096")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         problems.append("--timeout must be a positive number")
+    if not isinstance(args.override, dict):
+        problems.append("--override must be a JSON object")
     if problems:
         parser.error("; ".join(problems))
     return args
+
+
+def with_override(base: Scenario, override: dict[str, Any]) -> Scenario:
+    """B3's scenario with `override` merged into its policy (validated again)."""
+    if not override:
+        return base
+    data = base.model_dump()
+    data["policy"] = sweep.merged(data["policy"], override)
+    return Scenario.model_validate(data)
 
 
 # -- the workload ------------------------------------------------------------
@@ -410,7 +426,7 @@ def _figure(value: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    base = load_scenario(sweep.SCENARIO)
+    base = with_override(load_scenario(sweep.SCENARIO), args.override)
     latency = only(base, tenants_of(base, LATENCY_TIERS))
     capacity = capacity_rps(latency)
     job_capacity = capacity_rps(job_scenario(base))

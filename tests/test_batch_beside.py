@@ -178,3 +178,13 @@ def test_the_job_rate_is_lines_completed_over_the_window():
     assert beside.job_rate(samples, 10.0, 30.0) == 3.0
     assert beside.job_rate(samples[:1], 10.0, 30.0) is None
     assert beside.job_rate(samples, 30.0, 30.0) is None
+
+
+def test_an_override_reaches_the_gateways_policy_of_both_runs(tmp_path):
+    args = beside.parse_args(["--override", '{"scheduler": {"prefill_budget_tokens": 2048}}'])
+    base = beside.with_override(BASE, args.override)
+    policy = PolicyConfig.model_validate(beside.gateway_policy(base, args, tmp_path))
+    assert policy.scheduler.prefill_budget_tokens == 2048
+    assert beside.with_override(BASE, {}) is BASE
+    with pytest.raises(SystemExit):
+        beside.parse_args(["--override", "[1]"])
