@@ -253,6 +253,15 @@ def merged(doc: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def with_override(base: Scenario, override: dict[str, Any]) -> Scenario:
+    """`base` with `override` merged into its policy, validated again."""
+    if not override:
+        return base
+    data = base.model_dump()
+    data["policy"] = merged(data["policy"], override)
+    return Scenario.model_validate(data)
+
+
 def common_seeds(table: Table) -> tuple[int, ...]:
     """The seeds every cell ran; SweepError when a cell lacks one that another
     ran: the cells' means, and the goodput rule's ratio of two of them, would
@@ -635,13 +644,10 @@ def main(argv: list[str] | None = None) -> int:
     except SweepError as exc:
         print(f"b3_sweep: {exc}", file=sys.stderr)
         return 2
-    base = load_scenario(SCENARIO)
-    if args.prefill_budget is not None or args.override:
-        data = base.model_dump()
-        if args.prefill_budget is not None:
-            data["policy"]["scheduler"]["prefill_budget_tokens"] = args.prefill_budget
-        data["policy"] = merged(data["policy"], args.override)
-        base = Scenario.model_validate(data)
+    override = args.override
+    if args.prefill_budget is not None:
+        override = merged({"scheduler": {"prefill_budget_tokens": args.prefill_budget}}, override)
+    base = with_override(load_scenario(SCENARIO), override)
     seed = base.seed if args.seed is None else args.seed
     seeds = tuple(range(seed, seed + args.seeds))
     table = run_sweep(base, mixes, arrivals, loads, policies, seeds, args.jobs)

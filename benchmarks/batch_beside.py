@@ -113,16 +113,40 @@ def ratio(numerator: float | None, denominator: float | None, what: str) -> floa
     return numerator / denominator
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--speed", type=float, default=1.0,
-                        help="sim speed factor of the engine (default 1)")
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of the latency traffic and the policy, shared with
+    benchmarks/batch_tradeoff.py."""
     parser.add_argument("--duration", type=float, default=300.0,
                         help="modelled seconds of latency arrivals per run (default 300)")
     parser.add_argument("--warmup", type=float, default=10.0,
                         help="modelled seconds left out of the figures (default 10)")
     parser.add_argument("--load", type=float, default=0.7,
                         help="latency traffic as a fraction of capacity (default 0.7)")
+    parser.add_argument("--override", type=json.loads, default={},
+                        help="JSON object merged into B3's policy for every run, e.g. "
+                        "'{\"scheduler\": {\"prefill_budget_tokens\": 2048}}' (an "
+                        "experiment: not the defaults' figures)")
+
+
+def run_problems(args: argparse.Namespace) -> list[str]:
+    """What is wrong with `add_run_arguments`' arguments."""
+    problems = []
+    if not (math.isfinite(args.duration) and args.duration > 0):
+        problems.append("--duration must be a positive number")
+    if not (math.isfinite(args.warmup) and 0 <= args.warmup < args.duration):
+        problems.append("--warmup must be at least 0 and less than --duration")
+    if not (0 < args.load < 1):
+        problems.append("--load must be between 0 and 1 (exclusive): the job needs idle capacity")
+    if not isinstance(args.override, dict):
+        problems.append("--override must be a JSON object")
+    return problems
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--speed", type=float, default=1.0,
+                        help="sim speed factor of the engine (default 1)")
+    add_run_arguments(parser)
     parser.add_argument("--lines", type=int, default=20_000, help="lines of the batch job")
     parser.add_argument("--in-flight", type=int,
                         help="batch.in_flight_per_job (default: the policy's default)")
@@ -131,21 +155,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="modelled seconds the client waits for one request (default 300: "
                         "a 1,024-token answer beside the job takes over 60)")
-    parser.add_argument("--override", type=json.loads, default={},
-                        help="JSON object merged into B3's policy for both runs, e.g. "
-                        "'{\"scheduler\": {\"prefill_budget_tokens\": 2048}}' (an "
-                        "experiment: not the defaults' figures)")
     parser.add_argument("--json", dest="json_path", help="write the figures and checks")
     args = parser.parse_args(argv)
-    problems = []
+    problems = run_problems(args)
     if not (math.isfinite(args.speed) and args.speed > 0):
         problems.append("--speed must be a positive number")
-    if not (math.isfinite(args.duration) and args.duration > 0):
-        problems.append("--duration must be a positive number")
-    if not (math.isfinite(args.warmup) and 0 <= args.warmup < args.duration):
-        problems.append("--warmup must be at least 0 and less than --duration")
-    if not (0 < args.load < 1):
-        problems.append("--load must be between 0 and 1 (exclusive): the job needs idle capacity")
     if args.lines < 1:
         problems.append("--lines must be at least 1")
     if args.in_flight is not None and not 1 <= args.in_flight <= 4096:
@@ -154,20 +168,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         problems.append("--waiting must be between 1 and 4096")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         problems.append("--timeout must be a positive number")
-    if not isinstance(args.override, dict):
-        problems.append("--override must be a JSON object")
     if problems:
         parser.error("; ".join(problems))
     return args
-
-
-def with_override(base: Scenario, override: dict[str, Any]) -> Scenario:
-    """B3's scenario with `override` merged into its policy (validated again)."""
-    if not override:
-        return base
-    data = base.model_dump()
-    data["policy"] = sweep.merged(data["policy"], override)
-    return Scenario.model_validate(data)
 
 
 # -- the workload ------------------------------------------------------------
@@ -426,7 +429,7 @@ def _figure(value: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    base = with_override(load_scenario(sweep.SCENARIO), args.override)
+    base = sweep.with_override(load_scenario(sweep.SCENARIO), args.override)
     latency = only(base, tenants_of(base, LATENCY_TIERS))
     capacity = capacity_rps(latency)
     job_capacity = capacity_rps(job_scenario(base))

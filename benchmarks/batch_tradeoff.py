@@ -1,7 +1,8 @@
 """What a batch job's rate costs the latency tiers' TTFT, in the simulator.
 
     .venv/bin/python benchmarks/batch_tradeoff.py [--seeds 5] [--load 0.7]
-        [--duration 300] [--fractions 0,0.1,...] [--json PATH]
+        [--duration 300] [--warmup 10] [--fractions 0,0.1,...] [--override JSON]
+        [--json PATH]
 
 benchmarks/batch_beside.py measures one point over HTTP: a job that takes all
 the idle capacity beside interactive and standard traffic at 0.7x. This
@@ -49,8 +50,8 @@ sys.path[:0] = [str(ROOT), str(HERE)]
 
 import b3_sweep as sweep  # noqa: E402
 from batch_beside import (  # noqa: E402
-    ATTAINMENT_FLOOR, JOB_RATE_FLOOR, JOB_TENANT, LATENCY_TIERS, P99_FLOOR, capacity_rps,
-    job_scenario, only, tenants_of,
+    ATTAINMENT_FLOOR, JOB_RATE_FLOOR, JOB_TENANT, LATENCY_TIERS, P99_FLOOR, add_run_arguments,
+    capacity_rps, job_scenario, only, run_problems, tenants_of,
 )  # fmt: skip
 
 from qosgate.sim.report import build_policy_report  # noqa: E402
@@ -72,30 +73,15 @@ class TradeoffError(Exception):
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=5, help="seeds per fraction (default 5)")
-    parser.add_argument("--load", type=float, default=0.7,
-                        help="latency traffic as a multiple of capacity (default 0.7)")
-    parser.add_argument("--duration", type=float, default=300.0,
-                        help="modelled seconds of arrivals (default 300)")
-    parser.add_argument("--warmup", type=float, default=10.0,
-                        help="modelled seconds left out at the start (default 10)")
+    add_run_arguments(parser)
     parser.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS),
                         help="job rates as fractions of the idle capacity, comma separated; "
                              "0 is the run without the job and is always run")
-    parser.add_argument("--override", type=json.loads, default={},
-                        help="JSON object merged into the policy, e.g. "
-                        "'{\"scheduler\": {\"reserve\": {\"slots\": 0}}}' (an experiment: "
-                        "not the figures RESULTS.md quotes as the default)")
     parser.add_argument("--json", dest="json_path", help="write the figures here")
     args = parser.parse_args(argv)
-    problems = []
+    problems = run_problems(args)
     if not 1 <= args.seeds <= 100:
         problems.append("--seeds must be between 1 and 100")
-    if not (math.isfinite(args.load) and 0 < args.load < 1):
-        problems.append("--load must be between 0 and 1 (the job takes what it leaves)")
-    if not (math.isfinite(args.duration) and args.duration > 0):
-        problems.append("--duration must be a positive number")
-    if not (math.isfinite(args.warmup) and 0 <= args.warmup < args.duration):
-        problems.append("--warmup must be at least 0 and less than --duration")
     try:
         fractions = sorted({float(f) for f in args.fractions.split(",") if f.strip()} | {0.0})
     except ValueError:
@@ -103,8 +89,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         problems.append(f"--fractions must be numbers separated by commas: {args.fractions!r}")
     if any(not (math.isfinite(f) and 0 <= f <= 10) for f in fractions):
         problems.append("every fraction must be between 0 and 10")
-    if not isinstance(args.override, dict):
-        problems.append("--override must be a JSON object")
     if problems:
         parser.error("; ".join(problems))
     args.fractions = tuple(fractions)
@@ -131,7 +115,6 @@ def cell_scenario(base: Scenario, args: argparse.Namespace, latency_rps: float,
                arrivals={"process": "poisson", "rate_rps": latency_rps})
     for key in ("targets", "reference_load", "reference_policies"):
         doc.pop(key, None)
-    doc["policy"] = sweep.merged(doc["policy"], args.override)
     return Scenario.model_validate(doc)
 
 
@@ -214,7 +197,7 @@ def alone_spread(runs: dict[float, dict[int, dict]]) -> dict[str, float | None]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    base = load_scenario(sweep.SCENARIO)
+    base = sweep.with_override(load_scenario(sweep.SCENARIO), args.override)
     latency_rps = args.load * capacity_rps(only(base, tenants_of(base, LATENCY_TIERS)))
     idle_rps = (1 - args.load) * capacity_rps(job_scenario(base))
     print(f"latency load {latency_rps:.2f} req/s ({args.load}x); idle capacity for the job "

@@ -182,9 +182,9 @@ def test_the_job_rate_is_lines_completed_over_the_window():
 
 def test_an_override_reaches_the_gateways_policy_of_both_runs(tmp_path):
     args = beside.parse_args(["--override", '{"scheduler": {"prefill_budget_tokens": 2048}}'])
-    base = beside.with_override(BASE, args.override)
+    base = beside.sweep.with_override(BASE, args.override)
     policy = PolicyConfig.model_validate(beside.gateway_policy(base, args, tmp_path))
     assert policy.scheduler.prefill_budget_tokens == 2048
-    assert beside.with_override(BASE, {}) is BASE
+    assert beside.sweep.with_override(BASE, {}) is BASE
     with pytest.raises(SystemExit):
         beside.parse_args(["--override", "[1]"])

@@ -109,9 +109,10 @@ def test_a_cell_reports_the_job_the_latency_tiers_and_the_engines_saturation():
     assert 0 < cell["saturated_share"] <= 1
 
 
-def test_an_override_is_merged_into_the_policy():
+def test_an_override_is_merged_into_the_policy_of_every_cell():
     args = tradeoff.parse_args(["--override", '{"scheduler": {"reserve": {"slots": 0}}}'])
-    scenario = tradeoff.cell_scenario(BASE, args, 10.0, 3.0)
+    base = tradeoff.sweep.with_override(BASE, args.override)
+    scenario = tradeoff.cell_scenario(base, args, 10.0, 3.0)
     assert scenario.policy.scheduler.reserve.slots == 0
     assert tradeoff.cell_scenario(BASE, tradeoff.parse_args([]), 10.0, 3.0) \
         .policy.scheduler.reserve.slots == BASE.policy.scheduler.reserve.slots

@@ -332,11 +332,12 @@ class SimEngine:
 
         # Execute. Cost first: K is the decoders' context before this step's token.
         lengths = [c for _, c in chunks]
+        prefill = sum(lengths)
         duration_ms = self.profile.step_ms(lengths, decodes, self._decode_ctx)
         # Counted before the step's finishes leave: a slot a sequence frees at
         # this step's end is the next step's to fill.
         saturated = (bound or len(self._running) >= self.max_num_seqs
-                     or decodes + sum(lengths) >= budget_total)  # fmt: skip
+                     or decodes + prefill >= budget_total)  # fmt: skip
         self.step_seconds += duration_ms / 1000.0
         if saturated:
             self.saturated_seconds += duration_ms / 1000.0
@@ -384,7 +385,7 @@ class SimEngine:
 
         return StepResult(
             duration=duration_ms / 1000.0,
-            prefill_tokens=sum(lengths),
+            prefill_tokens=prefill,
             decode_tokens=decodes,
             batch_size=decodes + len(chunks),
             first_token=first_token,

@@ -37,6 +37,7 @@ _PAGE = 1000
 
 T = TypeVar("T")
 
+
 def _answers(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     """A store method whose Redis failures are BatchStoreUnavailable (503 at the API)."""
 

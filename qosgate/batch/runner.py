@@ -470,6 +470,11 @@ class Job:
             self.lost = True
             log.warning("batch %s: its lease was lost; another replica drives it now",
                         self.record.id)  # fmt: skip
+        self.halt()
+
+    def halt(self) -> None:
+        """Stop as a stopping gateway does, at once: the lines without a
+        result run again under whoever drives the job next."""
         self.end("closing")
         self.cut()
 
@@ -511,18 +516,16 @@ class Job:
     async def run(self) -> None:
         try:
             await self._run()
-        except LeaseLost:
-            self.lose()
-            if self._tasks:
-                await asyncio.gather(*self._tasks.values(), return_exceptions=True)
-        except BatchStoreUnavailable as exc:
-            # An outage, not the job's failure: it stops where it stands, its
-            # lease goes (or runs out), and a lease round resumes it, here or
-            # on another replica, once the store answers.
-            log.warning("batch %s: the store did not answer (%s); it stops here and is "
-                        "taken over once it does", self.record.id, exc)  # fmt: skip
-            self.end("closing")
-            self.cut()
+        except (LeaseLost, BatchStoreUnavailable) as exc:
+            if isinstance(exc, LeaseLost):
+                self.lose()
+            else:
+                # An outage, not the job's failure: it stops where it stands,
+                # its lease goes (or runs out), and a lease round resumes it,
+                # here or on another replica, once the store answers.
+                log.warning("batch %s: the store did not answer (%s); it stops here and "
+                            "is taken over once it does", self.record.id, exc)  # fmt: skip
+                self.halt()
             if self._tasks:
                 await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         except Exception:

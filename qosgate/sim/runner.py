@@ -88,6 +88,13 @@ def run_policy(
 
     overhead = engine.request_overhead_s
 
+    def saturated_by(t: float) -> float:
+        """The engine's saturated seconds up to `t`: a step counts whole when
+        it starts, so the part of one in flight that lies past `t` comes off."""
+        if step is not None and step.saturated and t < step_end < _INF:
+            return engine.saturated_seconds - (step_end - t)
+        return engine.saturated_seconds
+
     def carry_out(plan: SchedulePlan) -> None:
         nonlocal wakeup
         for req in plan.dispatch:
@@ -111,10 +118,7 @@ def run_policy(
         engine.take_ready(now)
         while next_sample <= now:
             run.samples.append((next_sample, scheduler.depth_by_tier()))
-            saturated = run.engine_saturated_s
-            if step is not None and step.saturated and next_sample < step_end < _INF:
-                saturated -= step_end - next_sample  # the step in flight, counted at its start
-            run.saturated_s_samples.append((next_sample, saturated))
+            run.saturated_s_samples.append((next_sample, saturated_by(next_sample)))
             next_sample += sample_every_s
 
         if now == step_end:
@@ -147,8 +151,6 @@ def run_policy(
             step = engine.step()
             run.steps += 1
             run.engine_busy_s += step.duration
-            if step.saturated:
-                run.engine_saturated_s += step.duration
             step_end = now + step.duration
         if next_arrival >= n and scheduler.queued_count == 0 and scheduler.running_count == 0:
             break
@@ -156,8 +158,7 @@ def run_policy(
     if step_end != _INF:
         # The step in flight runs past the horizon; only its share before counts.
         run.engine_busy_s -= step_end - now
-        if step is not None and step.saturated:
-            run.engine_saturated_s -= step_end - now
+    run.engine_saturated_s = saturated_by(now)
     # The horizon ended the run: whatever is left is cancelled, never lost.
     for req in list(scheduler.running()):
         scheduler.cancel(req.id, now, engine.generated(req.id))
