@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from http_support import ALICE_KEY, BOB_KEY, MODEL, live_app
+from http_support import ALICE_KEY, BOB_KEY, MODEL, POLICY_YAML, live_app, make_policy
 from upstream_support import EngineUpstream, FakeUpstream
 
 from qosgate.backends.base import BackendRejected, BackendUnavailable, GenerationJob
@@ -95,6 +95,34 @@ def test_the_room_grows_until_requests_wait_then_holds_there():
     assert room.limit == 5
 
 
+def test_the_room_grows_past_the_slots_held_for_the_top_level():
+    """The gateway keeps `held` slots of the room free for top-level work
+    (the scheduler's reserve): other work never takes them. Counted as used,
+    the room grows to what the engine runs; counted as unused, it stayed at
+    its start, below the reserve, and nothing but top-level work was sent."""
+    for held in (0, 2, 8, 40):
+        room = _Room(bound=1024, high_water=0.9)
+        seen = []
+        for _ in range(60):
+            # A backlog below the top level: it takes all but the held slots
+            # of an engine that runs 64.
+            in_flight = max(0, room.limit - held)
+            running = min(in_flight, 64)
+            seen.append((running, in_flight - running))
+            room.report(running=running, waiting=in_flight - running, kv=0.1,
+                        in_flight=in_flight, held=held)
+        late = seen[-20:]
+        # The engine is filled, and its queue holds at most one step of growth.
+        assert max(running for running, _ in late) == 64, (held, late)
+        assert max(waiting for _, waiting in late) <= 64 // 32 + 1, (held, late)
+        assert min(running for running, _ in late) >= 64 - held - 64 // 32 - 1, (held, late)
+    # Unused room that is not held is still not grown into.
+    idle = _Room(bound=1024, high_water=0.9)
+    for _ in range(10):
+        idle.report(running=0, waiting=0, kv=0.0, in_flight=0, held=0)
+    assert idle.limit == 4
+
+
 def test_another_clients_requests_take_room_and_the_bound_holds():
     room = _Room(bound=1024, high_water=0.9)
     room.report(running=8, waiting=2, kv=0.1, in_flight=4)
@@ -174,6 +202,44 @@ async def test_the_backlog_waits_in_the_gateway_and_interactive_overtakes_batch(
     priorities = {body["prompt"]: body.get("priority") for body in engine.started}
     assert priorities["interactive"] is None
     assert {priorities[f"batch {i}"] for i in range(20)} == {2}
+
+
+async def test_a_reserve_for_interactive_does_not_keep_the_room_from_growing():
+    """`scheduler.reserve` keeps 2 slots free for interactive: batch requests
+    leave them, and the learned room grows past them to the engine's 8 slots.
+    When the held slots counted as unused room, the room stayed at its start
+    (4): 2 batch requests ran at a time, whatever the engine could take."""
+    engine = EngineUpstream(slots=8, models=(MODEL,))
+    await engine.start()
+    policy = make_policy(POLICY_YAML + "scheduler:\n  reserve: {slots: 2}\n")
+    backend = OpenAIBackend(OpenAIBackendConfig(
+        upstreams=[{"url": engine.url}], health_interval_s=3600.0, metrics_interval_s=3600.0,
+    ))  # fmt: skip
+    upstream = backend._upstreams[0]
+    try:
+        async with asyncio.timeout(LIMIT_S), live_app(policy, backend) as live, \
+                aiohttp.ClientSession() as http:  # fmt: skip
+            batch = [asyncio.create_task(stream(http, live.url, BOB_KEY, f"batch {i}"))
+                     for i in range(30)]  # fmt: skip
+            # Each report, the room grows until the engine's queue shows its
+            # limit; batch takes all of it but the 2 held slots.
+            while not engine.queue:
+                sent = upstream.room.limit - 2
+                await engine.until(lambda: engine.running + len(engine.queue) == sent)
+                await backend._read_all_metrics()
+            assert engine.running == 8
+            await backend._read_all_metrics()
+            # The room is the engine's slots; its queue holds the last step
+            # of growth, which showed where they end.
+            assert upstream.room.limit == 8
+            assert engine.turns is not None
+            for _ in range(30):
+                engine.turns.release()
+            await asyncio.gather(*batch)
+    finally:
+        await engine.stop()
+    assert len(engine.started) == 30
+    assert engine.max_waiting <= 3
 
 
 async def test_the_engines_queue_stays_near_empty_under_a_steady_backlog():

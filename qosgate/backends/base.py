@@ -204,6 +204,12 @@ class Backend:
         """Free sequence slots and KV tokens right now."""
         raise NotImplementedError
 
+    def hold_room(self, slots: int) -> None:
+        """The gateway keeps `slots` of the free slots `capacity` reports for
+        top-level work alone (the scheduler's reserve), so that other work
+        leaves them free. A backend that learns its room from how much of it
+        is used counts them as used; others need not know."""
+
     _listener: Callable[[], None] | None = None
 
     def set_capacity_listener(self, listener: Callable[[], None]) -> None:

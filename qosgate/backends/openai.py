@@ -129,7 +129,10 @@ class _Room:
     - Nothing waits, the gateway uses its room, and the engine holds at least
       three quarters of it (what was sent has reached it: an API server that
       lags shows less): it grows, by half until the engine has been seen
-      full, then by a 32nd (at least one).
+      full, then by a 32nd (at least one). Slots the gateway keeps free for
+      top-level work (`held`, the scheduler's reserve) count as used: other
+      work never takes them, so without that the room could never grow
+      past them.
     - Requests wait beyond the most the engine has ever run at once (`peak`,
       which its limit is at least): it drops by that excess, so nothing more
       is sent until as many have finished, and the engine is seen full.
@@ -151,8 +154,11 @@ class _Room:
         self.peak = 0
         self.seen_full = False
 
-    def report(self, running: int, waiting: int, kv: float | None, in_flight: int) -> None:
-        """An engine report, read while the gateway had `in_flight` there."""
+    def report(
+        self, running: int, waiting: int, kv: float | None, in_flight: int, held: int = 0
+    ) -> None:
+        """An engine report, read while the gateway had `in_flight` there and
+        kept `held` slots free for top-level work."""
         self.peak = max(self.peak, running)
         if kv is not None and kv >= self.high_water:
             self.limit = min(self.limit, max(1, in_flight - waiting))
@@ -162,7 +168,7 @@ class _Room:
             if excess > 0:
                 self.limit = max(1, in_flight - excess)
                 self.seen_full = True
-        elif in_flight >= self.limit - 1 and running >= self.limit * 3 // 4:
+        elif in_flight >= self.limit - 1 - held and running >= max(0, self.limit - held) * 3 // 4:
             self.limit += max(1, self.limit // (32 if self.seen_full else 2))
         self.limit = min(self.limit, self.bound)
 
@@ -328,6 +334,7 @@ class OpenAIBackend(Backend):
         self._calls: weakref.WeakValueDictionary[str, _Call] = weakref.WeakValueDictionary()
         self._recheck = asyncio.Event()
         self._rr = 0
+        self._held = 0
         self._closed = False
         # A streamed answer comes a piece at a time, so silence between pieces
         # means a hung upstream; a whole answer is silent until it is done.
@@ -401,6 +408,12 @@ class OpenAIBackend(Backend):
         return False
 
     # -- capacity ----------------------------------------------------------
+
+    def hold_room(self, slots: int) -> None:
+        # Per upstream, though the gateway holds them across all: an upstream
+        # may then grow past its engine's slots, which the engine's waiting
+        # requests show at the next report, and the room drops back.
+        self._held = slots
 
     def capacity(self) -> BackendCapacity:
         free = 0
@@ -805,7 +818,7 @@ class OpenAIBackend(Backend):
         before = upstream.limit
         # Counted when the page came: what was sent while it was on its way
         # is not in it, and is not taken for another client's.
-        upstream.room.report(*report, upstream.in_flight)
+        upstream.room.report(*report, upstream.in_flight, self._held)
         if upstream.limit > before and upstream.in_flight < upstream.limit:
             self._notify()
 

@@ -110,6 +110,15 @@ class SchedulingPolicy:
         return self.kind != "fcfs"
 
     @property
+    def held_slots(self) -> int:
+        """Free slots kept for top-level work: the reserve, under `qos` and `strict`."""
+        return self.reserve_slots if self.tiered else 0
+
+    @property
+    def held_kv_tokens(self) -> int:
+        return self.reserve_kv_tokens if self.tiered else 0
+
+    @property
     def admission(self) -> bool:
         return self.admission_on and self.tiered
 

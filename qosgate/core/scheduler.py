@@ -92,8 +92,8 @@ class Scheduler:
         self._admission = policy.admission
         self._preemption = policy.preemption
         self._ageing = policy.ageing
-        self._reserve_slots = policy.reserve_slots if policy.tiered else 0
-        self._reserve_kv = policy.reserve_kv_tokens if policy.tiered else 0
+        self._reserve_slots = policy.held_slots
+        self._reserve_kv = policy.held_kv_tokens
         self._w_in = policy.w_in
         self._w_out = policy.w_out
         self._prefill_budget = policy.prefill_budget_tokens if policy.tiered else None

@@ -114,6 +114,7 @@ class EngineNode:
         self.node = fleet.node_id or default_node_id()
         self.store = fleet_store(policy, fleet)
         rules = scheduling_policy(policy)
+        backend.hold_room(rules.held_slots)
         self._meter = ServiceMeter(rules) if rules.fair else None
         # What this node completes while full, as one node measures its
         # backend: its share of the fleet's drain rate, which the gateways'

@@ -192,7 +192,7 @@ class FleetTiers:
             policy.drain_rate_tau_s,
             frozenset(t.name for t in tiers
                       if policy.admission and t.budget_s is not None and not t.delays),
-            policy.reserve_slots if policy.tiered else 0,
+            policy.held_slots,
         )
 
     @property

@@ -96,7 +96,9 @@ class Gateway:
         # A backend that queues what it takes (the fleet's) reports when the
         # waiting there ends.
         backend.set_start_listener(self.observer.metrics.fleet_started)
-        self._scheduler = Scheduler(scheduling_policy(policy), drain_rate_hint=drain_rate_hint)
+        rules = scheduling_policy(policy)
+        self._scheduler = Scheduler(rules, drain_rate_hint=drain_rate_hint)
+        backend.hold_room(rules.held_slots)
         self._loop: asyncio.AbstractEventLoop | None = None
         # Requests admitted and not yet finished.
         self._streams: dict[str, RequestStream] = {}
