@@ -64,9 +64,12 @@ def start_server(model: str, seqs: int, tmp: Path) -> tuple[subprocess.Popen, st
     return proc, base + "/v1", " ".join(shlex.quote(a) for a in argv[1:])
 
 
-def start_qosgate(upstream: str, tmp: Path, seqs: int) -> tuple[subprocess.Popen, str, Path]:
+def start_qosgate(upstream: str, tmp: Path, seqs: int,
+                  reserve: int) -> tuple[subprocess.Popen, str, Path]:  # fmt: skip
     policy = yaml.safe_load((HERE / "b8_policy.yaml").read_text())
     policy["backend"] = {"kind": "openai", "upstreams": [{"url": upstream}]}
+    if reserve:
+        policy["scheduler"]["reserve"] = {"slots": reserve}
     path = tmp / f"b8u_policy_{seqs}.yaml"
     path.write_text(yaml.safe_dump(policy, sort_keys=False))
     log = tmp / f"qosgate-{seqs}.log"
@@ -90,7 +93,7 @@ def scenario(tmp: Path, name: str, **changes: Any) -> Path:
     return path
 
 
-def run_seqs(model: str, seqs: int, tmp: Path) -> dict[str, Any]:
+def run_seqs(model: str, seqs: int, tmp: Path, reserve: int = 0) -> dict[str, Any]:
     print(f"B8 upstream: vllm serve, max_num_seqs {seqs}", file=sys.stderr, flush=True)
     proc, url, server_cmd = start_server(model, seqs, tmp)
     try:
@@ -102,7 +105,7 @@ def run_seqs(model: str, seqs: int, tmp: Path) -> dict[str, Any]:
         overload = scenario(tmp, "overload", arrivals__rate_rps=rate, duration_s=OVERLOAD_S)
         direct = bench(url, overload, tmp / f"direct-ov-{seqs}.json", "direct")
         print(f"B8 upstream: qosgate in front of it ({rate} req/s)", file=sys.stderr, flush=True)
-        gate, gate_url, gate_log = start_qosgate(url, tmp, seqs)
+        gate, gate_url, gate_log = start_qosgate(url, tmp, seqs, reserve)
         try:
             gated = bench(gate_url, overload, tmp / f"qosgate-ov-{seqs}.json", "qosgate")
         finally:
@@ -115,7 +118,8 @@ def run_seqs(model: str, seqs: int, tmp: Path) -> dict[str, Any]:
     q = summary({"throughput": row, "overload": gated, "rate_rps": rate})
     ratio = (q["interactive_ttft_p99_s"] / d["interactive_ttft_p99_s"]
              if q["interactive_ttft_p99_s"] and d["interactive_ttft_p99_s"] else None)  # fmt: skip
-    return {"max_num_seqs": seqs, "server": server_cmd, "direct": d, "qosgate": q,
+    return {"max_num_seqs": seqs, "reserve_slots": reserve, "server": server_cmd,
+            "direct": d, "qosgate": q,
             "interactive_ttft_p99_ratio": ratio, "gateway_log": log_lines,
             "raw": {"direct": direct, "qosgate": gated}}  # fmt: skip
 
@@ -124,8 +128,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="model folder (default: write the tiny test model)")
     parser.add_argument("--seqs", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--reserve", type=int, default=0, metavar="SLOTS",
+                        help="the gateway's scheduler.reserve.slots (default: none, as "
+                             "B8's policy): slots of each learned room kept for interactive")
     parser.add_argument("--json", default=str(HERE / "results" / "b8_upstream.json"))
     args = parser.parse_args()
+    if args.reserve < 0:
+        parser.error("--reserve must be 0 or more")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     started = time.monotonic()
     runs = []
@@ -133,7 +142,7 @@ def main() -> int:
         tmp = Path(tmp_name)
         model = model_folder(args.model, tmp)
         for seqs in args.seqs:
-            runs.append(run_seqs(model, seqs, tmp))
+            runs.append(run_seqs(model, seqs, tmp, args.reserve))
     print("\nB8 upstream: qosgate in front of vllm serve "
           f"(CPU build, tiny model; {os.cpu_count()} CPUs)\n")
     ok = True
@@ -141,7 +150,7 @@ def main() -> int:
         d, q, ratio = run["direct"], run["qosgate"], run["interactive_ttft_p99_ratio"]
         passed = ratio is not None and ratio <= TARGET_TTFT_RATIO
         ok = ok and passed
-        print(f"  max_num_seqs {run['max_num_seqs']}: capacity {d['throughput_rps']:.2f} req/s, "
+        print(f"  max_num_seqs {run['max_num_seqs']}, reserve {run['reserve_slots']}: capacity {d['throughput_rps']:.2f} req/s, "
               f"2x overload {d['overload_rate_rps']:.2f} req/s: interactive TTFT p99 alone "
               f"{_ms(d['interactive_ttft_p99_s'])} ms, through qosgate "
               f"{_ms(q['interactive_ttft_p99_s'])} ms: "
