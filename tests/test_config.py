@@ -413,6 +413,31 @@ def test_validate_warns_that_a_reject_tiers_share_has_no_effect(
     assert "has min_share 0.1: a share never passes" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(("backend", "slots"), [
+    ("backend: {kind: sim, max_num_seqs: 8}\n", 8),
+    ("backend: {kind: sim}\n", 256),  # the default profile's
+    ("backend: {kind: vllm, model: /m, engine_args: {max_num_seqs: 8}}\n", 8),
+    ("backend: {kind: openai, upstreams: [{url: 'http://a/v1', max_concurrency: 4},"
+     " {url: 'http://b/v1', max_concurrency: 4}]}\n", 8),
+])  # fmt: skip
+def test_validate_warns_when_the_reserve_holds_every_slot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], backend: str, slots: int
+) -> None:
+    path = tmp_path / "reserve.yaml"
+    warning = f"holds all {slots} of the backend's sequence slots"
+    for reserve, warned in ((slots - 1, False), (slots, True)):
+        path.write_text(backend + GOOD.replace(
+            "scheduler:\n", f"scheduler:\n  reserve: {{slots: {reserve}}}\n"))
+        assert main(["validate", str(path)]) == 0
+        assert (warning in capsys.readouterr().out) is warned, reserve
+    # An upstream's room is learned as it runs, and the engine's default is vLLM's.
+    for unknown in ("backend: {kind: openai, upstreams: [{url: 'http://a/v1'}]}\n",
+                    "backend: {kind: vllm, model: /m}\n"):
+        path.write_text(unknown + GOOD.replace("scheduler:\n", "scheduler:\n  reserve: {slots: 999}\n"))
+        assert main(["validate", str(path)]) == 0
+        assert "sequence slots" not in capsys.readouterr().out
+
+
 def test_shares_and_expiry_are_checked_naming_the_field(tmp_path: Path) -> None:
     third = ("  bulk:\n    priority: 2\n    on_timeout: delay\n"
              "    e2e_slo_ms: 60000\n    min_share: 0.25\ntenants:\n")

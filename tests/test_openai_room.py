@@ -242,6 +242,43 @@ async def test_a_reserve_for_interactive_does_not_keep_the_room_from_growing():
     assert engine.max_waiting <= 3
 
 
+async def test_a_reserve_that_holds_all_an_engine_runs_is_logged_once(caplog):
+    """A reserve of 4 in front of an engine that runs 2: work below the top
+    level runs there only while the room overshoots, and the log says so,
+    once, when the engine is first seen full."""
+    caplog.set_level(logging.WARNING, "qosgate.backends.openai")
+    engine = EngineUpstream(slots=2, models=(MODEL,))
+    await engine.start()
+    policy = make_policy(POLICY_YAML + "scheduler:\n  reserve: {slots: 4}\n")
+    backend = OpenAIBackend(OpenAIBackendConfig(
+        upstreams=[{"url": engine.url}], health_interval_s=3600.0, metrics_interval_s=3600.0,
+    ))  # fmt: skip
+    upstream = backend._upstreams[0]
+    try:
+        async with asyncio.timeout(LIMIT_S), live_app(policy, backend) as live, \
+                aiohttp.ClientSession() as http:  # fmt: skip
+            batch = [asyncio.create_task(stream(http, live.url, BOB_KEY, f"batch {i}"))
+                     for i in range(10)]  # fmt: skip
+            while not upstream.room.seen_full:
+                await backend._read_all_metrics()
+                await engine.until(
+                    lambda: engine.running + len(engine.queue) == upstream.in_flight)
+            assert upstream.room.limit == 2
+            assert engine.turns is not None
+            for _ in range(10):
+                engine.turns.release()
+            # What is left goes as the room overshoots again, a report at a time.
+            while not all(task.done() for task in batch):
+                await backend._read_all_metrics()
+            await asyncio.gather(*batch)
+    finally:
+        await engine.stop()
+    said = [r.getMessage() for r in caplog.records if "reserve" in r.getMessage()]
+    assert said == [f"upstream {engine.url} runs about 2 requests at once, "
+                    "and scheduler.reserve.slots (4) holds them all for the top priority "
+                    "level: below it, requests run there only while its room overshoots"]
+
+
 async def test_the_engines_queue_stays_near_empty_under_a_steady_backlog():
     """Requests that finish on their own while the metrics are read on the
     timer: the engine never holds more than the learning overshoot waiting,

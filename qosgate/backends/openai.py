@@ -175,7 +175,7 @@ class _Room:
 
 class _Upstream:
     __slots__ = ("cfg", "headers", "healthy", "in_flight", "index", "metrics_url",
-                 "priority_ok", "reports", "room", "url", "weight")  # fmt: skip
+                 "priority_ok", "reports", "room", "said_held", "url", "weight")  # fmt: skip
 
     def __init__(self, cfg: UpstreamConfig, index: int) -> None:
         self.cfg = cfg
@@ -192,6 +192,8 @@ class _Upstream:
         # Unknown until the first probe; start() probes before anything routes.
         self.healthy = False
         self.in_flight = 0
+        self.said_held = False
+        """Whether the log has said that the reserve holds all of its room."""
 
     @property
     def limit(self) -> int:
@@ -819,6 +821,14 @@ class OpenAIBackend(Backend):
         # Counted when the page came: what was sent while it was on its way
         # is not in it, and is not taken for another client's.
         upstream.room.report(*report, upstream.in_flight, self._held)
+        room = upstream.room
+        if self._held and room.seen_full and room.limit <= self._held and not upstream.said_held:
+            upstream.said_held = True
+            log.warning(
+                "upstream %s runs about %d requests at once, and scheduler.reserve.slots "
+                "(%d) holds them all for the top priority level: below it, requests run "
+                "there only while its room overshoots", upstream.url, room.limit, self._held,
+            )  # fmt: skip
         if upstream.limit > before and upstream.in_flight < upstream.limit:
             self._notify()
 

@@ -18,6 +18,7 @@ from qosgate.config.models import (
     VllmBackendConfig,
 )
 from qosgate.core.policy import has_latency_objective
+from qosgate.profiles import get_profile
 
 EXIT_OK = 0
 EXIT_INVALID = 2
@@ -50,6 +51,19 @@ def schema_command(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def backend_slots(policy: PolicyConfig) -> int | None:
+    """The sequences the backend runs at once, where the policy says (None:
+    the engine's default, or an upstream's room learned as it runs)."""
+    backend = policy.backend
+    if isinstance(backend, SimBackendConfig):
+        return backend.max_num_seqs or get_profile(backend.profile).max_num_seqs
+    if isinstance(backend, VllmBackendConfig):
+        seqs = backend.engine_args.get("max_num_seqs")
+        return seqs if isinstance(seqs, int) and not isinstance(seqs, bool) else None
+    caps = [upstream.max_concurrency for upstream in backend.upstreams]
+    return sum(caps) if all(caps) else None  # type: ignore[arg-type]
+
+
 def policy_warnings(policy: PolicyConfig) -> list[str]:
     """Settings that validate but probably do not do what the operator wants."""
     warnings: list[str] = []
@@ -77,6 +91,13 @@ def policy_warnings(policy: PolicyConfig) -> list[str]:
                 "nor e2e_slo_ms): under sustained load from the tiers above it, its wait "
                 "is unbounded"
             )
+    slots = backend_slots(policy)
+    if (scheduler.policy != "fcfs" and slots is not None and scheduler.reserve.slots
+            and scheduler.reserve.slots >= slots):
+        warnings.append(
+            f"scheduler.reserve.slots ({scheduler.reserve.slots}) holds all {slots} of the "
+            "backend's sequence slots for the top priority level: nothing below it ever runs"
+        )
     preemptible = [name for name, tier in policy.tiers.items() if tier.preemptible]
     if scheduler.preemption and not preemptible:
         warnings.append("scheduler.preemption is on but no tier is preemptible")
