@@ -6,7 +6,9 @@ forwarded as `priority`: against stub upstreams on loopback ports
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -204,40 +206,53 @@ async def test_the_backlog_waits_in_the_gateway_and_interactive_overtakes_batch(
     assert {priorities[f"batch {i}"] for i in range(20)} == {2}
 
 
+@contextlib.asynccontextmanager
+async def behind_a_reserve(
+    slots: int, reserve: int, requests: int
+) -> AsyncIterator[tuple[EngineUpstream, OpenAIBackend, list[asyncio.Task[str]]]]:
+    """The gateway with `scheduler.reserve.slots: reserve` in front of an
+    engine that runs `slots` at once, its metrics read when the test says,
+    and `requests` batch requests sent to it: the engine, the backend and
+    the requests' tasks."""
+    engine = EngineUpstream(slots=slots, models=(MODEL,))
+    await engine.start()
+    policy = make_policy(POLICY_YAML + f"scheduler:\n  reserve: {{slots: {reserve}}}\n")
+    backend = OpenAIBackend(OpenAIBackendConfig(
+        upstreams=[{"url": engine.url}], health_interval_s=3600.0, metrics_interval_s=3600.0,
+    ))  # fmt: skip
+    try:
+        async with asyncio.timeout(LIMIT_S), live_app(policy, backend) as live, \
+                aiohttp.ClientSession() as http:  # fmt: skip
+            yield engine, backend, [
+                asyncio.create_task(stream(http, live.url, BOB_KEY, f"batch {i}"))
+                for i in range(requests)
+            ]  # fmt: skip
+    finally:
+        await engine.stop()
+
+
 async def test_a_reserve_for_interactive_does_not_keep_the_room_from_growing():
     """`scheduler.reserve` keeps 2 slots free for interactive: batch requests
     leave them, and the learned room grows past them to the engine's 8 slots.
     When the held slots counted as unused room, the room stayed at its start
     (4): 2 batch requests ran at a time, whatever the engine could take."""
-    engine = EngineUpstream(slots=8, models=(MODEL,))
-    await engine.start()
-    policy = make_policy(POLICY_YAML + "scheduler:\n  reserve: {slots: 2}\n")
-    backend = OpenAIBackend(OpenAIBackendConfig(
-        upstreams=[{"url": engine.url}], health_interval_s=3600.0, metrics_interval_s=3600.0,
-    ))  # fmt: skip
-    upstream = backend._upstreams[0]
-    try:
-        async with asyncio.timeout(LIMIT_S), live_app(policy, backend) as live, \
-                aiohttp.ClientSession() as http:  # fmt: skip
-            batch = [asyncio.create_task(stream(http, live.url, BOB_KEY, f"batch {i}"))
-                     for i in range(30)]  # fmt: skip
-            # Each report, the room grows until the engine's queue shows its
-            # limit; batch takes all of it but the 2 held slots.
-            while not engine.queue:
-                sent = upstream.room.limit - 2
-                await engine.until(lambda: engine.running + len(engine.queue) == sent)
-                await backend._read_all_metrics()
-            assert engine.running == 8
+    async with behind_a_reserve(slots=8, reserve=2, requests=30) as (engine, backend, batch):
+        room = backend._upstreams[0].room
+        # Each report, the room grows until the engine's queue shows its
+        # limit; batch takes all of it but the 2 held slots.
+        while not engine.queue:
+            sent = room.limit - 2
+            await engine.until(lambda: engine.running + len(engine.queue) == sent)
             await backend._read_all_metrics()
-            # The room is the engine's slots; its queue holds the last step
-            # of growth, which showed where they end.
-            assert upstream.room.limit == 8
-            assert engine.turns is not None
-            for _ in range(30):
-                engine.turns.release()
-            await asyncio.gather(*batch)
-    finally:
-        await engine.stop()
+        assert engine.running == 8
+        await backend._read_all_metrics()
+        # The room is the engine's slots; its queue holds the last step of
+        # growth, which showed where they end.
+        assert room.limit == 8
+        assert engine.turns is not None
+        for _ in range(30):
+            engine.turns.release()
+        await asyncio.gather(*batch)
     assert len(engine.started) == 30
     assert engine.max_waiting <= 3
 
@@ -247,36 +262,23 @@ async def test_a_reserve_that_holds_all_an_engine_runs_is_logged_once(caplog):
     level runs there only while the room overshoots, and the log says so,
     once, when the engine is first seen full."""
     caplog.set_level(logging.WARNING, "qosgate.backends.openai")
-    engine = EngineUpstream(slots=2, models=(MODEL,))
-    await engine.start()
-    policy = make_policy(POLICY_YAML + "scheduler:\n  reserve: {slots: 4}\n")
-    backend = OpenAIBackend(OpenAIBackendConfig(
-        upstreams=[{"url": engine.url}], health_interval_s=3600.0, metrics_interval_s=3600.0,
-    ))  # fmt: skip
-    upstream = backend._upstreams[0]
-    try:
-        async with asyncio.timeout(LIMIT_S), live_app(policy, backend) as live, \
-                aiohttp.ClientSession() as http:  # fmt: skip
-            batch = [asyncio.create_task(stream(http, live.url, BOB_KEY, f"batch {i}"))
-                     for i in range(10)]  # fmt: skip
-            while not upstream.room.seen_full:
-                await backend._read_all_metrics()
-                await engine.until(
-                    lambda: engine.running + len(engine.queue) == upstream.in_flight)
-            assert upstream.room.limit == 2
-            assert engine.turns is not None
-            for _ in range(10):
-                engine.turns.release()
-            # What is left goes as the room overshoots again, a report at a time.
-            while not all(task.done() for task in batch):
-                await backend._read_all_metrics()
-            await asyncio.gather(*batch)
-    finally:
-        await engine.stop()
+    async with behind_a_reserve(slots=2, reserve=4, requests=10) as (engine, backend, batch):
+        upstream = backend._upstreams[0]
+        while not upstream.room.seen_full:
+            await backend._read_all_metrics()
+            await engine.until(lambda: engine.running + len(engine.queue) == upstream.in_flight)
+        assert upstream.room.limit == 2
+        assert engine.turns is not None
+        for _ in range(10):
+            engine.turns.release()
+        # What is left goes as the room overshoots again, a report at a time.
+        while not all(task.done() for task in batch):
+            await backend._read_all_metrics()
+        await asyncio.gather(*batch)
     said = [r.getMessage() for r in caplog.records if "reserve" in r.getMessage()]
-    assert said == [f"upstream {engine.url} runs about 2 requests at once, "
-                    "and scheduler.reserve.slots (4) holds them all for the top priority "
-                    "level: below it, requests run there only while its room overshoots"]
+    assert said == [f"upstream {engine.url} runs about 2 requests at once, and "
+                    "scheduler.reserve.slots (4) holds them all for the top priority level: "
+                    "below it, requests run there only while its room overshoots"]
 
 
 async def test_the_engines_queue_stays_near_empty_under_a_steady_backlog():
