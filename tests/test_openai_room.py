@@ -43,12 +43,16 @@ vllm:e2e_request_latency_seconds_count{engine="0",model_name="tiny"} 1.0
 
 
 def test_a_vllm_page_reads_as_its_engines_summed():
-    assert _engine_report(VLLM_PAGE) == (32, 3, 0.5)
+    assert _engine_report(VLLM_PAGE) == (32, 3, 0.5, None)
     # vLLM before 0.10 named KV usage for the GPU; a page without it is still read.
     old = VLLM_PAGE.replace("kv_cache_usage_perc", "gpu_cache_usage_perc")
-    assert _engine_report(old) == (32, 3, 0.5)
+    assert _engine_report(old) == (32, 3, 0.5, None)
     no_kv = "\n".join(line for line in VLLM_PAGE.splitlines() if "kv_cache" not in line)
-    assert _engine_report(no_kv) == (32, 3, None)
+    assert _engine_report(no_kv) == (32, 3, None, None)
+    # The server's process start time, which a restart moves.
+    started = VLLM_PAGE + "# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds 1.7e+09\n"
+    assert _engine_report(started) == (32, 3, 0.5, 1.7e9)
+    assert _engine_report(started.replace("1.7e+09", "NaN")) == (32, 3, 0.5, None)
 
 
 @pytest.mark.parametrize("page", [
@@ -279,6 +283,52 @@ async def test_a_reserve_that_holds_all_an_engine_runs_is_logged_once(caplog):
     assert said == [f"upstream {engine.url} runs about 2 requests at once, and "
                     "scheduler.reserve.slots (4) holds them all for the top priority level: "
                     "below it, requests run there only while its room overshoots"]
+
+
+async def test_a_server_restarted_between_health_probes_has_its_room_learned_again(caplog):
+    """vLLM's server restarted while idle, with 4 sequences instead of 8: no
+    request failed, so no health probe saw it; its metrics' process start
+    time did. Without that, the room learned before (8) stayed, and since the
+    engine had once run 8, 4 waiting in its queue read as a burst being
+    taken in, not as its limit: they waited there, out of the tiers' order."""
+    caplog.set_level(logging.INFO, "qosgate.backends.openai")
+    engine = EngineUpstream(slots=8, models=(MODEL,))
+    engine.started_at = 1_000.0
+    await engine.start()
+    backend = OpenAIBackend(OpenAIBackendConfig(
+        upstreams=[{"url": engine.url}], health_interval_s=3600.0, metrics_interval_s=3600.0,
+    ))  # fmt: skip
+    room = lambda: backend._upstreams[0].room  # noqa: E731 - replaced on a restart
+
+    async def backlog(http: aiohttp.ClientSession, url: str, first: str) -> None:
+        """20 batch requests, the room learned in front of them, then all answered."""
+        batch = [asyncio.create_task(stream(http, url, BOB_KEY, f"{first} {i}"))
+                 for i in range(20)]  # fmt: skip
+        while True:
+            sent = min(20, room().limit)
+            await engine.until(lambda: engine.running + len(engine.queue) == sent)
+            await backend._read_all_metrics()
+            if room().seen_full:
+                break
+        assert engine.turns is not None
+        for _ in range(20):
+            engine.turns.release()
+        await asyncio.gather(*batch)
+
+    try:
+        async with asyncio.timeout(LIMIT_S), live_app(backend=backend) as live, \
+                aiohttp.ClientSession() as http:  # fmt: skip
+            await backlog(http, live.url, "before")
+            assert room().limit == 8
+            engine.slots, engine.started_at = 4, 2_000.0
+            engine.max_waiting = 0
+            await backlog(http, live.url, "after")
+            assert room().limit == 4
+    finally:
+        await engine.stop()
+    # Sent 8 by the old room, 4 waited once; the new room keeps the queue at that.
+    assert engine.max_waiting == 4
+    assert any("restarted" in r.getMessage() for r in caplog.records)
 
 
 async def test_the_engines_queue_stays_near_empty_under_a_steady_backlog():

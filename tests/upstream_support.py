@@ -539,6 +539,8 @@ class EngineUpstream(FakeUpstream):
         self.max_waiting = 0
         self.kv = 0.1
         self.turns: asyncio.Semaphore | None = asyncio.Semaphore(0)
+        self.started_at: float | None = None
+        """Its process start time on /metrics, as vLLM's server shows it (None: not shown)."""
         self._moved = asyncio.Event()
 
     def metrics_page(self) -> str | None:
@@ -557,6 +559,10 @@ class EngineUpstream(FakeUpstream):
             f"vllm:kv_cache_usage_perc{labels} {self.kv}",
             "# TYPE vllm:e2e_request_latency_seconds histogram",
             'vllm:e2e_request_latency_seconds_bucket{le="+Inf",engine="0"} 3.0',
+            *([] if self.started_at is None else [
+                "# TYPE process_start_time_seconds gauge",
+                f"process_start_time_seconds {self.started_at}",
+            ]),
             "",
         ])  # fmt: skip
 

@@ -33,7 +33,7 @@ import os
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import orjson
@@ -88,13 +88,22 @@ _RUNNING = "vllm:num_requests_running"
 _WAITING = "vllm:num_requests_waiting"
 _KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 """KV usage, 0 to 1 (the second: vLLM's name before 0.10)."""
-_ROOM_METRICS = frozenset((_RUNNING, _WAITING, *_KV_USAGE))
+_STARTED = "process_start_time_seconds"
+_ROOM_METRICS = frozenset((_RUNNING, _WAITING, *_KV_USAGE, _STARTED))
 
 
-def _engine_report(text: str) -> tuple[int, int, float | None] | None:
-    """(running, waiting, KV usage or None) summed over the engines a vLLM
-    metrics page reports (KV usage: the fullest); None if it reports no
-    running and waiting requests (not vLLM)."""
+class _EngineReport(NamedTuple):
+    running: int
+    waiting: int
+    kv: float | None
+    started: float | None
+    """When its server's process started (None: the page does not say)."""
+
+
+def _engine_report(text: str) -> _EngineReport | None:
+    """Running and waiting requests summed over the engines a vLLM metrics
+    page reports, KV usage (the fullest) and when the server started; None if
+    it reports no running and waiting requests (not vLLM)."""
     # Only the lines of the few samples read are parsed: a vLLM page holds
     # hundreds of histogram buckets, read several times a second.
     wanted = "\n".join(
@@ -114,7 +123,9 @@ def _engine_report(text: str) -> tuple[int, int, float | None] | None:
     running, waiting = sum(values[_RUNNING]), sum(values[_WAITING])
     if not all(math.isfinite(v) for v in (running, waiting)):
         return None
-    return int(running), int(waiting), kv
+    started = values.get(_STARTED, [math.nan])[0]
+    return _EngineReport(int(running), int(waiting), kv,
+                         started if math.isfinite(started) else None)
 
 
 class _Room:
@@ -175,7 +186,8 @@ class _Room:
 
 class _Upstream:
     __slots__ = ("cfg", "headers", "healthy", "in_flight", "index", "metrics_url",
-                 "priority_ok", "reports", "room", "said_held", "url", "weight")  # fmt: skip
+                 "priority_ok", "reports", "room", "said_held", "started", "url",
+                 "weight")  # fmt: skip
 
     def __init__(self, cfg: UpstreamConfig, index: int) -> None:
         self.cfg = cfg
@@ -194,6 +206,16 @@ class _Upstream:
         self.in_flight = 0
         self.said_held = False
         """Whether the log has said that the reserve holds all of its room."""
+        self.started: float | None = None
+        """When its server's process started, as its metrics last said."""
+
+    def learn_again(self) -> None:
+        """It may be another server now (restarted, other settings): whether
+        it reports, and its room, are learned from the start."""
+        if self.cfg.learn_room:
+            self.reports = None
+            self.room = _Room(self.room.bound, self.room.high_water)
+            self.said_held = False
 
     @property
     def limit(self) -> int:
@@ -712,11 +734,7 @@ class OpenAIBackend(Backend):
                     upstream.healthy = True
                     recovered = True
                     log.info("upstream %s is healthy", upstream.url)
-                    # It may be a new server (restarted, other settings):
-                    # whether it reports, and its room, are learned again.
-                    if upstream.cfg.learn_room:
-                        upstream.reports = None
-                        upstream.room = _Room(upstream.room.bound, upstream.room.high_water)
+                    upstream.learn_again()
                 for name, root in models.items():
                     if root is not None:
                         self.model_roots.setdefault(name, root)
@@ -788,7 +806,7 @@ class OpenAIBackend(Backend):
 
     async def _read_metrics(self, upstream: _Upstream) -> None:
         assert self._session is not None
-        report: tuple[int, int, float | None] | None = None
+        report: _EngineReport | None = None
         why = ""
         try:
             async with self._session.get(
@@ -814,13 +832,23 @@ class OpenAIBackend(Backend):
                     "(%d) at once", upstream.url, upstream.metrics_url, why, upstream.limit,
                 )  # fmt: skip
             return
+        if report.started is not None:
+            if upstream.started is not None and report.started != upstream.started:
+                # Restarted between two health probes, perhaps with another
+                # max_num_seqs: the most it ran before says nothing of now.
+                log.info("upstream %s restarted (its metrics say so): its room is learned "
+                         "again", upstream.url)
+                upstream.learn_again()
+            upstream.started = report.started
         if not upstream.reports:
             upstream.reports = True
             log.info("upstream %s: room learned from %s", upstream.url, upstream.metrics_url)
         before = upstream.limit
         # Counted when the page came: what was sent while it was on its way
         # is not in it, and is not taken for another client's.
-        upstream.room.report(*report, upstream.in_flight, self._held)
+        upstream.room.report(
+            report.running, report.waiting, report.kv, upstream.in_flight, self._held
+        )
         room = upstream.room
         if self._held and room.seen_full and room.limit <= self._held and not upstream.said_held:
             upstream.said_held = True
