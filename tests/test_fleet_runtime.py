@@ -911,3 +911,27 @@ async def test_a_run_cancelled_before_it_starts_lets_its_item_go(redis_server, p
     assert "x" not in node._runs and "x" not in node._leases
     assert not [w for w in caught if "never awaited" in str(w.message)]
     await node.store.close()
+
+
+@pytest.mark.parametrize(("policy_kind", "held"), [("qos", 3), ("strict", 3), ("fcfs", 0)])
+async def test_an_engine_node_tells_its_backend_what_its_reserve_holds(
+    redis_server, prefix, policy_kind, held
+):
+    """A node's claims keep `scheduler.reserve.slots` free for top-level work,
+    as one gateway does (fcfs has no reserve): a backend that learns its room
+    from what is used (an upstream's) must count them as used."""
+    told: list[int] = []
+
+    class Told(SimBackend):
+        def hold_room(self, slots: int) -> None:
+            told.append(slots)
+
+    policy = make_policy(redis_server.url, prefix,
+                         scheduler={"policy": policy_kind, "reserve": {"slots": 3}})
+    assert policy.fleet is not None
+    node = EngineNode(
+        policy, policy.fleet.model_copy(update={"node_id": "e0", "role": "engine"}),
+        Told(policy.backend),
+    )  # fmt: skip
+    assert told == [held]
+    await node.store.close()
