@@ -685,7 +685,19 @@ class OpenAIBackend(Backend):
             # upstream is not a dead one.
             if isinstance(exc, TimeoutError):
                 raise
-            self._mark_unhealthy(upstream, repr(exc))
+            if isinstance(exc, aiohttp.ClientConnectorError):
+                self._mark_unhealthy(upstream, repr(exc))
+            else:
+                # A connection that broke once made (often a pooled one its
+                # server closed as the request went out) is no sign that the
+                # server is down: a probe, now, says whether it is. Taken out
+                # on it alone, a server that is up would answer nothing until
+                # the next probe, and its room be learned again from the start.
+                healthy, _, reason, _ = await self._probe(upstream)
+                if healthy:
+                    log.info("upstream %s: a connection broke (%r); it is up", upstream.url, exc)
+                else:
+                    self._mark_unhealthy(upstream, f"{exc!r}, then {reason}")
             if isinstance(exc, aiohttp.ServerDisconnectedError):
                 # It took the request and hung up: no answer came, so no
                 # output was produced (retryable), but it failed the request.
