@@ -514,6 +514,23 @@ async def test_connection_refused_marks_upstream_unhealthy(h):
         await collect(backend.generate(job()))
 
 
+
+async def test_a_live_upstream_that_hangs_up_on_a_request_stays_in_rotation(h):
+    """A connection dropped before any answer (a pooled one its server closed
+    as the request went out: vLLM's closes those idle for 5 s) fails that
+    request, and the upstream is probed at once rather than taken out on it:
+    taken out, a gateway in front of one server answered /readyz 503 and
+    refused what was queued until the probe, and learned the server's room
+    again from the start, for a server that was up all along."""
+    up = await h.upstream("a")
+    backend = await h.backend([up])
+    up.mode = "hangup"
+    with pytest.raises(BackendError):
+        await collect(backend.generate(job()))
+    assert backend.ready()
+    up.mode = "ok"
+    assert await served_by(backend, job()) == "a"
+
 async def test_unhealthy_upstream_recovers_via_health_check(h):
     up = await h.upstream("a")
     backend = await h.backend([up], health_interval_s=0.02)

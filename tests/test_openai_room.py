@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from http_support import ALICE_KEY, BOB_KEY, MODEL, POLICY_YAML, live_app, make_policy
 from upstream_support import EngineUpstream, FakeUpstream
 
@@ -372,6 +373,61 @@ async def test_an_upstream_without_metrics_gets_the_cap_and_says_so_once(caplog)
     lines = [r.getMessage() for r in caplog.records if "metrics" in r.getMessage()]
     assert len(lines) == 2, lines
     assert "answered 404" in lines[0] and "at most max_concurrency (64)" in lines[0]
+
+
+
+class FailingMetricsEngine(EngineUpstream):
+    """An engine whose /metrics answers `metrics_status` instead, while set."""
+
+    def __init__(self, slots: int) -> None:
+        super().__init__(slots, models=(MODEL,))
+        self.metrics_status: int | None = None
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if self.metrics_status is not None:
+            return web.Response(status=self.metrics_status, text="busy")
+        return await super()._metrics(request)
+
+
+async def test_a_metrics_read_that_fails_says_nothing_of_whether_it_reports(caplog):
+    """vLLM's server whose metrics answer 500 (busy, or behind a proxy that
+    failed) at the first read: it is not taken for a server without metrics,
+    which would get max_concurrency (unset: 64) from then on and never be
+    asked again. It keeps the small start until its metrics answer, then its
+    room is learned; a known reporter's failing reads keep the room it had.
+    The log says so once each time they fail, and when they answer again."""
+    caplog.set_level(logging.INFO, "qosgate.backends.openai")
+    engine = FailingMetricsEngine(slots=8)
+    engine.metrics_status = 500
+    await engine.start()
+    backend = OpenAIBackend(OpenAIBackendConfig(
+        upstreams=[{"url": engine.url}], health_interval_s=3600.0, metrics_interval_s=3600.0,
+    ))  # fmt: skip
+    upstream = backend._upstreams[0]
+    try:
+        await backend.start()
+        await backend._read_all_metrics()
+        assert upstream.reports is None and backend.capacity().free_slots == 4
+        engine.metrics_status = None
+        await backend._read_all_metrics()
+        assert upstream.reports is True
+        upstream.room.limit = 6
+        engine.metrics_status = 503
+        await backend._read_all_metrics()
+        await backend._read_all_metrics()
+        assert upstream.reports is True and backend.capacity().free_slots == 6
+    finally:
+        await backend.close()
+        await engine.stop()
+    said = [r.getMessage() for r in caplog.records if "metrics (" in r.getMessage()]
+    metrics = f"{engine.url.removesuffix('/v1')}/metrics"
+    assert said == [
+        f"upstream {engine.url}: its metrics ({metrics}) answered 500; its room stays at 4 "
+        "until they answer",
+        f"upstream {engine.url}: its metrics ({metrics}) answer again",
+        f"upstream {engine.url}: its metrics ({metrics}) answered 503; its room stays at 6 "
+        "until they answer",
+    ]
 
 
 # -- priority ---------------------------------------------------------------------

@@ -40,7 +40,8 @@ class FakeUpstream:
         self.name = name
         self.models = list(models)
         # ok | hold (stop after the first delta until `release`) | kill (drop
-        # the connection after the first delta) | status | malformed
+        # the connection after the first delta) | hangup (drop it before
+        # answering) | status | malformed
         self.mode = "ok"
         self.send_usage = True
         self.completion_tokens: int | None = None  # None: one per delta
@@ -141,6 +142,10 @@ class FakeUpstream:
             "headers": dict(request.headers),
             "peer": request.transport.get_extra_info("peername"),
         })
+        if self.mode == "hangup":
+            # As a server does to a pooled connection it closed as the request came.
+            request.transport.abort()
+            return web.Response()
         if self.mode == "status":
             return web.json_response(
                 self.status_body, status=self.status, headers=self.status_headers

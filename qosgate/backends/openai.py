@@ -185,9 +185,9 @@ class _Room:
 
 
 class _Upstream:
-    __slots__ = ("cfg", "headers", "healthy", "in_flight", "index", "metrics_url",
-                 "priority_ok", "reports", "room", "said_held", "started", "url",
-                 "weight")  # fmt: skip
+    __slots__ = ("cfg", "headers", "healthy", "in_flight", "index", "metrics_failing",
+                 "metrics_url", "priority_ok", "reports", "room", "said_held", "started",
+                 "url", "weight")  # fmt: skip
 
     def __init__(self, cfg: UpstreamConfig, index: int) -> None:
         self.cfg = cfg
@@ -206,6 +206,8 @@ class _Upstream:
         self.in_flight = 0
         self.said_held = False
         """Whether the log has said that the reserve holds all of its room."""
+        self.metrics_failing = False
+        """Whether its last metrics read failed (and the log has said so)."""
         self.started: float | None = None
         """When its server's process started, as its metrics last said."""
 
@@ -683,7 +685,19 @@ class OpenAIBackend(Backend):
             # upstream is not a dead one.
             if isinstance(exc, TimeoutError):
                 raise
-            self._mark_unhealthy(upstream, repr(exc))
+            if isinstance(exc, aiohttp.ClientConnectorError):
+                self._mark_unhealthy(upstream, repr(exc))
+            else:
+                # A connection that broke once made (often a pooled one its
+                # server closed as the request went out) is no sign that the
+                # server is down: a probe, now, says whether it is. Taken out
+                # on it alone, a server that is up would answer nothing until
+                # the next probe, and its room be learned again from the start.
+                healthy, _, reason, _ = await self._probe(upstream)
+                if healthy:
+                    log.info("upstream %s: a connection broke (%r); it is up", upstream.url, exc)
+                else:
+                    self._mark_unhealthy(upstream, f"{exc!r}, then {reason}")
             if isinstance(exc, aiohttp.ServerDisconnectedError):
                 # It took the request and hung up: no answer came, so no
                 # output was produced (retryable), but it failed the request.
@@ -807,7 +821,7 @@ class OpenAIBackend(Backend):
     async def _read_metrics(self, upstream: _Upstream) -> None:
         assert self._session is not None
         report: _EngineReport | None = None
-        why = ""
+        failed = False
         try:
             async with self._session.get(
                 upstream.metrics_url, headers=upstream.headers, timeout=self._health_timeout
@@ -818,12 +832,27 @@ class OpenAIBackend(Backend):
                     why = "no vLLM running and waiting requests in them"
                 else:
                     why = f"answered {response.status}"
+                    failed = response.status >= 500 or response.status == 429
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            # A known reporter that misses a read keeps the room it had; the
-            # health probe judges whether it is down.
-            if upstream.reports:
-                return
             why = f"failed: {exc!r}"
+            failed = True
+        if failed:
+            # Says nothing of whether it reports (a server busy or still
+            # starting): it keeps the room it had, at first the small start,
+            # and is asked again next time. Taken for "reports nothing", one
+            # miss would send it up to max_concurrency from then on. The
+            # health probe judges whether it is down.
+            if not upstream.metrics_failing:
+                upstream.metrics_failing = True
+                log.warning(
+                    "upstream %s: its metrics (%s) %s; its room stays at %d until they answer",
+                    upstream.url, upstream.metrics_url, why, upstream.limit,
+                )  # fmt: skip
+            return
+        if upstream.metrics_failing:
+            upstream.metrics_failing = False
+            log.info("upstream %s: its metrics (%s) answer again", upstream.url,
+                     upstream.metrics_url)  # fmt: skip
         if report is None:
             if upstream.reports is None:
                 upstream.reports = False
