@@ -423,10 +423,10 @@ async def test_a_metrics_read_that_fails_says_nothing_of_whether_it_reports(capl
     metrics = f"{engine.url.removesuffix('/v1')}/metrics"
     assert said == [
         f"upstream {engine.url}: its metrics ({metrics}) answered 500; its room stays at 4 "
-        "until they answer",
+        "until they answer (learn_room: false sends it up to max_concurrency instead)",
         f"upstream {engine.url}: its metrics ({metrics}) answer again",
         f"upstream {engine.url}: its metrics ({metrics}) answered 503; its room stays at 6 "
-        "until they answer",
+        "until they answer (learn_room: false sends it up to max_concurrency instead)",
     ]
 
 

@@ -393,7 +393,11 @@ class OpenAIBackend(Backend):
         self._session = aiohttp.ClientSession(
             # Concurrency is capped per upstream here; aiohttp's own pool cap
             # (100 by default) would otherwise queue requests out of sight.
-            connector=aiohttp.TCPConnector(limit=0),
+            # An idle connection is let go before the server's own idle
+            # timeout can close it (uvicorn's, vLLM's server's, is 5 s; aiohttp
+            # keeps one 15 s): a request written on one the server has just
+            # closed fails, though nothing is wrong with the server.
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_IDLE_CONNECTION_S),
             # One session serves every tenant: a cookie an upstream set in
             # one tenant's answer must not ride along on another's request.
             cookie_jar=aiohttp.DummyCookieJar(),
@@ -845,7 +849,8 @@ class OpenAIBackend(Backend):
             if not upstream.metrics_failing:
                 upstream.metrics_failing = True
                 log.warning(
-                    "upstream %s: its metrics (%s) %s; its room stays at %d until they answer",
+                    "upstream %s: its metrics (%s) %s; its room stays at %d until they answer "
+                    "(learn_room: false sends it up to max_concurrency instead)",
                     upstream.url, upstream.metrics_url, why, upstream.limit,
                 )  # fmt: skip
             return
@@ -889,6 +894,9 @@ class OpenAIBackend(Backend):
         if upstream.limit > before and upstream.in_flight < upstream.limit:
             self._notify()
 
+
+_IDLE_CONNECTION_S = 4.0
+"""How long an idle connection to an upstream is kept for the next request."""
 
 _MAX_METRICS_BYTES = 8 << 20
 """The most of a metrics page read (vLLM's is tens of kilobytes)."""
