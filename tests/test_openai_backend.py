@@ -528,8 +528,25 @@ async def test_a_live_upstream_that_hangs_up_on_a_request_stays_in_rotation(h):
     with pytest.raises(BackendError):
         await collect(backend.generate(job()))
     assert backend.ready()
+    # It hung up on the request and on its one retry.
+    assert len(up.requests) == 2
     up.mode = "ok"
     assert await served_by(backend, job()) == "a"
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_a_request_on_a_connection_that_broke_goes_once_more(h, stream):
+    """No answer came on the broken connection, so no output was produced:
+    the request is sent once more and answered, instead of failing the client
+    for the connection's fault (a 502 before)."""
+    up = await h.upstream("a")
+    backend = await h.backend([up])
+    up.hangups = 1
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    chunks = await collect(backend.generate(job(body=body)))
+    assert chunks and chunks[-1].finish_reason is not None
+    assert len(up.requests) == 2 and up.hangups == 0
+    assert backend.ready()
 
 async def test_unhealthy_upstream_recovers_via_health_check(h):
     up = await h.upstream("a")

@@ -43,6 +43,8 @@ class FakeUpstream:
         # the connection after the first delta) | hangup (drop it before
         # answering) | status | malformed
         self.mode = "ok"
+        self.hangups = 0
+        """Requests to hang up on before answering again, whatever the mode."""
         self.send_usage = True
         self.completion_tokens: int | None = None  # None: one per delta
         self.tokens_per_delta_usage: int | None = None  # vLLM's continuous usage stats
@@ -142,8 +144,9 @@ class FakeUpstream:
             "headers": dict(request.headers),
             "peer": request.transport.get_extra_info("peername"),
         })
-        if self.mode == "hangup":
+        if self.mode == "hangup" or self.hangups > 0:
             # As a server does to a pooled connection it closed as the request came.
+            self.hangups = max(0, self.hangups - 1)
             request.transport.abort()
             return web.Response()
         if self.mode == "status":

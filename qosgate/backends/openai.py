@@ -675,6 +675,8 @@ class OpenAIBackend(Backend):
         headers: dict[str, str],
         job: GenerationJob,
         upstream: _Upstream,
+        *,
+        again: bool = False,
     ) -> aiohttp.ClientResponse:
         assert self._session is not None
         try:
@@ -698,10 +700,18 @@ class OpenAIBackend(Backend):
                 # on it alone, a server that is up would answer nothing until
                 # the next probe, and its room be learned again from the start.
                 healthy, _, reason, _ = await self._probe(upstream)
-                if healthy:
-                    log.info("upstream %s: a connection broke (%r); it is up", upstream.url, exc)
-                else:
+                if not healthy:
                     self._mark_unhealthy(upstream, f"{exc!r}, then {reason}")
+                elif not again:
+                    # No answer came on it, so no output was produced: the
+                    # request goes once more, on another connection, rather
+                    # than failing for the connection's fault.
+                    log.info("upstream %s: a connection broke (%r); it is up, and the request "
+                             "goes again", upstream.url, exc)
+                    return await self._post(url, body, headers, job, upstream, again=True)
+                else:
+                    log.info("upstream %s: a connection broke again (%r); it is up",
+                             upstream.url, exc)
             if isinstance(exc, aiohttp.ServerDisconnectedError):
                 # It took the request and hung up: no answer came, so no
                 # output was produced (retryable), but it failed the request.
