@@ -31,7 +31,9 @@ from qosgate.fleet import wire
 from qosgate.fleet.engine import EngineNode
 from qosgate.fleet.gateway import FleetBackend
 from qosgate.http.app import build_app
-from qosgate.runtime.errors import BadRequest, Expired, GatewayError, Overloaded, QueueFull
+from qosgate.runtime.errors import (
+    BadRequest, ContextLengthExceeded, Expired, GatewayError, Overloaded, QueueFull,
+)
 from qosgate.runtime.gate import Gateway, RequestStream
 from tests.redis_server import free_port
 
@@ -288,14 +290,19 @@ async def test_a_client_gone_mid_stream_stops_the_engine(redis_server, prefix):
         assert engine.completed == 0
 
 
-async def test_a_request_an_engines_backend_rejects_is_the_clients_400(redis_server, prefix):
+@pytest.mark.parametrize("over_context", [False, True])
+async def test_a_request_an_engines_backend_rejects_is_the_clients_400(
+    redis_server, prefix, over_context
+):
     """As on one node: the backend's word that the request is invalid (an
-    upstream's 400) reaches the replica as such, param and all."""
+    upstream's 400) reaches the replica as such, param and all, and whether
+    it is the model's context that the request exceeds (OpenAI's code)."""
     async with Fleet(make_policy(redis_server.url, prefix), engines=1) as fleet:
         engine = fleet.engines[0]
 
         async def reject(job: GenerationJob) -> AsyncIterator[Chunk]:
-            raise BackendRejected("temperature is out of range", param="temperature")
+            raise BackendRejected("temperature is out of range", param="temperature",
+                                  context_length=over_context)
             yield Chunk()  # an async generator, like a backend's stream
 
         engine.backend.generate = reject  # type: ignore[method-assign]
@@ -305,6 +312,7 @@ async def test_a_request_an_engines_backend_rejects_is_the_clients_400(redis_ser
                 await read_all(stream)
         assert (info.value.message, info.value.param) == ("temperature is out of range",
                                                           "temperature")  # fmt: skip
+        assert isinstance(info.value, ContextLengthExceeded) is over_context
         assert stream.request.outcome is Outcome.BAD_REQUEST
 
 

@@ -454,6 +454,44 @@ async def test_a_rejection_in_vllms_unwrapped_shape_and_in_plain_text(h):
     assert info.value.message == '"no JSON here"'
 
 
+VLLM_OVER_CONTEXT = {"error": {
+    "message": "This model's maximum context length is 512 tokens. However, you requested "
+               "600 tokens (590 in the messages, 10 in the completion). Please reduce the "
+               "length of the messages or completion.",
+    "type": "BadRequestError", "param": "input_tokens", "code": 400}}
+
+
+async def test_an_upstream_saying_the_context_is_exceeded_is_context_length_exceeded(h):
+    """A prompt past the model's context that the gateway's count let through
+    (a count by characters, or a model whose context the upstream does not
+    list) is refused by the upstream: vLLM's server says so in words, OpenAI's
+    API by code. Either way the client gets OpenAI's code for it, which
+    clients act on (they shorten the prompt), as when the gateway refuses it
+    itself; before, it was `invalid_request`."""
+    up = await h.upstream("a")
+    up.mode, up.status = "status", 400
+    backend = OpenAIBackend(OpenAIBackendConfig(upstreams=[{"url": up.url}],
+                                                health_interval_s=3600.0))  # fmt: skip
+    openai_shape = {"error": {"message": "Please reduce the length of the messages.",
+                              "type": "invalid_request_error", "param": "messages",
+                              "code": "context_length_exceeded"}}  # fmt: skip
+    other = {"error": {"message": "temperature is out of range", "param": "temperature"}}
+    headers = {"Authorization": f"Bearer {ALICE_KEY}"}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    async with live_app(backend=backend) as live, aiohttp.ClientSession() as http:
+        for refusal, code, param in ((VLLM_OVER_CONTEXT, "context_length_exceeded", "input_tokens"),
+                                     (openai_shape, "context_length_exceeded", "messages"),
+                                     (other, "invalid_request", "temperature")):  # fmt: skip
+            up.status_body = refusal
+            async with http.post(live.url + "/v1/chat/completions", headers=headers,
+                                 json=body) as r:
+                error = (await r.json())["error"]
+            assert r.status == 400
+            assert (error["code"], error["param"], error["type"]) == (
+                code, param, "invalid_request_error")
+            assert error["message"] == refusal["error"]["message"]
+
+
 @pytest.mark.parametrize("status", [401, 403, 404])
 async def test_an_upstream_refusing_the_gateway_is_not_the_clients_fault(h, status):
     """Its key, its path or its model list is the gateway's configuration:

@@ -121,11 +121,16 @@ class BackendRejected(BackendError):
     `message` is shown to the client as is: it must not name internal
     addresses (an upstream's URL); log those where the error is raised."""
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, param: str | None = None, context_length: bool = False
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         """The request field the backend blamed, when it named one."""
+        self.context_length = context_length
+        """Whether it says the request exceeds the model's context (OpenAI's
+        `context_length_exceeded`, which clients act on: they shorten it)."""
 
 
 class BackendStream:

@@ -280,6 +280,22 @@ def _error_fields(body: bytes) -> tuple[str, str | None]:
     return text[:500], None
 
 
+def _over_context(body: bytes, message: str) -> bool:
+    """Whether an upstream's refusal says the request exceeds the model's
+    context: OpenAI's code for it, or the message vLLM's server (and others
+    after OpenAI's) gives it without that code."""
+    if _CONTEXT_MESSAGE in message:
+        return True
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == "context_length_exceeded"
+
+
+_CONTEXT_MESSAGE = "maximum context length"
+
+
 _REJECTED_STATUSES = frozenset({400, 413, 422})
 """What an upstream answers for a request it finds invalid (OpenAI and vLLM:
 400; a validation layer such as FastAPI's: 422; a body over its limit: 413).
@@ -302,7 +318,7 @@ def _upstream_error(
     the client, so it names no upstream; the caller logs which one it was."""
     message, param = _error_fields(body)
     if status in _REJECTED_STATUSES:
-        return BackendRejected(message, param=param)
+        return BackendRejected(message, param=param, context_length=_over_context(body, message))
     if started:
         # Output went out already: whatever the upstream says, the stream
         # ends here, and running it again would repeat that output.

@@ -332,7 +332,8 @@ class FleetBackend(Backend):
                 if error_kind == "unavailable":
                     raise BackendUnavailable(message)
                 if error_kind == "rejected":
-                    raise BackendRejected(message, param=more[0] if more else None)
+                    raise BackendRejected(message, param=more[0] if more else None,
+                                          context_length=len(more) > 1 and more[1] is True)
                 raise BackendError(message)
             chunk = wire.chunk_of(data)
             if chunk.finish_reason is not None:

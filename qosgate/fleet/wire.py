@@ -116,9 +116,11 @@ def failure_event(request_id: str, token: int, exc: BackendError) -> Event:
     """A backend's failure of the request, as the kind of failure it is, so
     that the replica ends the request as one node would have."""
     if isinstance(exc, BackendRejected):
-        # The param comes third: replicas from before "rejected" read two
-        # fields, so replicas are upgraded first (docs/FLEET.md).
-        return (request_id, token, ERROR, ["rejected", exc.message, exc.param])
+        # The param comes third and whether it is the context fourth:
+        # replicas from before them read fewer fields, so replicas are
+        # upgraded first (docs/FLEET.md).
+        return (request_id, token, ERROR,
+                ["rejected", exc.message, exc.param, exc.context_length])
     return error_event(request_id, token, "backend_error", str(exc))
 
 

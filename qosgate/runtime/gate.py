@@ -47,6 +47,7 @@ from qosgate.runtime.errors import (
     BackendFailed,
     BackendUnavailableError,
     BadRequest,
+    ContextLengthExceeded,
     Expired,
     GatewayClosing,
     GatewayError,
@@ -845,8 +846,10 @@ def _map_backend_error(req: Request, exc: Exception) -> GatewayError:
         return exc
     if isinstance(exc, BackendRejected):
         # The backend's word that the request itself is invalid: the client's
-        # to fix, as any 400 of the gateway's own.
-        return BadRequest(exc.message, param=exc.param)
+        # to fix, as any 400 of the gateway's own, with the gateway's code
+        # when it is the context the request exceeds.
+        error = ContextLengthExceeded if exc.context_length else BadRequest
+        return error(exc.message, param=exc.param)
     if isinstance(exc, BackendUnavailable):
         return BackendUnavailableError(
             str(exc) or "the backend is unavailable", retry_after_s=exc.retry_after_s
