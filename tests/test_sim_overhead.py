@@ -139,3 +139,16 @@ def test_the_run_samples_the_engines_saturated_seconds_as_they_pass(tmp_path: Pa
         assert saturated == pytest.approx(t), (t, saturated)
     assert len(run.saturated_s_samples) >= 8
     assert run.engine_saturated_s == pytest.approx(run.engine_busy_s) == pytest.approx(2.0)
+
+
+def test_a_run_cut_by_its_horizon_counts_the_engine_only_up_to_it(tmp_path: Path) -> None:
+    # The same saturated engine, cut 5 ms into a 10 ms step: the step in
+    # flight counts for its part before the horizon, in busy and saturated
+    # seconds alike.
+    cfg = SimBackendConfig(profile=profile_file(tmp_path))
+    arrivals = [Arrival(f"r{i}", 0.0, "alice", "interactive", 10, 100, 100) for i in range(4)]
+    run = run_policy(make_policy(), cfg, arrivals, drain_until=1.005)
+    assert run.end_time == 1.005
+    assert run.engine_busy_s == pytest.approx(1.005)
+    assert run.engine_saturated_s == pytest.approx(1.005)
+    assert run.saturated_s_samples[-1] == (1.005, run.engine_saturated_s)

@@ -18,7 +18,6 @@ from qosgate.config.models import (
     VllmBackendConfig,
 )
 from qosgate.core.policy import has_latency_objective
-from qosgate.profiles import get_profile
 
 EXIT_OK = 0
 EXIT_INVALID = 2
@@ -56,7 +55,7 @@ def backend_slots(policy: PolicyConfig) -> int | None:
     the engine's default, or an upstream's room learned as it runs)."""
     backend = policy.backend
     if isinstance(backend, SimBackendConfig):
-        return backend.max_num_seqs or get_profile(backend.profile).max_num_seqs
+        return backend.seqs
     if isinstance(backend, VllmBackendConfig):
         seqs = backend.engine_args.get("max_num_seqs")
         return seqs if isinstance(seqs, int) and not isinstance(seqs, bool) else None

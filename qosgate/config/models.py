@@ -533,11 +533,15 @@ class SimBackendConfig(StrictModel):
 
     _known_profile = field_validator("profile")(profile_reference)
 
+    @property
+    def seqs(self) -> int:
+        """Running sequences at once: max_num_seqs, or its profile's."""
+        return self.max_num_seqs or get_profile(self.profile).max_num_seqs
+
     @model_validator(mode="after")
     def _step_holds_every_sequence(self) -> SimBackendConfig:
-        profile = get_profile(self.profile)
-        seqs = self.max_num_seqs or profile.max_num_seqs
-        budget = self.max_num_batched_tokens or profile.max_num_batched_tokens
+        seqs = self.seqs
+        budget = self.max_num_batched_tokens or get_profile(self.profile).max_num_batched_tokens
         if budget < seqs:
             # As in vLLM: a step must be able to give every running sequence a token.
             raise ValueError(

@@ -88,12 +88,16 @@ def run_policy(
 
     overhead = engine.request_overhead_s
 
+    def up_to(t: float, seconds: float, counts_step: bool) -> float:
+        """The engine's `seconds` (step or saturated seconds) up to `t`: a step
+        counts whole when it starts, so the part of the one in flight that
+        lies past `t` comes off, where it is counted (`counts_step`)."""
+        if counts_step and t < step_end < _INF:
+            return seconds - (step_end - t)
+        return seconds
+
     def saturated_by(t: float) -> float:
-        """The engine's saturated seconds up to `t`: a step counts whole when
-        it starts, so the part of one in flight that lies past `t` comes off."""
-        if step is not None and step.saturated and t < step_end < _INF:
-            return engine.saturated_seconds - (step_end - t)
-        return engine.saturated_seconds
+        return up_to(t, engine.saturated_seconds, step is not None and step.saturated)
 
     def carry_out(plan: SchedulePlan) -> None:
         nonlocal wakeup
@@ -150,14 +154,12 @@ def run_policy(
         if step_end == _INF and engine.has_work():
             step = engine.step()
             run.steps += 1
-            run.engine_busy_s += step.duration
             step_end = now + step.duration
         if next_arrival >= n and scheduler.queued_count == 0 and scheduler.running_count == 0:
             break
 
-    if step_end != _INF:
-        # The step in flight runs past the horizon; only its share before counts.
-        run.engine_busy_s -= step_end - now
+    # The step in flight may run past the horizon; only its share before counts.
+    run.engine_busy_s = up_to(now, engine.step_seconds, step is not None)
     run.engine_saturated_s = saturated_by(now)
     # The horizon ended the run: whatever is left is cancelled, never lost.
     for req in list(scheduler.running()):
