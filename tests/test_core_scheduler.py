@@ -412,6 +412,97 @@ def test_fifo_fairness_is_arrival_order():
     assert dispatch_order(sched, 8) == rs
 
 
+def latency_tier(fairness="vtc", weights=(1.0, 1.0, 1.0)) -> PolicyConfig:
+    """One tier that admits by its predicted wait (1 s budget); tenants a, b, c."""
+    return PolicyConfig.model_validate({
+        "tiers": {"t": {"priority": 0, "ttft_slo_ms": 2000, "max_queue_wait_ms": 1000}},
+        "tenants": [{"id": name, "tier": "t", "weight": w} for name, w in zip("abc", weights)],
+        "scheduler": {"fairness": fairness},
+    })
+
+
+def fill(sched, tenant, n, *, at=0.0, prompt=100, max_tokens=100):
+    reqs = [Request(f"{tenant}{next(_ids)}", tenant, "t", prompt, max_tokens, at) for _ in range(n)]
+    return reqs, [sched.submit(r, at) for r in reqs]
+
+
+def test_a_latency_tier_under_vtc_releases_in_admission_order():
+    # Admission promised each of these a start within the budget in this
+    # order; releasing by counters would let a's later ones expire.
+    sched = Scheduler(scheduling_policy(latency_tier()), drain_rate_hint=10**6)
+    a, _ = fill(sched, "a", 6)
+    b, _ = fill(sched, "b", 2)
+    assert dispatch_order(sched, 8) == a + b
+
+
+def test_a_tenant_behind_takes_the_place_of_the_newest_of_the_one_ahead():
+    # 200 tokens each at 1,000 tokens/s: a newcomer waits 0.2 s per request
+    # queued ahead, so six fill the 1 s budget and the seventh is refused.
+    sched = Scheduler(scheduling_policy(latency_tier()), drain_rate_hint=1000.0)
+    heavy, decisions = fill(sched, "a", 7)
+    assert [d.admitted for d in decisions] == [True] * 6 + [False]
+    light, (decision,) = fill(sched, "b", 1)
+    assert decision.admitted
+    assert heavy[5].outcome is Outcome.REJECTED_OVERLOAD and heavy[5].finished
+    # One for one: the tier holds as many as before, and a's next is refused
+    # (no tenant is further ahead than a itself).
+    assert len(sched.queue("t")) == 6
+    assert not fill(sched, "a", 1)[1][0].admitted
+    # c, with nothing queued, is behind a and b; a is furthest ahead.
+    late, (decision,) = fill(sched, "c", 1)
+    assert decision.admitted and heavy[4].outcome is Outcome.REJECTED_OVERLOAD
+    # The next plan says whom to answer, once.
+    assert sched.schedule(0.0, FULL).pushed_out == [heavy[5], heavy[4]]
+    assert sched.schedule(0.0, FULL).pushed_out == ()
+    assert dispatch_order(sched, 6) == heavy[:4] + light + late
+
+
+def test_no_place_is_taken_from_a_tenant_that_would_then_be_behind():
+    sched = Scheduler(scheduling_policy(latency_tier()), drain_rate_hint=1000.0)
+    a, _ = fill(sched, "a", 3)
+    b, _ = fill(sched, "b", 3)
+    # Level: taking one of a's for b's newcomer would put a behind b.
+    _, (decision,) = fill(sched, "b", 1)
+    assert not decision.admitted
+    _, (decision,) = fill(sched, "a", 1)
+    assert not decision.admitted
+    assert not any(r.finished for r in a + b)
+    assert sched.schedule(0.0, FULL).pushed_out == ()
+
+
+def test_weights_decide_who_is_ahead_at_the_door():
+    # a (weight 4) with four queued stands at 800/4 = 200; b with two at 400.
+    sched = Scheduler(scheduling_policy(latency_tier(weights=(4.0, 1.0, 1.0))),
+                      drain_rate_hint=1000.0)
+    a, _ = fill(sched, "a", 4)
+    b, _ = fill(sched, "b", 2)
+    _, (decision,) = fill(sched, "b", 1)
+    assert not decision.admitted
+    _, (decision,) = fill(sched, "c", 1)
+    assert decision.admitted
+    assert b[1].outcome is Outcome.REJECTED_OVERLOAD and not any(r.finished for r in a)
+
+
+def test_one_place_is_taken_only_where_it_makes_room():
+    sched = Scheduler(scheduling_policy(latency_tier()), drain_rate_hint=1000.0)
+    small, _ = fill(sched, "a", 50, prompt=10, max_tokens=10)  # 1,000 tokens
+    other, (decision,) = fill(sched, "c", 1)  # 1 s ahead: just admitted
+    assert decision.admitted
+    # b's newcomer needs 200 tokens of room; none of a's 20-token requests
+    # makes it alone, and it never takes two.
+    _, (decision,) = fill(sched, "b", 1)
+    assert not decision.admitted
+    assert not any(r.finished for r in small + other)
+    assert sched.schedule(0.0, FULL).pushed_out == ()
+
+
+def test_fifo_fairness_takes_no_place():
+    sched = Scheduler(scheduling_policy(latency_tier(fairness="fifo")), drain_rate_hint=1000.0)
+    a, _ = fill(sched, "a", 6)
+    _, (decision,) = fill(sched, "b", 1)
+    assert not decision.admitted and not any(r.finished for r in a)
+
+
 # -- lifecycle ----------------------------------------------------------------
 
 

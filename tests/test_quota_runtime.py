@@ -195,7 +195,8 @@ async def test_every_reservation_is_settled_once_and_the_store_holds_what_was_ch
         if req.outcome is Outcome.COMPLETED:
             assert charged == req.prompt_tokens + req.output_tokens
             assert charged <= reserved
-        elif req.outcome in (Outcome.EXPIRED, Outcome.BACKEND_ERROR):
+        elif req.outcome in (Outcome.EXPIRED, Outcome.BACKEND_ERROR, Outcome.REJECTED_OVERLOAD):
+            # Expired, failed in the queue, or its place taken at the door.
             assert (charged, ledger.served[rid]) == (0, False)
         else:
             assert req.outcome is Outcome.CANCELLED

@@ -246,6 +246,32 @@ async def test_predicted_overload_is_refused() -> None:
     assert_drained(gw)
 
 
+async def test_a_queued_request_whose_place_is_taken_is_answered_503_once() -> None:
+    # No free slot and 100 tokens/s: two requests of 200 tokens (with the
+    # newcomer's own slot's wait) fill the 4 s budget. Tenant a sends first;
+    # b's newcomer takes the place of a's newest.
+    tiers = {"gold": {"priority": 0, "max_queue_wait_ms": 4000}}
+    fake = FakeBackend(slots=0)
+    gw = await started_gateway(fake, make_policy(tiers, initial_drain_rate=100.0))
+    older, newer = (Consumer(submit(gw, prompt_tokens=100, max_tokens=100, tenant="a"))
+                    for _ in range(2))
+    await asyncio.gather(older.entered.wait(), newer.entered.wait())
+    with pytest.raises(Overloaded):
+        submit(gw, prompt_tokens=100, max_tokens=100, tenant="a")
+    light = submit(gw, prompt_tokens=100, max_tokens=100, tenant="b")
+    await newer.done()
+    err = newer.error
+    assert isinstance(err, Overloaded) and err.status == 503
+    assert err.outcome is Outcome.REJECTED_OVERLOAD is newer.stream.request.outcome
+    assert err.retry_after_header == "4" and "its place went to a tenant" in str(err)
+    assert older.stream.request.state is RequestState.QUEUED
+    assert light.request.state is RequestState.QUEUED
+    await older.stream.aclose()
+    await older.done()
+    await light.aclose()
+    assert_drained(gw)
+
+
 async def test_prompt_that_can_never_fit_is_a_bad_request() -> None:
     fake = FakeBackend(slots=1, kv_tokens=100)
     gw = await started_gateway(fake)

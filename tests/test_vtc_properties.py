@@ -125,6 +125,8 @@ _POLICY = traffic_policy("qos", "vtc", 0.0)
 W_IN, W_OUT = _POLICY.scheduler.vtc.w_in, _POLICY.scheduler.vtc.w_out
 TENANTS = {t.id: (t.tier, t.weight) for t in _POLICY.tenants}
 """tenant -> (tier, weight)."""
+LATENCY_TIERS = {name for name, tier in _POLICY.tiers.items() if tier.on_timeout == "reject"}
+"""The tiers that admit by their predicted wait."""
 
 
 class VtcModel:
@@ -182,11 +184,47 @@ class Driver:
     def backlogged(self, tier: str) -> set[str]:
         return {r.tenant for r in self.queued.values() if r.tier == tier}
 
+    def at_the_door(self, tier: str) -> bool:
+        """Whether `tier` keeps admission order and is fair at the door
+        (a tier that admits by its predicted wait, under qos with vtc)."""
+        return self.vtc and tier in LATENCY_TIERS
+
+    def standing(self, tier: str, tenant: str, backlogged: set[str]) -> float:
+        """The model's standing of a tenant: its counter, lifted if it has
+        nothing queued, plus the charges of what it has queued."""
+        counters = self.model.counters[tier]
+        counter = counters.get(tenant, 0.0)
+        if tenant not in backlogged:
+            floors = [counters[t] for t in backlogged]
+            counter = max(counter, min(floors) if floors else self.model.last_served[tier])
+        return counter + sum(self.model.charge(r) for r in self.queued.values()
+                             if r.tenant == tenant)
+
     def arrive(self, tenant: str, prompt: int, max_tokens: int) -> None:
         self.seq += 1
         req = Request(f"p{self.seq}", tenant, TENANTS[tenant][0], prompt, max_tokens, self.now)
         before = self.backlogged(req.tier)
-        if self.sched.submit(req, self.now).admitted:
+        queued = dict(self.queued)
+        admitted = self.sched.submit(req, self.now).admitted
+        pushed = [r for r in queued.values() if r.finished]
+        if pushed:
+            # One queued request made room for the newcomer: the newest of a
+            # tenant of its tier that stays at or ahead of the newcomer's.
+            assert admitted and len(pushed) == 1 and self.at_the_door(req.tier)
+            victim = pushed[0]
+            assert victim.outcome is Outcome.REJECTED_OVERLOAD
+            assert victim.tier == req.tier and victim.tenant != req.tenant
+            standing = self.standing(req.tier, victim.tenant, before)
+            mine = self.standing(req.tier, req.tenant, before) + self.model.charge(req)
+            assert standing - self.model.charge(victim) >= mine - 1e-6
+            # Newest first: a newer one of its tenant would not have made room
+            # (less work), or would have put its tenant behind the newcomer's.
+            assert all(r.work < victim.work or standing - self.model.charge(r) < mine + 1e-6
+                       for r in queued.values()
+                       if r.tenant == victim.tenant and r.seq > victim.seq)
+            del self.queued[victim.id]
+            before = self.backlogged(req.tier)
+        if admitted:
             if req.tenant not in before:
                 self.model.lift(req, before)
             self.queued[req.id] = req
@@ -201,6 +239,8 @@ class Driver:
     def apply(self, plan: SchedulePlan) -> None:
         for req in plan.expired:
             del self.queued[req.id]
+        # Taken out at the arrival that pushed them out (arrive).
+        assert not any(req.id in self.queued for req in plan.pushed_out)
         assert not plan.failed
         for req in plan.dispatch:
             self.released(req)
@@ -220,6 +260,10 @@ class Driver:
         assert self.queued.pop(req.id) is req
         self.running[req.id] = req
         if not self.vtc:
+            return
+        if self.at_the_door(req.tier):
+            # Admission order: what was admitted first goes first.
+            assert all(req.seq < r.seq for r in self.queued.values() if r.tier == req.tier)
             return
         counters = self.model.counters[req.tier]
         backlogged = self.backlogged(req.tier) | {req.tenant}

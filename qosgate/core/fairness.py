@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 from bisect import insort
 from collections import deque
-from typing import Protocol
+from typing import Callable, Iterator, Protocol
 
 from qosgate.core.request import Request, RequestState
 
@@ -253,3 +253,147 @@ class VtcOrder:
 
     def backlogged_counters(self) -> dict[str, float]:
         return {name: st.counter for name, st in self._tenants.items() if st.lane.live > 0}
+
+
+class _Share:
+    """One tenant's counter, and what it has queued, in a tier whose release
+    order is admission order (CountedFifoOrder)."""
+
+    __slots__ = ("counter", "weight", "queued", "service")
+
+    def __init__(self, weight: float) -> None:
+        self.counter = 0.0
+        self.weight = weight
+        self.queued: deque[Request] = deque()
+        """Its queued requests, in admission order (dead ones skipped)."""
+        self.service = 0.0
+        """Estimated service of its live queued requests."""
+
+
+class CountedFifoOrder(_Lane):
+    """Admission order, with VTC's counters kept for the door.
+
+    For a tier that admits by its predicted wait (a latency objective):
+    every request it admits is expected to start within the tier's budget in
+    admission order, so releasing in another order only makes admitted
+    requests expire. Fairness acts where such a tier chooses, at the door: a
+    newcomer that would be refused may take the place of one queued request
+    of a tenant further ahead (`pushout`, `gives_place`). A tenant's
+    standing is its counter (service received over its weight, lifted as
+    in VtcOrder) plus what it has queued, over its weight.
+    """
+
+    __slots__ = ("_weights", "_shares", "_last_served", "_charge")
+
+    def __init__(self, weights: dict[str, float] | None,
+                 charge: Callable[[Request], float]) -> None:
+        super().__init__()
+        self._weights = dict(weights or {})
+        self._shares: dict[str, _Share] = {}
+        self._last_served = 0.0
+        self._charge = charge
+
+    def weight(self, tenant: str) -> float:
+        return self._weights.get(tenant, 1.0)
+
+    def set_weights(self, weights: dict[str, float]) -> None:
+        self._weights = dict(weights)
+        for name, share in self._shares.items():
+            share.weight = self.weight(name)
+
+    def _backlogged_min(self) -> float | None:
+        counters = [s.counter for s in self._shares.values() if _live(s.queued)]
+        return min(counters) if counters else None
+
+    def _share(self, tenant: str) -> _Share:
+        share = self._shares.get(tenant)
+        if share is None:
+            share = self._shares[tenant] = _Share(self.weight(tenant))
+        return share
+
+    def standing(self, tenant: str, extra: float = 0.0) -> float:
+        """Where the tenant stands with `extra` more service queued: its
+        counter (as it would be lifted now, if it has nothing queued) plus
+        its queued service, over its weight."""
+        share = self._shares.get(tenant)
+        if share is None:
+            counter = lifted(0.0, self._backlogged_min(), self._last_served)
+            return counter + extra / self.weight(tenant)
+        counter = share.counter
+        if not _live(share.queued):
+            counter = lifted(counter, self._backlogged_min(), self._last_served)
+        return counter + (share.service + extra) / share.weight
+
+    def push(self, req: Request) -> None:
+        share = self._share(req.tenant)
+        if not _live(share.queued):
+            share.counter = lifted(share.counter, self._backlogged_min(), self._last_served)
+        share.queued.append(req)
+        share.service += self._charge(req)
+        super().push(req)
+
+    def _unqueue(self, req: Request) -> None:
+        share = self._shares[req.tenant]
+        share.service -= self._charge(req)
+        if share.service < 1e-9:
+            share.service = 0.0
+
+    def discard(self, req: Request | None = None) -> None:
+        if req is not None:
+            self._unqueue(req)
+        super().discard(req)
+
+    def pop(self) -> Request:
+        req = super().pop()
+        self._unqueue(req)
+        return req
+
+    def on_dispatch(self, req: Request, charge: float) -> None:
+        share = self._shares[req.tenant]
+        share.counter += charge / share.weight
+        self._last_served = share.counter
+
+    def on_settle(self, req: Request, correction: float) -> None:
+        share = self._shares.get(req.tenant)
+        if share is not None:
+            share.counter += correction / share.weight
+
+    def counters(self) -> dict[str, float]:
+        return {name: share.counter for name, share in self._shares.items()}
+
+    def pushout(self, tenant: str, extra: float) -> Iterator[Request]:
+        """Queued requests whose place a newcomer of `tenant` with `extra`
+        service may take: from the tenant furthest ahead on, each tenant's
+        newest first, those whose tenant stays at or ahead of the newcomer's
+        once they leave and it comes in."""
+        mine = self.standing(tenant, extra)
+        ahead = sorted(
+            ((self.standing(name), name) for name, share in self._shares.items()
+             if name != tenant and _live(share.queued)),
+            reverse=True,
+        )
+        for standing, name in ahead:
+            if standing < mine:
+                return
+            share = self._shares[name]
+            for req in reversed(share.queued):
+                # A preempted request already started once: it keeps its place.
+                if (req.state is _QUEUED and not req.preemptions
+                        and gives_place(standing, self._charge(req) / share.weight, mine)):
+                    yield req
+
+
+def gives_place(standing: float, charge: float, mine: float) -> bool:
+    """Whether a queued request (`charge`, over its tenant's weight) of a
+    tenant at `standing` may give its place to a newcomer whose tenant will
+    stand at `mine` with it: only if its own tenant is then still at or
+    ahead of the newcomer's, so a place never goes to a tenant that would
+    end up ahead."""
+    return standing - charge >= mine
+
+
+def _live(queue: deque[Request]) -> bool:
+    """Whether a tenant has a request queued (its dead head entries dropped)."""
+    while queue and queue[0].state is not _QUEUED:
+        queue.popleft()
+    return bool(queue)

@@ -23,7 +23,7 @@ from qosgate.core.admission import (
     predicted_wait,
     saturated,
 )
-from qosgate.core.fairness import FifoOrder, VtcOrder, service
+from qosgate.core.fairness import CountedFifoOrder, FifoOrder, VtcOrder, service
 from qosgate.core.ordering import (
     has_reserve,
     may_preempt,
@@ -44,6 +44,9 @@ _RUNNING = RequestState.RUNNING
 
 # Output length assumed for a request before any has completed.
 _DEFAULT_OUTPUT_ESTIMATE = 256.0
+# Queued requests a refused newcomer tries to take the place of: the newest of
+# the tenants furthest ahead, where one that leaves makes enough room.
+PUSHOUT_CANDIDATES = 8
 FCFS_QUEUE = "*"
 
 
@@ -66,13 +69,16 @@ class SchedulePlan:
     rarely-used lists start as a shared empty tuple.
     """
 
-    __slots__ = ("dispatch", "expired", "preempt", "failed", "batches", "wakeup_at")
+    __slots__ = ("dispatch", "expired", "pushed_out", "preempt", "failed", "batches", "wakeup_at")
 
     def __init__(self) -> None:
         self.dispatch: list[Request] = []
         """Hand these to the backend now (already marked running)."""
         self.expired: Sequence[Request] = ()
         """Answer these with 504: their queue deadline passed (already finished)."""
+        self.pushed_out: Sequence[Request] = ()
+        """Answer these as refused for overload: queued, they made room for a
+        newcomer of a tenant behind theirs (already finished)."""
         self.preempt: Sequence[Request] = ()
         """Abort these in the backend: they are back in their queue, at its head."""
         self.failed: Sequence[Request] = ()
@@ -112,6 +118,7 @@ class Scheduler:
         self._queued: dict[str, Request] = {}
         self._running: dict[str, Request] = {}
         self._deadlines: list[tuple[float, int, Request]] = []
+        self._pushed_out: list[Request] = []
         self._seq = 0
         self._saturated = False
         # Room the backend had left after the last scheduling round: work
@@ -142,17 +149,26 @@ class Scheduler:
         for name, tier in policy.tiers.items():
             queue = self._queues.get(name)
             if queue is None:
-                order = VtcOrder(weights) if policy.fair else FifoOrder()
-                self._queues[name] = TierQueue(tier, order, tau)
+                self._queues[name] = TierQueue(tier, self._order(tier, weights), tau)
                 continue
             queue.configure(tier)
-            if isinstance(queue.order, VtcOrder):
+            if isinstance(queue.order, (VtcOrder, CountedFifoOrder)):
                 queue.order.set_weights(weights)
         self._queue_list = sorted(
             {id(q): q for q in self._queues.values()}.values(), key=lambda q: (q.priority, q.name)
         )
         self._top_level = min(self._queues[name].priority for name in policy.tiers)
         self._shares = any(q.min_share > 0.0 for q in self._queue_list)
+
+    def _order(self, tier: TierParams, weights: dict[str, float]):
+        if not self.policy.fair:
+            return FifoOrder()
+        if self._admission and has_latency_objective(tier):
+            return CountedFifoOrder(weights, self._charge)
+        return VtcOrder(weights)
+
+    def _charge(self, req: Request) -> float:
+        return service(self._w_in, self._w_out, req.prompt_tokens, req.work - req.prompt_tokens)
 
     def queue(self, tier: str) -> TierQueue:
         try:
@@ -216,12 +232,9 @@ class Scheduler:
             # free room does not take a newcomer at once.
             held = self._held_for_prefill and queue.priority > self._top_level
             room = 0 if held else self._room_slots
-            predicted = predicted_wait(
-                queue.priority, req.work, self._queue_list, now,
-                own_slot=self._saturated and not reserved,
-                room_work=min(self._room_kv, room * req.work) if room > 0 else 0,
-                drain=self.drain.rate,
-            )  # fmt: skip
+            predicted = self._predicted_wait(queue, req, now, reserved, room)
+            if predicted > budget and isinstance(queue.order, CountedFifoOrder):
+                predicted = self._push_out(queue, req, now, predicted, budget, reserved, room)
             if predicted > budget:
                 return self._reject(req, now, AdmissionDecision(
                     admitted=False, outcome=Outcome.REJECTED_OVERLOAD,
@@ -243,6 +256,39 @@ class Scheduler:
         if predicted:
             return AdmissionDecision(admitted=True, predicted_wait_s=predicted)
         return ADMITTED
+
+    def _predicted_wait(
+        self, queue: TierQueue, req: Request, now: float, reserved: bool, room: int
+    ) -> float:
+        return predicted_wait(
+            queue.priority, req.work, self._queue_list, now,
+            own_slot=self._saturated and not reserved,
+            room_work=min(self._room_kv, room * req.work) if room > 0 else 0,
+            drain=self.drain.rate,
+        )  # fmt: skip
+
+    def _push_out(self, queue: TierQueue, req: Request, now: float, predicted: float,
+                  budget: float, reserved: bool, room: int) -> float:
+        """Give `req` the place of one queued request of a tenant ahead of its
+        own (CountedFifoOrder.pushout) whose leaving brings its predicted wait
+        within `budget`, refusing that one; the predicted wait after. One for
+        one, so the tier admits as many requests as it would have."""
+        work = queue.work
+        for tried, victim in enumerate(queue.order.pushout(req.tenant, self._charge(req))):
+            if tried == PUSHOUT_CANDIDATES:
+                break
+            queue.work = work - victim.work
+            try:
+                after = self._predicted_wait(queue, req, now, reserved, room)
+            finally:
+                queue.work = work
+            if after <= budget:
+                victim.end(Outcome.REJECTED_OVERLOAD, now)
+                queue.remove(victim)
+                del self._queued[victim.id]
+                self._pushed_out.append(victim)
+                return after
+        return predicted
 
     # -- the dispatch decision -----------------------------------------------
 
@@ -276,6 +322,8 @@ class Scheduler:
             plan.expired = self._expire(
                 now, Outcome.EXPIRED if backend_ready else Outcome.BACKEND_ERROR
             )
+        if self._pushed_out:
+            plan.pushed_out, self._pushed_out = self._pushed_out, []
 
         free_slots = capacity.free_slots
         free_kv = capacity.free_kv_tokens

@@ -525,6 +525,12 @@ class Gateway:
                 stream.ended_in_queue(BackendUnavailableError(
                     "the backend is not ready", retry_after_s=1.0
                 ))  # fmt: skip
+        for req in plan.pushed_out:
+            streams[req.id].ended_in_queue(Overloaded(
+                f"tier {req.tier!r} is full: after {now - req.arrival:.2f}s queued, its place "
+                f"went to a tenant further behind in its fair share",
+                retry_after_s=req.deadline - req.arrival if req.deadline is not None else 1.0,
+            ))  # fmt: skip
         for req in plan.failed:
             stream = streams[req.id]
             param = "messages" if stream.job.endpoint == "chat" else "prompt"
