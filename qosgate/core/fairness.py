@@ -259,15 +259,18 @@ class _Share:
     """One tenant's counter, and what it has queued, in a tier whose release
     order is admission order (CountedFifoOrder)."""
 
-    __slots__ = ("counter", "weight", "queued", "service")
+    __slots__ = ("counter", "weight", "queued", "live", "service")
 
     def __init__(self, weight: float) -> None:
         self.counter = 0.0
         self.weight = weight
         self.queued: deque[Request] = deque()
-        """Its queued requests, in admission order (dead ones skipped)."""
+        """Its queued requests in admission order, with some that left
+        (skipped by state, trimmed from the front)."""
+        self.live = 0
+        """How many of them are still queued."""
         self.service = 0.0
-        """Estimated service of its live queued requests."""
+        """Their estimated service (the charge each would be dispatched with)."""
 
 
 class CountedFifoOrder(_Lane):
@@ -281,15 +284,19 @@ class CountedFifoOrder(_Lane):
     of a tenant further ahead (`pushout`, `gives_place`). A tenant's
     standing is its counter (service received over its weight, lifted as
     in VtcOrder) plus what it has queued, over its weight.
+
+    Only backlogged tenants are looked at, and in a tier that admits by its
+    wait they are few: its queue holds at most a budget's worth of work.
     """
 
-    __slots__ = ("_weights", "_shares", "_last_served", "_charge")
+    __slots__ = ("_weights", "_shares", "_backlogged", "_last_served", "_charge")
 
     def __init__(self, weights: dict[str, float] | None,
                  charge: Callable[[Request], float]) -> None:
         super().__init__()
         self._weights = dict(weights or {})
         self._shares: dict[str, _Share] = {}
+        self._backlogged: dict[str, _Share] = {}
         self._last_served = 0.0
         self._charge = charge
 
@@ -301,42 +308,48 @@ class CountedFifoOrder(_Lane):
         for name, share in self._shares.items():
             share.weight = self.weight(name)
 
-    def _backlogged_min(self) -> float | None:
-        counters = [s.counter for s in self._shares.values() if _live(s.queued)]
-        return min(counters) if counters else None
-
-    def _share(self, tenant: str) -> _Share:
-        share = self._shares.get(tenant)
-        if share is None:
-            share = self._shares[tenant] = _Share(self.weight(tenant))
-        return share
+    def _lifted(self, counter: float) -> float:
+        """`counter` as lifted if its tenant became backlogged now."""
+        floor = min((s.counter for s in self._backlogged.values()), default=None)
+        return lifted(counter, floor, self._last_served)
 
     def standing(self, tenant: str, extra: float = 0.0) -> float:
         """Where the tenant stands with `extra` more service queued: its
         counter (as it would be lifted now, if it has nothing queued) plus
         its queued service, over its weight."""
-        share = self._shares.get(tenant)
-        if share is None:
-            counter = lifted(0.0, self._backlogged_min(), self._last_served)
-            return counter + extra / self.weight(tenant)
-        counter = share.counter
-        if not _live(share.queued):
-            counter = lifted(counter, self._backlogged_min(), self._last_served)
-        return counter + (share.service + extra) / share.weight
+        share = self._backlogged.get(tenant)
+        if share is not None:
+            return share.counter + (share.service + extra) / share.weight
+        idle = self._shares.get(tenant)
+        counter = self._lifted(idle.counter if idle is not None else 0.0)
+        return counter + extra / self.weight(tenant)
 
     def push(self, req: Request) -> None:
-        share = self._share(req.tenant)
-        if not _live(share.queued):
-            share.counter = lifted(share.counter, self._backlogged_min(), self._last_served)
+        share = self._shares.get(req.tenant)
+        if share is None:
+            share = self._shares[req.tenant] = _Share(self.weight(req.tenant))
+        if not share.live:
+            share.counter = self._lifted(share.counter)
+            self._backlogged[req.tenant] = share
         share.queued.append(req)
+        share.live += 1
         share.service += self._charge(req)
         super().push(req)
 
     def _unqueue(self, req: Request) -> None:
         share = self._shares[req.tenant]
-        share.service -= self._charge(req)
-        if share.service < 1e-9:
+        share.live -= 1
+        if not share.live:
+            del self._backlogged[req.tenant]
+            share.queued.clear()
             share.service = 0.0
+            return
+        share.service -= self._charge(req)
+        queued = share.queued
+        if queued[0] is req:
+            queued.popleft()
+        while queued[0].state is not _QUEUED:
+            queued.popleft()
 
     def discard(self, req: Request | None = None) -> None:
         if req is not None:
@@ -368,8 +381,7 @@ class CountedFifoOrder(_Lane):
         once they leave and it comes in."""
         mine = self.standing(tenant, extra)
         ahead = sorted(
-            ((self.standing(name), name) for name, share in self._shares.items()
-             if name != tenant and _live(share.queued)),
+            ((self.standing(name), name) for name in self._backlogged if name != tenant),
             reverse=True,
         )
         for standing, name in ahead:
@@ -390,10 +402,3 @@ def gives_place(standing: float, charge: float, mine: float) -> bool:
     ahead of the newcomer's, so a place never goes to a tenant that would
     end up ahead."""
     return standing - charge >= mine
-
-
-def _live(queue: deque[Request]) -> bool:
-    """Whether a tenant has a request queued (its dead head entries dropped)."""
-    while queue and queue[0].state is not _QUEUED:
-        queue.popleft()
-    return bool(queue)
