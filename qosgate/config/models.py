@@ -394,7 +394,10 @@ class SchedulerConfig(StrictModel):
     policy: Literal["qos", "strict", "fcfs"] = "qos"
     """qos: tiers, ageing, fairness, SLA admission; strict: tiers only; fcfs: one FIFO."""
     fairness: Literal["vtc", "fifo"] = "vtc"
-    """How tenants of one tier share it."""
+    """How tenants of one tier share it. vtc: by virtual token counters, at the door
+    of a tier admitted by its predicted wait (a newcomer behind in its share takes
+    the place of one queued request of a tenant ahead), in the release order of any
+    other tier; fifo: admission order only."""
     aging: AgingConfig = AgingConfig()
     """Anti-starvation settings."""
     vtc: VtcConfig = VtcConfig()
