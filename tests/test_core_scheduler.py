@@ -7,6 +7,7 @@ import pytest
 from qosgate.config.models import PolicyConfig
 from qosgate.config.scheduling import scheduling_policy
 from qosgate.core.admission import DrainRateEstimator
+from qosgate.core.fairness import ahead_at_door, gives_place
 from qosgate.core.request import Outcome, Request, RequestState
 from qosgate.core.scheduler import BackendCapacity, Scheduler
 
@@ -468,6 +469,16 @@ def test_no_place_is_taken_from_a_tenant_that_would_then_be_behind():
     assert not decision.admitted
     assert not any(r.finished for r in a + b)
     assert sched.schedule(0.0, FULL).pushed_out == ()
+
+
+def test_who_is_ahead_at_the_door_is_a_pure_rule():
+    # Furthest ahead first, equal standings by the greater name (as a sort of
+    # (standing, name) pairs, descending), and only those at or ahead.
+    standings = [(3.0, "a"), (5.0, "b"), (5.0, "c"), (2.0, "d")]
+    assert ahead_at_door(standings, 3.0) == [(5.0, "c"), (5.0, "b"), (3.0, "a")]
+    assert ahead_at_door(standings, 5.5) == []
+    # A place goes only where its tenant stays at or ahead of the newcomer's.
+    assert gives_place(5.0, 2.0, 3.0) and not gives_place(5.0, 2.5, 3.0)
 
 
 def test_weights_decide_who_is_ahead_at_the_door():

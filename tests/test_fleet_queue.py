@@ -53,25 +53,26 @@ def make_queue(kind: str, request, tiers: FleetTiers = TIERS, **kw) -> WorkQueue
     return RedisWorkQueue(server.url, tiers, key_prefix=f"test-{uuid.uuid4().hex[:8]}:", **kw)
 
 
-@pytest.fixture(params=["memory", "redis"])
-async def queue(request):
-    store = make_queue(request.param, request)
-    yield store
-    await store.close()
+def each_store(tiers: FleetTiers):
+    """A fixture that runs its test once per kind of store over `tiers`."""
+
+    @pytest.fixture(params=["memory", "redis"])
+    async def store(request):
+        store = make_queue(request.param, request, tiers)
+        yield store
+        await store.close()
+
+    return store
 
 
+queue = each_store(TIERS)
+
+# A queue whose tiers order tenants by virtual token counter.
 FAIR = FleetTiers.of(
     {"gold": 0, "silver": 1}, interval_s=INTERVAL, max_boost=2, fair=True,
     budgets={"silver": BUDGET}, delays=["silver"],
 )  # fmt: skip
-
-
-@pytest.fixture(params=["memory", "redis"])
-async def fair(request):
-    """A queue whose tiers order tenants by virtual token counter."""
-    store = make_queue(request.param, request, FAIR)
-    yield store
-    await store.close()
+fair = each_store(FAIR)
 
 
 def item(
@@ -575,13 +576,7 @@ ADMIT = FleetTiers.of(
     {"gold": 0, "std": 1}, interval_s=INTERVAL, max_boost=2,
     budgets={"gold": 30.0, "std": 10.0}, inflow_tau_s=10.0,
 )  # fmt: skip
-
-
-@pytest.fixture(params=["memory", "redis"])
-async def admit(request):
-    store = make_queue(request.param, request, ADMIT)
-    yield store
-    await store.close()
+admit = each_store(ADMIT)
 
 
 def test_predicted_wait_is_work_ahead_over_what_drains_beyond_the_inflow():
@@ -694,6 +689,135 @@ async def test_queued_work_follows_items_out_of_the_queue_and_back(admit):
     assert (await admit.load(T0)).queued_work == {"gold": 0, "std": 300}
     await admit.release(lease)
     assert (await admit.load(T0)).queued_work == {"gold": 100, "std": 300}
+
+
+# -- a fair latency tier: arrival order, and fairness at the door ----------------
+
+# std refuses late work at the door (a latency objective) under vtc; gold has
+# no budget, so its counters order it.
+DOOR = FleetTiers.of(
+    {"gold": 0, "std": 1}, interval_s=INTERVAL, max_boost=2, fair=True, budgets={"std": 10.0},
+)  # fmt: skip
+door = each_store(DOOR)
+
+
+async def test_a_fair_latency_tier_releases_by_arrival_and_still_charges_counters(door):
+    assert DOOR.doors == {"std"}
+    for tier in ("gold", "std"):
+        for i in range(3):
+            await door.enqueue(item(f"{tier}-a{i}", tier, T0 + i, tenant="a", charge=10.0))
+        await door.enqueue(item(f"{tier}-b0", tier, T0 + 5, tenant="b", charge=10.0))
+    # gold by counters: b, behind on service, before a's older items.
+    assert await ids(door, T0 + 6, 4) == ["gold-a0", "gold-b0", "gold-a1", "gold-a2"]
+    # std as admitted: every admitted item is expected to start within the
+    # budget in this order; another order only makes some of them expire.
+    assert await ids(door, T0 + 6) == ["std-a0", "std-a1", "std-a2", "std-b0"]
+    assert await door.counters("std") == {"a": 30.0, "b": 10.0}
+
+
+async def _flood(store: WorkQueue, count: int) -> None:
+    """One live node, full, draining 100 tokens/s; tenant `flood` queues
+    `count` items of 100 tokens in std: the last waits count seconds."""
+    await store.heartbeat("n1", 0, T0, LEASE, drain_rate=100.0)
+    for i in range(count):
+        await store.enqueue(item(f"f{i}", "std", T0 + i / 1000, tenant="flood", charge=1.0,
+                                 work=100))  # fmt: skip
+
+
+async def test_a_light_tenants_newcomer_takes_the_newest_place_of_a_flood(door):
+    await _flood(door, 10)  # 1 s to 10 s: all within the budget
+    channel = f"door-{uuid.uuid4().hex[:6]}"
+    listener = None
+    if isinstance(door, RedisWorkQueue):
+        listener = door.redis.pubsub()
+        await listener.subscribe(channel)
+    # The flood's next would wait 11 s, and no tenant stands behind it.
+    with pytest.raises(WorkQueueOverloaded) as refused:
+        await door.enqueue(item("f10", "std", T0 + 0.5, tenant="flood", charge=1.0, work=100))
+    assert refused.value.predicted_wait_s == 11.0
+
+    def notice(taken: WorkItem) -> tuple[str, bytes]:
+        return channel, b"pushed out:" + taken.id.encode()
+
+    # A light tenant's newcomer would wait 11 s too; the flood stands at 10
+    # (no service yet, 10 queued charges of 1), light at 1 with it. The
+    # flood's newest leaving makes the room (10 s).
+    light = item("l0", "std", T0 + 0.6, tenant="light", charge=1.0, work=100)
+    taken = await door.enqueue(light, notice=notice)
+    assert taken == item("f9", "std", T0 + 9 / 1000, tenant="flood", charge=1.0, work=100)
+    assert await door.status("f9") == "completed"
+    assert (await door.load(T0 + 0.6)).queued_work["std"] == 1000
+    # Its id stays refused, and no node gets it.
+    with pytest.raises(ValueError):
+        await door.enqueue(item("f9", "std", T0 + 0.7, tenant="flood"))
+    # Light stands at 2 with its second (1 queued, 1 more), the flood at 9:
+    # the flood's next newest goes.
+    taken = await door.enqueue(item("l1", "std", T0 + 0.8, tenant="light", charge=1.0, work=100))
+    assert taken is not None and taken.id == "f8"
+    # The flood's own newcomer is still refused: it stands ahead of light.
+    with pytest.raises(WorkQueueOverloaded):
+        await door.enqueue(item("f11", "std", T0 + 0.9, tenant="flood", charge=1.0, work=100))
+    claim = await door.claim("n2", 20, T0 + 1, LEASE)
+    assert [lease.item.id for lease in claim.leases] == [f"f{i}" for i in range(8)] + ["l0", "l1"]
+    if isinstance(door, MemoryWorkQueue):
+        assert door.published == [(channel, b"pushed out:f9")]
+        return
+    assert listener is not None
+    async with asyncio.timeout(5):
+        while (message := await listener.get_message(timeout=5.0)) is None or (
+            message["type"] != "message"
+        ):
+            pass
+    assert message["data"] == b"pushed out:f9"
+    await listener.aclose()
+
+
+async def test_a_place_goes_only_where_one_leaving_makes_room_and_never_a_rerun(door):
+    await _flood(door, 9)
+    # 9 s queued: a newcomer of 300 tokens would wait 12 s, and no single
+    # item of 100 leaving makes room for it (11 s).
+    with pytest.raises(WorkQueueOverloaded):
+        await door.enqueue(item("big", "std", T0 + 1, tenant="light", charge=1.0, work=300))
+    assert await door.depth() == {"gold": 0, "std": 9}
+    for i in range(9):
+        await door.cancel(f"f{i}", T0 + 1)
+    # An item that ran once and came back keeps its place, as a preempted
+    # request does on one node: g0 (800 tokens) is taken and given back.
+    await door.enqueue(item("g0", "std", T0 + 1, tenant="flood", charge=1.0, work=800))
+    [lease] = (await door.claim("n1", 1, T0 + 1, LEASE, drain_rate=100.0)).leases
+    assert await door.release(lease)
+    await door.enqueue(item("g1", "std", T0 + 1.5, tenant="flood", charge=1.0, work=100))
+    # 12 s for the newcomer: g1's leaving leaves 11 s; g0's would leave 4 s,
+    # but g0 has run.
+    with pytest.raises(WorkQueueOverloaded):
+        await door.enqueue(item("l0", "std", T0 + 2, tenant="light", charge=1.0, work=300))
+    assert await door.status("g0") == "queued"
+    assert await door.depth() == {"gold": 0, "std": 2}
+
+
+async def test_a_place_chosen_from_a_read_is_taken_only_if_still_queued(request):
+    # Between the read the door decides on and the enqueue script, the item
+    # whose place it was to take left the queue (its client went away): the
+    # script refuses to take it, and the door decides again from a new read,
+    # where the newcomer now fits outright.
+    store = make_queue("redis", request, DOOR)
+    try:
+        await _flood(store, 10)
+        chosen = store._queued_item
+
+        async def gone_meanwhile(item_id: str) -> WorkItem | None:
+            found = await chosen(item_id)
+            await store.cancel(item_id, T0 + 1)
+            store._queued_item = chosen  # once
+            return found
+
+        store._queued_item = gone_meanwhile
+        light = item("l0", "std", T0 + 1, tenant="light", charge=1.0, work=100)
+        assert await store.enqueue(light) is None
+        assert await store.status("f9") == "completed"
+        assert await store.depth() == {"gold": 0, "std": 10}
+    finally:
+        await store.close()
 
 
 # -- session affinity -----------------------------------------------------------
@@ -938,6 +1062,10 @@ async def test_stores_agree_on_random_operations_and_lose_nothing(request, fairn
                     refused += 1
                 elif fresh:
                     enqueued.append(item_id)
+                if isinstance(answer, WorkItem):
+                    # It took this one's place at its tier's door: ended.
+                    assert answer.id not in completed, "ended twice"
+                    completed.add(answer.id)
             elif roll < 0.5:
                 node = rng.choice(["n1", "n2", "n3"])
                 max_items, lease_s = rng.randrange(0, 4), rng.choice([0.5, 1.0, 2.5])

@@ -391,6 +391,90 @@ async def test_the_fleet_refuses_at_the_door_what_would_wait_past_its_budget(
         assert patient.request.outcome is Outcome.COMPLETED
 
 
+def rejected_overload(gateway: Gateway) -> float:
+    """How many of a replica's requests ended rejected_overload, as its
+    qosgate_requests_total counts them."""
+    return sum(
+        sample.value
+        for family in gateway.observer.metrics.registry.collect()
+        for sample in family.samples
+        if sample.name == "qosgate_requests_total"
+        and sample.labels.get("outcome") == "rejected_overload"
+    )  # fmt: skip
+
+
+async def test_a_newcomer_takes_a_floods_newest_place_whose_client_gets_503_refunded(
+    redis_server, prefix
+):
+    # The node is taken to drain 10 tokens/s, and nothing completes during
+    # the test to teach it otherwise. Each queued request is 8 prompt + 8
+    # output tokens; interactive's budget is 5 s. Tenant a floods it through
+    # this replica, b sends through another.
+    policy = make_policy(
+        redis_server.url, prefix, scheduler={"initial_drain_rate": 10.0}, max_queue_wait_ms=5000,
+        tenants=[{"id": "a", "tier": "interactive", "quotas": {"tokens_per_minute": 1_000_000}},
+                 {"id": "b", "tier": "interactive"}],
+    )  # fmt: skip
+    body = {"model": "sim-llama3-8b", "messages": [], "max_tokens": 8, "stream": True}
+    async with Fleet(policy, engines=1, seqs=1) as fleet:
+        started = record_starts(fleet.engines[0])
+        other = second_replica(policy)
+        await other.start()
+        reservations = []
+
+        async def flood() -> RequestStream:
+            request_id = uuid.uuid4().hex
+            decision = await fleet.gateway.quotas.reserve("a", 16, request_id)
+            assert decision is not None and decision.admitted
+            reservations.append(decision.reservation)
+            return fleet.gateway.submit(
+                request_id=request_id, tenant="a", tier="interactive", endpoint="chat",
+                body=body, prompt_tokens=8, max_tokens=8, reservation=decision.reservation,
+            )  # fmt: skip
+
+        try:
+            async with asyncio.timeout(LIMIT_S), Enqueues(fleet) as enqueues:
+                filler = fleet.submit(max_tokens=5000, tenant="a")
+                await first_chunk(filler)  # the node is full from here on
+                queued = [await flood() for _ in range(3)]  # 1.6, 3.2 and 4.8 s
+                readers = [asyncio.ensure_future(read_all(s)) for s in queued]
+                await enqueues.wait(4)
+                # a's next would wait 6.4 s, and no tenant stands behind a.
+                with pytest.raises(Overloaded):
+                    await read_all(await flood())
+                # b's would too, but a stands ahead of b by what it has
+                # queued, and its newest leaving makes room: 4.8 s.
+                light = other.submit(
+                    request_id=uuid.uuid4().hex, tenant="b", tier="interactive",
+                    endpoint="chat", body=body, prompt_tokens=8, max_tokens=8,
+                )  # fmt: skip
+                light_reader = asyncio.ensure_future(read_all(light))
+                with pytest.raises(Overloaded) as error:
+                    await readers[2]
+                pushed_out = queued[2].request
+                assert pushed_out.outcome is Outcome.REJECTED_OVERLOAD
+                assert (error.value.status, error.value.retry_after_header) == (503, "5")
+                assert await fleet.backend.store.status(pushed_out.id) == "completed"
+                await filler.aclose()
+                assert [(await r)[1] for r in readers[:2]] == [8, 8]
+                assert (await light_reader)[1] == 8
+            # By arrival: a's first two, then b's, which took the third's place.
+            ids = [await started.get() for _ in range(4)]
+            assert ids == [filler.request.id, queued[0].request.id, queued[1].request.id,
+                           light.request.id]  # fmt: skip
+            assert started.empty()
+            # Counted once, with the refusal before it, and never started.
+            assert rejected_overload(fleet.gateway) == 2
+            assert rejected_overload(other) == 0
+            assert fleet_waits(fleet) == 3
+        finally:
+            await other.close()
+    [first, second, taken, refused] = reservations
+    assert (taken.settled, taken.charged) == (True, 0), "it never ran"
+    assert (refused.settled, refused.charged) == (True, 0)
+    assert first.settled and first.charged == 16
+
+
 async def test_a_full_node_sends_back_a_preemptible_run_for_more_urgent_work(
     redis_server, prefix
 ):
@@ -466,14 +550,16 @@ async def test_a_session_keeps_its_node_and_spills_only_while_that_node_is_full(
 
 
 async def test_tenants_of_a_tier_share_the_fleet_by_service_not_arrival(redis_server, prefix):
+    # In a delay tier; one with a latency objective goes by arrival (below).
     policy = make_policy(redis_server.url, prefix)
     assert policy.scheduler.fairness == "vtc"
     async with Fleet(policy, engines=1, seqs=1) as fleet:
         store = fleet.backend.store
         async with asyncio.timeout(LIMIT_S), Enqueues(fleet) as enqueues:
-            filler = fleet.submit(max_tokens=5000, tenant="a")
+            filler = fleet.submit(tier="batch", max_tokens=5000, tenant="a")
             await first_chunk(filler)
-            queued = [fleet.submit(tenant="a") for _ in range(4)] + [fleet.submit(tenant="b")]
+            queued = [fleet.submit(tier="batch", tenant="a") for _ in range(4)]
+            queued.append(fleet.submit(tier="batch", tenant="b"))
             order: list[str] = []
 
             async def read(stream: RequestStream, tenant: str) -> None:
@@ -490,7 +576,7 @@ async def test_tenants_of_a_tier_share_the_fleet_by_service_not_arrival(redis_se
         # goes first (b is lifted to a's counter and the tie goes by name);
         # then b, which has had no service, before a's other three.
         assert order == ["a", "b", "a", "a", "a"]
-        counters = await store.counters("interactive")
+        counters = await store.counters("batch")
         assert counters["a"] > counters["b"] > 0
 
 
@@ -765,6 +851,17 @@ def test_a_message_keeps_its_events_when_one_is_of_a_kind_not_known_yet():
         wire.decode_events(b'[["a", "1", "c", null]]')
     with pytest.raises(ValueError):
         wire.decode_events(b'[["a", 1, 7, null]]')
+
+
+def test_the_end_of_an_item_whose_place_was_taken_is_an_error_event_older_replicas_read():
+    # An error event as every replica parses it: a replica from before reads
+    # its kind as a backend failure (docs/FLEET.md, "Upgrading a fleet").
+    event = wire.pushed_out_event("a", "full", 5.0)
+    assert wire.decode_events(wire.encode_events([event])) == [
+        ("a", wire.LOCAL_TOKEN, wire.ERROR, ["overloaded", "full", 5.0])
+    ]
+    kind, message, *more = event[3]
+    assert (kind, message, more) == ("overloaded", "full", [5.0])
 
 
 def test_a_job_goes_on_the_wire_with_an_integer_past_64_bits_where_nothing_types_it():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 from bisect import insort
 from collections import deque
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterable, Iterator, Protocol
 
 from qosgate.core.request import Request, RequestState
 
@@ -380,19 +380,22 @@ class CountedFifoOrder(_Lane):
         newest first, those whose tenant stays at or ahead of the newcomer's
         once they leave and it comes in."""
         mine = self.standing(tenant, extra)
-        ahead = sorted(
-            ((self.standing(name), name) for name in self._backlogged if name != tenant),
-            reverse=True,
-        )
-        for standing, name in ahead:
-            if standing < mine:
-                return
+        standings = ((self.standing(name), name) for name in self._backlogged if name != tenant)
+        for standing, name in ahead_at_door(standings, mine):
             share = self._shares[name]
             for req in reversed(share.queued):
                 # A preempted request already started once: it keeps its place.
                 if (req.state is _QUEUED and not req.preemptions
                         and gives_place(standing, self._charge(req) / share.weight, mine)):
                     yield req
+
+
+def ahead_at_door(standings: Iterable[tuple[float, str]], mine: float) -> list[tuple[float, str]]:
+    """The (standing, tenant) pairs of the tenants with something queued,
+    other than a newcomer's, whose places the newcomer may take when its
+    tenant will stand at `mine`: those at or ahead of it, furthest ahead
+    first (equal standings: the greater name first)."""
+    return [entry for entry in sorted(standings, reverse=True) if entry[0] >= mine]
 
 
 def gives_place(standing: float, charge: float, mine: float) -> bool:

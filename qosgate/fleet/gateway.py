@@ -7,8 +7,11 @@ ordering that matters happens in the shared queue, across every replica.
 
 `generate` puts the job in its tier's queue (refused with 429 when the tier's
 `max_queue_len` is reached fleet-wide, and with 503 `overloaded` when the
-store predicts it would wait past its tier's budget) and yields what the
-engine node that takes it publishes back on this replica's reply channel. A tier whose
+store predicts it would wait past its tier's budget and it takes no one's
+place there) and yields what the
+engine node that takes it publishes back on this replica's reply channel. A
+queued request whose place a newcomer takes (any replica's) ends with 503
+`overloaded`, told on this replica's reply channel. A tier whose
 `on_timeout` is `reject` gets a timer at its queue budget: if the item is
 still queued then, it is taken out and the request ends `expired`. A client
 that goes away takes its item out of the queue, or tells the node running it
@@ -52,7 +55,7 @@ from qosgate.config.models import FleetConfig, PolicyConfig
 from qosgate.config.scheduling import scheduling_policy
 from qosgate.config.secrets import redis_password, redis_url
 from qosgate.core.scheduler import BackendCapacity
-from qosgate.runtime.errors import Expired, GatewayError, WorkQueueError
+from qosgate.runtime.errors import Expired, GatewayError, Overloaded, WorkQueueError
 
 from . import wire
 from .model import FleetTiers, ServiceMeter, WorkItem
@@ -236,8 +239,9 @@ class FleetBackend(Backend):
             if waiting is None:
                 continue
             # Noted as it arrives, not as the request's reader gets to it: a
-            # client may go away in between.
-            if not waiting.started:
+            # client may go away in between. An event no run sent (its place
+            # in the queue was taken) says nothing started.
+            if not waiting.started and event[1] != wire.LOCAL_TOKEN:
                 waiting.started = True
                 self._started(waiting)
             if event[2] != wire.STARTED:
@@ -287,7 +291,9 @@ class FleetBackend(Backend):
             # Before the enqueue returns, a node may already have started it.
             waiting.queued_at = item.arrival
             try:
-                await self.store.enqueue(item, max_queued=tier.max_queue_len)
+                await self.store.enqueue(
+                    item, max_queued=tier.max_queue_len, notice=self._pushed_out
+                )
             except GatewayError:
                 # Full, overloaded or unreachable: typed in the one error
                 # table (runtime/errors.py), answered as they stand.
@@ -331,6 +337,8 @@ class FleetBackend(Backend):
                     raise Expired(message)
                 if error_kind == "unavailable":
                     raise BackendUnavailable(message)
+                if error_kind == "overloaded":
+                    raise Overloaded(message, retry_after_s=more[0] if more else None)
                 if error_kind == "rejected":
                     raise BackendRejected(message, param=more[0] if more else None,
                                           context_length=len(more) > 1 and more[1] is True)
@@ -355,6 +363,25 @@ class FleetBackend(Backend):
             yield chunk
             if chunk.finish_reason is not None:
                 return
+
+    def _pushed_out(self, item: WorkItem) -> tuple[str, bytes] | None:
+        """What tells the replica of a queued item (this one or another) that
+        the item enqueued now took its place: its tier's budget as
+        Retry-After, as one node answers it."""
+        try:
+            _, reply_to = wire.decode_job(item.payload)
+        except ValueError:
+            log.error("request %s: its place was taken, but its payload names no reply channel",
+                      item.id)  # fmt: skip
+            return None
+        tier = self.store.tiers.tier(item.tier)
+        event = wire.pushed_out_event(
+            item.id,
+            f"tier {item.tier!r} is full: its place in the fleet's queue went to a tenant "
+            f"further behind in its fair share",
+            tier.budget_s if tier.budget_s is not None else 1.0,
+        )  # fmt: skip
+        return reply_to, wire.encode_events([event])
 
     def _expire(self, request_id: str, budget_ms: float) -> None:
         waiting = self._waiting.get(request_id)

@@ -5,17 +5,23 @@ Gateway replicas put requests into one queue per tier in a shared store;
 engine nodes pull the globally most urgent work when they have room. The
 rules are the single node's, from qosgate/core (ordering.pick_tier and
 share_credit, admission.predicted_wait, fairness.lifted and
-fairness.service): the shared queue is a storage strategy under them. The
-Redis store's scripts restate the tier choice, the share credit, the
-arrival-rate update and the VTC lift, which must run inside Redis to be
-atomic; tests/test_fleet_rules_differential.py holds them to the core.
+fairness.service, ahead_at_door and gives_place): the shared queue is a
+storage strategy under them. The Redis store's scripts restate the tier
+choice, the share credit, the arrival-rate update and the VTC lift, which
+must run inside Redis to be atomic, and keep the sums of queued charges a
+fair latency tier's door reads; tests/test_fleet_rules_differential.py
+holds them to the core.
 
 A tier's level counts from its oldest queued item, whoever it is held back
 for (below); a tier with nothing the claiming node may take is passed over.
 Within a fair tier (`fairness: vtc`) the tenant with the smallest counter
 goes next, ties by tenant name, and its items by arrival (ties by id); a
 tenant is charged the item's `charge` when a node takes it, corrected at
-completion and refunded when the lease is lost or released.
+completion and refunded when the lease is lost or released. A fair tier that
+admits by prediction (`FleetTiers.admitting`) goes by arrival instead, as
+one node's (fairness.CountedFifoOrder), and its counters act at its door: a
+newcomer the prediction refuses may take the place of one queued item of a
+tenant further ahead (`TierStandings`, `WorkQueue.enqueue`).
 
 Session affinity: an item may carry an affinity key (its session, or its
 tenant). The first node to claim an item with a key is bound to it, so that
@@ -43,7 +49,7 @@ from typing import Literal
 from qosgate.config.models import PolicyConfig
 from qosgate.config.scheduling import scheduling_policy
 from qosgate.core import admission, ordering
-from qosgate.core.fairness import service
+from qosgate.core.fairness import ahead_at_door, lifted, service
 from qosgate.core.policy import Ageing, SchedulingPolicy, TierParams, with_age_floors
 
 
@@ -117,7 +123,9 @@ class FleetTiers:
     interval_s: float
     max_boost: int
     fair: bool = False
-    """Order each tier's tenants by virtual token counter (VTC), not arrival."""
+    """Keep a virtual token counter (VTC) per tenant in each tier: it orders
+    the tenants of a tier without a latency objective, and acts at the door
+    of one with (`doors`), which goes by arrival."""
     inflow_tau_s: float = 10.0
     """Time constant of each tier's arrival-rate average (admission)."""
     admitting: frozenset[str] = frozenset()
@@ -194,6 +202,12 @@ class FleetTiers:
                       if policy.admission and t.budget_s is not None and not t.delays),
             policy.held_slots,
         )
+
+    @property
+    def doors(self) -> frozenset[str]:
+        """The fair tiers that admit by prediction: they release by arrival,
+        and their counters act at the door (fairness.CountedFifoOrder)."""
+        return self.admitting if self.fair else frozenset()
 
     @property
     def ageing(self) -> Ageing:
@@ -327,6 +341,39 @@ def predicted_wait(
         priority, work, views, now,
         own_slot=room <= 0 and not reserved, room_work=room * work, drain=load.drain,
     )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class TierStandings:
+    """A fair tier's tenants as its door reads them: where each stands in its
+    fair share (fairness.CountedFifoOrder.standing), with charges already
+    over the tenant's weight."""
+
+    counters: Mapping[str, float]
+    """Backlogged tenant (something queued) -> its counter."""
+    queued: Mapping[str, float]
+    """Backlogged tenant -> the charges of its queued items, summed."""
+    own: float
+    """The newcomer's tenant's counter (0 for a tenant never seen)."""
+    served: float
+    """The counter last served in the tier."""
+
+    def _standing(self, tenant: str) -> float:
+        return self.counters[tenant] + self.queued.get(tenant, 0.0)
+
+    def mine(self, tenant: str, charge: float) -> float:
+        """Where `tenant` stands with a newcomer of `charge` queued: lifted
+        as it would be at the push if it has nothing queued."""
+        if tenant in self.counters:
+            return self._standing(tenant) + charge
+        floor = min(self.counters.values(), default=None)
+        return lifted(self.own, floor, self.served) + charge
+
+    def ahead(self, tenant: str, mine: float) -> list[tuple[float, str]]:
+        """The tenants whose items a newcomer of `tenant` standing at `mine`
+        may take the place of, furthest ahead first (fairness.ahead_at_door)."""
+        standings = ((self._standing(t), t) for t in self.counters if t != tenant)
+        return ahead_at_door(standings, mine)
 
 
 def lane_key(item: WorkItem) -> str:

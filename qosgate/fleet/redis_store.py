@@ -26,6 +26,9 @@ which the scripts need since they touch every tier):
                   items in order (model.lane_key)
   backlog:<tier>  fair tiers: sorted set, backlogged tenant -> counter
   counter:<tier>  sorted set, tenant -> virtual token counter
+  qcharge:<tier>  door tiers (FleetTiers.doors): sorted set, backlogged
+                  tenant -> the charges of its queued items, summed (a
+                  sorted set because ZINCRBY adds doubles as Python does)
   work      hash, item id -> tokens it is expected to take
   qwork     hash, tier -> tokens of its queued items
   rate      hash, node -> tokens/s it drains when full, in thousandths
@@ -52,10 +55,10 @@ from redis.exceptions import RedisError
 
 from qosgate.core.admission import ArrivalRate
 from qosgate.quotas.redis_client import connection_pool, guarded, register_scripts
-from qosgate.runtime.errors import WorkQueueError, WorkQueueFull
+from qosgate.runtime.errors import WorkQueueError, WorkQueueFull, WorkQueueOverloaded
 
-from .model import Claim, FleetLoad, FleetTiers, Lease, WorkItem, lane_key
-from .store import ItemStatus, WorkQueue, milli
+from .model import Claim, FleetLoad, FleetTiers, Lease, TierStandings, WorkItem, lane_key
+from .store import ItemStatus, Notice, QueuedEntry, WorkQueue, milli
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +78,10 @@ _FIELDS = (
 )  # fmt: skip
 # The prelude's K_* constants and F (the per-tier keys follow) assume this.
 assert len(_FIELDS) == 24
-_PER_TIER = ("q", "lane", "backlog", "counter")
+_PER_TIER = ("q", "lane", "backlog", "counter", "qcharge")
+# How many times an enqueue decides again at a door when the item whose place
+# it was to take left the queue (a node took it) before the script ran.
+_DOOR_TRIES = 3
 
 
 class RedisWorkQueue(WorkQueue):
@@ -123,6 +129,7 @@ class RedisWorkQueue(WorkQueue):
             budget = "" if tier.budget_s is None else repr(tier.budget_s)
             self._tier_args += [
                 tier.priority, budget, int(tier.delays), repr(tier.min_share), tier.age_floor,
+                int(tier.name in tiers.doors),
             ]  # fmt: skip
         # The scripts live in `lua/`, one file each; every one starts with the
         # prelude, which documents the KEYS and tier args they all get.
@@ -169,29 +176,101 @@ class RedisWorkQueue(WorkQueue):
     async def _run(self, script: Any, args: list[Any]) -> Any:
         return await self._guard(script(keys=self._keys, args=args))
 
-    async def enqueue(self, item: WorkItem, *, max_queued: int | None = None) -> None:
+    async def enqueue(
+        self, item: WorkItem, *, max_queued: int | None = None, notice: Notice | None = None
+    ) -> WorkItem | None:
         self._check_tier(item)
-        refusal = None
-        if item.tier in self.tiers.admitting:
-            # Predicted here by the core's rule from a read just before: a
-            # prediction may miss an enqueue racing that read, as if it came
-            # a moment later. The cap and the duplicate check stay atomic in
-            # the script, and go first there, as in the memory store.
-            refusal = self._refusal(item, await self.load(item.arrival))
-        args = [
-            item.id, item.tier, item.tenant, repr(item.arrival), item.payload, item.attempt,
-            max_queued or 0, self.wake_channel, item.affinity, repr(item.charge), lane_key(item),
-            item.work, 1 if refusal is not None else 0,
-        ]  # fmt: skip
-        result = await self._run(self._enqueue, [*args, *self._tier_args])
-        if result == -2:
-            assert refusal is not None
-            raise refusal
-        if result == 0:
-            raise ValueError(f"duplicate work item id {item.id!r}")
-        if result < 0:
-            assert max_queued is not None
-            raise WorkQueueFull(item.tier, max_queued)
+        refusal: WorkQueueOverloaded | None = None
+        for _ in range(_DOOR_TRIES):
+            refusal = taken = reply = None
+            if item.tier in self.tiers.admitting:
+                # Predicted here by the core's rule from a read just before: a
+                # prediction may miss an enqueue racing that read, as if it
+                # came a moment later. The cap and the duplicate check stay
+                # atomic in the script, and go first there, as in the memory
+                # store; so does the check that the item whose place this one
+                # takes is still queued.
+                load = await self.load(item.arrival)
+                refusal = self._refusal(item, load)
+                place = await self._place_for(item, load) if refusal is not None else None
+                if place is not None:
+                    taken = await self._queued_item(place)
+                    if taken is None:
+                        continue  # gone since: decide again
+                    reply = notice(taken) if notice is not None else None
+            args = [
+                item.id, item.tier, item.tenant, repr(item.arrival), item.payload, item.attempt,
+                max_queued or 0, self.wake_channel, item.affinity, repr(item.charge),
+                lane_key(item), item.work, 1 if refusal is not None and taken is None else 0,
+                taken.id if taken is not None else "", *(reply or ("", b"")),
+            ]  # fmt: skip
+            result = await self._run(self._enqueue, [*args, *self._tier_args])
+            if result == -3:
+                continue  # the item whose place it was to take left the queue
+            if result == -2:
+                assert refusal is not None
+                raise refusal
+            if result == 0:
+                raise ValueError(f"duplicate work item id {item.id!r}")
+            if result < 0:
+                assert max_queued is not None
+                raise WorkQueueFull(item.tier, max_queued)
+            return taken
+        assert refusal is not None
+        raise refusal
+
+    async def _standings(self, tier: str, tenant: str) -> TierStandings:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.zrange(f"{self.base}backlog:{tier}", 0, -1, withscores=True)
+            pipe.zrange(f"{self.base}qcharge:{tier}", 0, -1, withscores=True)
+            pipe.zscore(f"{self.base}counter:{tier}", tenant)
+            pipe.zscore(self._field["served"], tier)
+            backlog, charges, own, served = await self._guard(pipe.execute())
+        return TierStandings(
+            counters={name.decode(): float(score) for name, score in backlog},
+            queued={name.decode(): float(score) for name, score in charges},
+            own=float(own) if own is not None else 0.0,
+            served=float(served) if served is not None else 0.0,
+        )
+
+    async def _newest(self, tier: str, tenant: str, start: int, count: int) -> list[QueuedEntry]:
+        members = await self._guard(self._redis.zrevrangebylex(
+            f"{self.base}lane:{tier}", f"({tenant}\x01", f"[{tenant}\x00", start=start, num=count
+        ))  # fmt: skip
+        # A member is `tenant NUL 16 hex digits NUL id` (model.lane_key).
+        skip = len(tenant.encode()) + 18
+        ids = [member[skip:].decode() for member in members]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for item_id in ids:
+                pipe.hget(self._field["attempt"], item_id)
+                pipe.hget(self._field["charge"], item_id)
+                pipe.hget(self._field["work"], item_id)
+            fields = await self._guard(pipe.execute())
+        entries = []
+        for n, item_id in enumerate(ids):
+            attempt, charge, work = fields[3 * n:3 * n + 3]
+            if attempt is not None and charge is not None and work is not None:
+                entries.append((item_id, int(attempt), float(charge), int(work)))
+        return entries
+
+    async def _queued_item(self, item_id: str) -> WorkItem | None:
+        """The item `item_id` as it is stored, while it is queued (None once
+        it is not: a node took it, or it ended)."""
+        names = ("tier", "tenant", "arrival", "payload", "attempt", "affkey", "charge", "work")
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hexists(self._field["holder"], item_id)
+            for name in names:
+                pipe.hget(self._field[name], item_id)
+            held, *values = await self._guard(pipe.execute())
+        tier, tenant, arrival, payload, attempt, affinity, charge, work = values
+        if held or tier is None:
+            return None
+        return WorkItem(
+            id=item_id, tier=tier.decode(), tenant=tenant.decode(), arrival=float(arrival),
+            payload=bytes(payload), attempt=int(attempt),
+            affinity=affinity.decode() if affinity is not None else "",
+            charge=float(charge), work=int(work),
+        )  # fmt: skip
 
     async def cancel(
         self, item_id: str, now: float, *, only_queued: bool = False

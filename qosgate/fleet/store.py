@@ -6,12 +6,13 @@ import bisect
 import dataclasses
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from qosgate.core import ordering
 from qosgate.core.admission import ArrivalRate
-from qosgate.core.fairness import lifted
+from qosgate.core.fairness import gives_place, lifted
+from qosgate.core.scheduler import PUSHOUT_CANDIDATES
 from qosgate.runtime.errors import WorkQueueFull, WorkQueueOverloaded
 
 from .model import (
@@ -19,6 +20,7 @@ from .model import (
     FleetLoad,
     FleetTiers,
     Lease,
+    TierStandings,
     WorkItem,
     choose_tier,
     predicted_wait,
@@ -26,6 +28,16 @@ from .model import (
 )
 
 ItemStatus = Literal["queued", "leased", "completed"]
+
+Notice = Callable[[WorkItem], tuple[str, bytes] | None]
+"""What to publish, as (channel, message), to the gateway of a queued item
+whose place a newcomer took; None: nothing."""
+
+QueuedEntry = tuple[str, int, float, int]
+"""A queued item as the door weighs it: id, attempt, charge and work."""
+
+_DOOR_PAGE = 16
+"""A tenant's queued items read at a time, newest first, at the door."""
 
 
 def milli(rate: float) -> int:
@@ -77,15 +89,68 @@ class WorkQueue(ABC):
             return None
         return WorkQueueOverloaded(item.tier, predicted, tier.budget_s)
 
+    async def _place_for(self, item: WorkItem, load: FleetLoad) -> str | None:
+        """At the door of a fair tier that admits by prediction, for `item`,
+        which the prediction over `load` refuses: the id of the queued item
+        whose place it takes, if any. One node's rule (Scheduler._push_out
+        over fairness.CountedFifoOrder.pushout): candidates are the items of
+        the tenants ahead of its own (TierStandings.ahead), each tenant's
+        newest first, never one that ran before (it keeps its place), and
+        only where its tenant stays at or ahead (fairness.gives_place); of
+        the first PUSHOUT_CANDIDATES of them, the first whose leaving brings
+        the prediction within the budget."""
+        budget = self.tiers.tier(item.tier).budget_s
+        if item.tier not in self.tiers.doors or budget is None:
+            return None
+        standings = await self._standings(item.tier, item.tenant)
+        mine = standings.mine(item.tenant, item.charge)
+        tried = 0
+        for standing, tenant in standings.ahead(item.tenant, mine):
+            start = 0
+            while True:
+                page = await self._newest(item.tier, tenant, start, _DOOR_PAGE)
+                for queued_id, attempt, charge, work in page:
+                    if attempt or not gives_place(standing, charge, mine):
+                        continue
+                    if tried == PUSHOUT_CANDIDATES:
+                        return None
+                    tried += 1
+                    queued_work = {**load.queued_work}
+                    queued_work[item.tier] = queued_work.get(item.tier, 0) - work
+                    after = predicted_wait(
+                        self.tiers, item.tier, item.work,
+                        dataclasses.replace(load, queued_work=queued_work), item.arrival,
+                    )  # fmt: skip
+                    if after is not None and after <= budget:
+                        return queued_id
+                if len(page) < _DOOR_PAGE:
+                    break
+                start += _DOOR_PAGE
+        return None
+
     @abstractmethod
-    async def enqueue(self, item: WorkItem, *, max_queued: int | None = None) -> None:
+    async def _standings(self, tier: str, tenant: str) -> TierStandings:
+        """A door tier's tenants as they stand, for a newcomer of `tenant`."""
+
+    @abstractmethod
+    async def _newest(self, tier: str, tenant: str, start: int, count: int) -> list[QueuedEntry]:
+        """Up to `count` of `tenant`'s items queued in `tier`, newest first
+        (by arrival, then id), skipping the first `start`."""
+
+    @abstractmethod
+    async def enqueue(
+        self, item: WorkItem, *, max_queued: int | None = None, notice: Notice | None = None
+    ) -> WorkItem | None:
         """Queue `item`; ValueError if its id was enqueued here before (queued,
         leased or ended within `done_retention_s`), so nothing runs twice;
         WorkQueueFull if its tier already holds `max_queued` queued items;
         WorkQueueOverloaded if its tier admits by prediction and
-        `model.predicted_wait` (at `item.arrival`) exceeds the tier's budget.
-        Adds `item.work` to its tier's queued work and arrival rate. Wakes
-        idle engine nodes."""
+        `model.predicted_wait` (at `item.arrival`) exceeds the tier's budget,
+        unless, in a fair tier, it takes the place of a queued item
+        (`_place_for`). That one then ends as if cancelled (its id stays
+        refused) and is returned; `notice(it)` says what to publish to its
+        gateway in the same step. Adds `item.work` to its tier's queued work
+        and arrival rate. Wakes idle engine nodes."""
 
     @abstractmethod
     async def cancel(
@@ -233,6 +298,8 @@ class MemoryWorkQueue(WorkQueue):
         }
         self._counters: dict[str, dict[str, float]] = {name: {} for name in tiers.names()}
         self._served: dict[str, float] = {}
+        # Door tiers: tier -> backlogged tenant -> charges of its queued items.
+        self._queued_charge: dict[str, dict[str, float]] = {name: {} for name in tiers.doors}
         # Admission: tier -> tokens queued, tier -> arrival rate.
         self._work = dict.fromkeys(tiers.names(), 0)
         self._inflow = {name: ArrivalRate(tiers.inflow_tau_s) for name in tiers.names()}
@@ -243,19 +310,47 @@ class MemoryWorkQueue(WorkQueue):
         self.wakes = 0
         """Enqueues that would have woken idle engine nodes."""
 
-    async def enqueue(self, item: WorkItem, *, max_queued: int | None = None) -> None:
+    async def enqueue(
+        self, item: WorkItem, *, max_queued: int | None = None, notice: Notice | None = None
+    ) -> WorkItem | None:
         self._check_tier(item)
         if item.id in self._queued or item.id in self._held or item.id in self._completed:
             raise ValueError(f"duplicate work item id {item.id!r}")
         if max_queued is not None and len(self._queues[item.tier]) >= max_queued:
             raise WorkQueueFull(item.tier, max_queued)
+        taken = None
         if item.tier in self.tiers.admitting:
-            refusal = self._refusal(item, self._load(item.arrival))
+            load = self._load(item.arrival)
+            refusal = self._refusal(item, load)
             if refusal is not None:
-                raise refusal
+                place = await self._place_for(item, load)
+                if place is None:
+                    raise refusal
+                taken = self._queued.pop(place)
+                self._unqueue(taken)
+                self._completed[place] = item.arrival
+                reply = notice(taken) if notice is not None else None
+                if reply is not None:
+                    self.published.append(reply)
         self._push(item)
         self._inflow[item.tier].add(item.work, item.arrival)
         self.wakes += 1
+        return taken
+
+    async def _standings(self, tier: str, tenant: str) -> TierStandings:
+        counters = self._counters[tier]
+        return TierStandings(
+            counters={t: counters[t] for t in self._lanes[tier]},
+            queued=dict(self._queued_charge[tier]),
+            own=counters.get(tenant, 0.0),
+            served=self._served.get(tier, 0.0),
+        )
+
+    async def _newest(self, tier: str, tenant: str, start: int, count: int) -> list[QueuedEntry]:
+        lane = self._lanes[tier].get(tenant, [])
+        end = len(lane) - start
+        return [(i.id, i.attempt, i.charge, i.work)
+                for _, _, i in reversed(lane[max(0, end - count):max(0, end)])]  # fmt: skip
 
     def _load(self, now: float) -> FleetLoad:
         drain = 0
@@ -297,6 +392,7 @@ class MemoryWorkQueue(WorkQueue):
         self._work[item.tier] += item.work
         if self.tiers.fair:
             lanes = self._lanes[item.tier]
+            charges = self._queued_charge.get(item.tier)
             if item.tenant not in lanes:
                 counters = self._counters[item.tier]
                 counters[item.tenant] = lifted(
@@ -305,7 +401,11 @@ class MemoryWorkQueue(WorkQueue):
                     self._served.get(item.tier, 0.0),
                 )
                 lanes[item.tenant] = []
+                if charges is not None:
+                    charges[item.tenant] = 0.0
             bisect.insort(lanes[item.tenant], entry)
+            if charges is not None:
+                charges[item.tenant] += item.charge
 
     def _unqueue(self, item: WorkItem) -> None:
         entry = (item.arrival, item.id, item)
@@ -316,8 +416,14 @@ class MemoryWorkQueue(WorkQueue):
         if self.tiers.fair:
             lanes = self._lanes[item.tier]
             lanes[item.tenant].remove(entry)
+            charges = self._queued_charge.get(item.tier)
             if not lanes[item.tenant]:
                 del lanes[item.tenant]
+                if charges is not None:
+                    # Emptied: what is left of the sum is rounding.
+                    del charges[item.tenant]
+            elif charges is not None:
+                charges[item.tenant] -= item.charge
 
     def _add_service(self, tier: str, tenant: str, amount: float) -> float:
         counters = self._counters[tier]
@@ -336,7 +442,8 @@ class MemoryWorkQueue(WorkQueue):
     ) -> tuple[WorkItem, tuple[str, str]] | None:
         """The next item of `tier` this claim may consider, and where its
         tier's (or tenant's) items held back so far are counted."""
-        if not self.tiers.fair:
+        if not self.tiers.fair or tier in self.tiers.doors:
+            # By arrival; a door tier's counters act at its door.
             queue, at = self._queues[tier], skipped.get((tier, ""), 0)
             return (queue[at][2], (tier, "")) if at < len(queue) else None
         counters = self._counters[tier]

@@ -32,11 +32,13 @@ STARTED = "s"
 """An engine node has handed the item to its backend: from here a request
 cancelled by its client is charged for what ran (its prompt at least)."""
 
-ErrorKind = Literal["backend_error", "unavailable", "expired", "rejected"]
+ErrorKind = Literal["backend_error", "unavailable", "expired", "rejected", "overloaded"]
 
 LOCAL_TOKEN = 1 << 62
-"""The token of events a replica makes for itself (expired, aborted, channel
-lost): above every lease's, so nothing a run still sends can follow them."""
+"""The token of the events no run sends: those a replica makes for itself
+(expired, aborted, channel lost), and the one that ends an item whose place
+at its tier's door went to a newcomer (`pushed_out_event`). Above every
+lease's, so nothing a run still sends can follow them."""
 
 Event = tuple[str, int, str, Any]
 
@@ -110,6 +112,15 @@ def started_event(request_id: str, token: int) -> Event:
 
 def error_event(request_id: str, token: int, kind: ErrorKind, message: str) -> Event:
     return (request_id, token, ERROR, [kind, message])
+
+
+def pushed_out_event(request_id: str, message: str, retry_after_s: float) -> Event:
+    """A queued item's place went to a newcomer of a tenant further behind in
+    its fair share: its request ends refused for overload (503), with
+    `retry_after_s`, the third field. Sent by the replica that enqueued the
+    newcomer, in the enqueue's own step. A replica from before this kind
+    fails such a request with a 502."""
+    return (request_id, LOCAL_TOKEN, ERROR, ["overloaded", message, retry_after_s])
 
 
 def failure_event(request_id: str, token: int, exc: BackendError) -> Event:

@@ -93,7 +93,7 @@ while #out < max_items do
   end
   local tier = T.names[best]
   local id, lane
-  if T.fair then
+  if T.fair and not T.door[tier] then
     -- A page of backlogged tenants at a time, least served first: the first
     -- one almost always has an item to take, and reading the whole backlog
     -- for every item would cost a claim O(tenants) per item.
@@ -111,6 +111,7 @@ while #out < max_items do
       from = from + BACKLOG_PAGE
     until id or #page < BACKLOG_PAGE
   else
+    -- By arrival (a door tier's counters act at its door).
     lane = tier
     id = redis.call('ZRANGE', T.q[tier], skipped[lane] or 0, skipped[lane] or 0)[1]
   end

@@ -1,10 +1,11 @@
 -- Shared by every fleet script (qosgate/fleet/redis_store.py prepends it).
 -- Every script gets the same KEYS (the fields in redis_store._FIELDS, then
--- per tier in FleetTiers order its queue, lane, backlog and counter keys,
--- each kind in a block of n) and, from some ARGV index, the tier args: n,
--- the names, fair, the inflow time constant, the reserved slots, then per
--- tier its priority, budget ('' for none), delays (1/0), min_share and age
--- floor. T.top is the top level (the least priority value).
+-- per tier in FleetTiers order its queue, lane, backlog, counter and qcharge
+-- keys, each kind in a block of n) and, from some ARGV index, the tier args:
+-- n, the names, fair, the inflow time constant, the reserved slots, then per
+-- tier its priority, budget ('' for none), delays (1/0), min_share, age
+-- floor and door (1/0: a fair tier that admits by prediction, FleetTiers.doors).
+-- T.top is the top level (the least priority value).
 local K_TIER, K_TENANT, K_ARRIVAL, K_ATTEMPT, K_PAYLOAD = 1, 2, 3, 4, 5
 local K_HOLDER, K_NODE, K_EXPIRY, K_DONE, K_TOKEN = 6, 7, 8, 9, 10
 local K_AFFKEY, K_BOUND, K_BOUND_AT, K_ROOM, K_SEEN = 11, 12, 13, 14, 15
@@ -14,8 +15,8 @@ local F = 24
 local T = {}
 local function tier_args(at)
   local n = tonumber(ARGV[at])
-  T.n, T.names, T.q, T.lane, T.backlog, T.counter = n, {}, {}, {}, {}, {}
-  T.prio, T.budget, T.delays, T.share, T.floor = {}, {}, {}, {}, {}
+  T.n, T.names, T.q, T.lane, T.backlog, T.counter, T.qcharge = n, {}, {}, {}, {}, {}, {}
+  T.prio, T.budget, T.delays, T.share, T.floor, T.door = {}, {}, {}, {}, {}, {}
   for i = 1, n do
     local name = ARGV[at + i]
     T.names[i] = name
@@ -23,20 +24,22 @@ local function tier_args(at)
     T.lane[name] = KEYS[F + n + i]
     T.backlog[name] = KEYS[F + 2 * n + i]
     T.counter[name] = KEYS[F + 3 * n + i]
+    T.qcharge[name] = KEYS[F + 4 * n + i]
   end
   T.fair = ARGV[at + n + 1] == '1'
   T.tau = tonumber(ARGV[at + n + 2])
   T.reserve = tonumber(ARGV[at + n + 3])
   for i = 1, n do
-    local name, j = T.names[i], at + n + 4 + 5 * (i - 1)
+    local name, j = T.names[i], at + n + 4 + 6 * (i - 1)
     T.prio[name] = tonumber(ARGV[j])
     if T.top == nil or T.prio[name] < T.top then T.top = T.prio[name] end
     T.budget[name] = tonumber(ARGV[j + 1])
     T.delays[name] = ARGV[j + 2] == '1'
     T.share[name] = tonumber(ARGV[j + 3])
     T.floor[name] = tonumber(ARGV[j + 4])
+    T.door[name] = ARGV[j + 5] == '1'
   end
-  return at + n + 4 + 5 * n
+  return at + n + 4 + 6 * n
 end
 -- A tenant's items in a fair tier's lane set: members `tenant \0 hex \0 id`,
 -- all scored 0, so they sort by tenant, then arrival, then id.
@@ -58,7 +61,9 @@ local function negated(amount)
   return '-' .. amount
 end
 -- As MemoryWorkQueue._push: queue an item whose fields are set; a tenant
--- newly backlogged is lifted as core.fairness.lifted says.
+-- newly backlogged is lifted as core.fairness.lifted says. A door tier sums
+-- each backlogged tenant's queued charges (from 0 when it becomes
+-- backlogged), which its door reads.
 local function push(id)
   local tier = redis.call('HGET', KEYS[K_TIER], id)
   redis.call('ZADD', T.q[tier], redis.call('HGET', KEYS[K_ARRIVAL], id), id)
@@ -72,8 +77,12 @@ local function push(id)
     if tonumber(counter) < tonumber(floor) then counter = floor end
     redis.call('ZADD', T.counter[tier], counter, tenant)
     redis.call('ZADD', T.backlog[tier], counter, tenant)
+    if T.door[tier] then redis.call('ZADD', T.qcharge[tier], 0, tenant) end
   end
   redis.call('ZADD', T.lane[tier], 0, redis.call('HGET', KEYS[K_LANE], id))
+  if T.door[tier] then
+    redis.call('ZINCRBY', T.qcharge[tier], redis.call('HGET', KEYS[K_CHARGE], id), tenant)
+  end
 end
 local function unqueue(id, tier)
   redis.call('ZREM', T.q[tier], id)
@@ -84,7 +93,13 @@ local function unqueue(id, tier)
   if not T.fair then return end
   redis.call('ZREM', T.lane[tier], redis.call('HGET', KEYS[K_LANE], id))
   local tenant = redis.call('HGET', KEYS[K_TENANT], id)
-  if not lane_head(tier, tenant, 0) then redis.call('ZREM', T.backlog[tier], tenant) end
+  if not lane_head(tier, tenant, 0) then
+    redis.call('ZREM', T.backlog[tier], tenant)
+    -- Emptied: what is left of the sum is rounding.
+    if T.door[tier] then redis.call('ZREM', T.qcharge[tier], tenant) end
+  elseif T.door[tier] then
+    redis.call('ZINCRBY', T.qcharge[tier], negated(redis.call('HGET', KEYS[K_CHARGE], id)), tenant)
+  end
 end
 -- model.settle_shares (core.ordering.share_credit for each tier with a
 -- share and work queued) after `work` tokens of `taken` went to a node;
