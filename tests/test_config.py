@@ -10,7 +10,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from qosgate.cli import main
 from qosgate.config import (
@@ -608,3 +608,31 @@ def test_a_fleet_of_openai_upstreams_must_list_its_models() -> None:
     assert "distributed mode" in issue.message
     listed = text.replace("upstreams:", "models: [m], upstreams:") + "fleet: {role: gateway}\n"
     assert load_policy_text(listed).fleet is not None
+
+
+def test_the_automatic_prefill_budget_is_two_of_the_engines_steps():
+    from qosgate.config.scheduling import backend_step_tokens, scheduling_policy
+
+    def policy(scheduler: dict, backend: dict | None = None) -> PolicyConfig:
+        return PolicyConfig.model_validate({
+            "tiers": {"t": {"priority": 0}}, "scheduler": scheduler,
+            **({"backend": backend} if backend else {})})
+
+    auto = policy({})
+    assert auto.scheduler.prefill_budget_tokens == "auto"
+    assert scheduling_policy(auto, step_tokens=2048).prefill_budget_tokens == 4096
+    # Where the engine's step is not known (an upstream server), none.
+    assert scheduling_policy(auto).prefill_budget_tokens is None
+    assert scheduling_policy(policy({"prefill_budget_tokens": 1000}),
+                             step_tokens=2048).prefill_budget_tokens == 1000
+    assert scheduling_policy(policy({"prefill_budget_tokens": None}),
+                             step_tokens=2048).prefill_budget_tokens is None
+    # What the backend section says of its engine's step.
+    assert backend_step_tokens(policy({}, {"kind": "sim", "max_num_batched_tokens": 512})) == 512
+    assert backend_step_tokens(policy({}, {"kind": "vllm", "model": "m", "engine_args": {
+        "max_num_batched_tokens": 8192}})) == 8192
+    assert backend_step_tokens(policy({}, {"kind": "vllm", "model": "m"})) is None
+    assert backend_step_tokens(policy({}, {"kind": "openai", "upstreams": [
+        {"url": "http://127.0.0.1:9/v1"}]})) is None
+    with pytest.raises(ValidationError, match="prefill_budget_tokens"):
+        policy({"prefill_budget_tokens": "lots"})

@@ -209,6 +209,13 @@ class Backend:
         """Free sequence slots and KV tokens right now."""
         raise NotImplementedError
 
+    @property
+    def step_tokens(self) -> int | None:
+        """Tokens its engine takes per step (vLLM's max_num_batched_tokens),
+        where known: the unit of an automatic prefill budget. None: unknown
+        (an upstream server, or an engine left at its own default)."""
+        return None
+
     def hold_room(self, slots: int) -> None:
         """The gateway keeps `slots` of the free slots `capacity` reports for
         top-level work alone (the scheduler's reserve), so that other work

@@ -130,6 +130,10 @@ class SimBackend(Backend):
         registry.register(_EngineSeries(self))
         self.engine_metrics = (registry, ENGINE_PREFIX)
 
+    @property
+    def step_tokens(self) -> int:
+        return self.engine.max_num_batched_tokens
+
     # -- lifecycle -----------------------------------------------------------
 
     async def start(self) -> None:

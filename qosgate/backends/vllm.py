@@ -146,6 +146,10 @@ class VllmBackend(Backend):
             self._start_first(), name="qosgate-vllm-start"
         )
 
+    @property
+    def step_tokens(self) -> int | None:
+        return self.cfg.engine_count("max_num_batched_tokens")
+
     def engine_args(self) -> dict[str, Any]:
         """The engine arguments: the policy's, over qosgate's defaults."""
         return {**ENGINE_DEFAULTS, **self.cfg.engine_args, "model": self.cfg.model}

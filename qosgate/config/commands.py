@@ -17,6 +17,7 @@ from qosgate.config.models import (
     TierConfig,
     VllmBackendConfig,
 )
+from qosgate.config.scheduling import PREFILL_BUDGET_STEPS, backend_step_tokens, prefill_budget
 from qosgate.core.policy import has_latency_objective
 
 EXIT_OK = 0
@@ -57,10 +58,22 @@ def backend_slots(policy: PolicyConfig) -> int | None:
     if isinstance(backend, SimBackendConfig):
         return backend.seqs
     if isinstance(backend, VllmBackendConfig):
-        seqs = backend.engine_args.get("max_num_seqs")
-        return seqs if isinstance(seqs, int) and not isinstance(seqs, bool) else None
+        return backend.engine_count("max_num_seqs")
     caps = [upstream.max_concurrency for upstream in backend.upstreams]
     return sum(caps) if all(caps) else None  # type: ignore[arg-type]
+
+
+def _prefill_budget(policy: PolicyConfig) -> str:
+    setting = policy.scheduler.prefill_budget_tokens
+    if setting is None:
+        return "off"
+    if setting != "auto":
+        return f"{setting} tokens"
+    step = backend_step_tokens(policy)
+    budget = prefill_budget(policy, step)
+    if budget is None:
+        return "auto (off: the engine's tokens per step are not known here)"
+    return f"auto ({budget} tokens: {PREFILL_BUDGET_STEPS} steps of {step})"
 
 
 def policy_warnings(policy: PolicyConfig) -> list[str]:
@@ -134,7 +147,8 @@ def summarize(policy: PolicyConfig, source: str) -> str:
         f"server     {policy.server.host}:{policy.server.port}",
         f"backend    {_backend(policy)}",
         f"scheduler  {scheduler.policy}  fairness {fairness}  aging {aging}  "
-        f"admission {_on(scheduler.admission)}  preemption {_on(scheduler.preemption)}",
+        f"admission {_on(scheduler.admission)}  preemption {_on(scheduler.preemption)}  "
+        f"prefill budget {_prefill_budget(policy)}",
         "",
         _tier_table(policy),
         "",

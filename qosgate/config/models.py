@@ -412,11 +412,13 @@ class SchedulerConfig(StrictModel):
     """Time constant of the drain-rate EWMA (tokens/s the backend completes)."""
     initial_drain_rate: TokenRate | None = None
     """Drain rate (tokens/s) assumed before any measurement (default: backend's hint)."""
-    prefill_budget_tokens: Count | None = None
+    prefill_budget_tokens: Count | Literal["auto"] | None = "auto"
     """Prompt tokens handed to the backend and not yet past their prefill (no
     first token) beyond which work below the top priority is held back, so a
     top-priority prompt never queues behind more prefill than this inside the
-    engine (qos and strict; None: no limit)."""
+    engine (qos and strict). auto: two of the engine's steps
+    (2 x max_num_batched_tokens) where the backend section gives it (the sim;
+    vllm's engine_args), else no limit; null: no limit."""
 
 
 class RateLimit(StrictModel):
@@ -541,10 +543,15 @@ class SimBackendConfig(StrictModel):
         """Running sequences at once: max_num_seqs, or its profile's."""
         return self.max_num_seqs or get_profile(self.profile).max_num_seqs
 
+    @property
+    def step_tokens(self) -> int:
+        """Tokens per engine step: max_num_batched_tokens, or its profile's."""
+        return self.max_num_batched_tokens or get_profile(self.profile).max_num_batched_tokens
+
     @model_validator(mode="after")
     def _step_holds_every_sequence(self) -> SimBackendConfig:
         seqs = self.seqs
-        budget = self.max_num_batched_tokens or get_profile(self.profile).max_num_batched_tokens
+        budget = self.step_tokens
         if budget < seqs:
             # As in vLLM: a step must be able to give every running sequence a token.
             raise ValueError(
@@ -636,6 +643,12 @@ class VllmBackendConfig(StrictModel):
     restart_backoff_s: Seconds = 1.0
     """Wait before the first try to restart an engine that died or wedged;
     it doubles after each failed try, up to 60 s."""
+
+    def engine_count(self, name: str) -> int | None:
+        """A count `engine_args` gives (max_num_seqs, max_num_batched_tokens);
+        None where it is not given, so vLLM's own default applies."""
+        value = self.engine_args.get(name)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _default_backend_kind(value: object) -> object:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from qosgate.config.models import PolicyConfig, TierConfig
+from qosgate.config.models import PolicyConfig, SimBackendConfig, TierConfig, VllmBackendConfig
 from qosgate.core.policy import SchedulingPolicy, TierParams
+
+PREFILL_BUDGET_STEPS = 2
+"""An automatic prefill budget, in the engine's steps: a top-level prompt
+waits behind at most two steps' worth of earlier prompts."""
 
 
 def _tier(name: str, tier: TierConfig) -> TierParams:
@@ -22,7 +26,34 @@ def _tier(name: str, tier: TierConfig) -> TierParams:
     )
 
 
-def scheduling_policy(policy: PolicyConfig) -> SchedulingPolicy:
+def backend_step_tokens(policy: PolicyConfig) -> int | None:
+    """Tokens the backend's engine takes per step, where the policy says (the
+    sim's, or vllm's engine_args.max_num_batched_tokens; None: an engine
+    default qosgate does not know, or an upstream server)."""
+    backend = policy.backend
+    if isinstance(backend, SimBackendConfig):
+        return backend.step_tokens
+    if isinstance(backend, VllmBackendConfig):
+        return backend.engine_count("max_num_batched_tokens")
+    return None
+
+
+def prefill_budget(policy: PolicyConfig, step_tokens: int | None) -> int | None:
+    """scheduler.prefill_budget_tokens, with `auto` resolved against an engine
+    that takes `step_tokens` per step (None: unknown, so no budget)."""
+    budget = policy.scheduler.prefill_budget_tokens
+    if budget != "auto":
+        return budget
+    return PREFILL_BUDGET_STEPS * step_tokens if step_tokens else None
+
+
+def scheduling_policy(
+    policy: PolicyConfig, *, step_tokens: int | None = None
+) -> SchedulingPolicy:
+    """The core's parameters. `step_tokens`: the tokens per step of the
+    engine the scheduler releases into (Backend.step_tokens; the simulator's
+    engine), which an automatic prefill budget is counted in; None: unknown,
+    so `auto` sets none."""
     sched = policy.scheduler
     return SchedulingPolicy(
         kind=sched.policy,
@@ -39,5 +70,5 @@ def scheduling_policy(policy: PolicyConfig) -> SchedulingPolicy:
         w_out=sched.vtc.w_out,
         drain_rate_tau_s=sched.drain_rate_tau_s,
         initial_drain_rate=sched.initial_drain_rate,
-        prefill_budget_tokens=sched.prefill_budget_tokens,
+        prefill_budget_tokens=prefill_budget(policy, step_tokens),
     )

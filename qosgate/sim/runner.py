@@ -72,8 +72,9 @@ def run_policy(
     The run ends when every request has an outcome, or at `drain_until`, when
     whatever is still queued or running is cancelled (and counted as such).
     """
-    scheduler = Scheduler(scheduling_policy(policy), drain_rate_hint=drain_rate_hint)
     engine = SimEngine.from_config(engine_cfg)
+    scheduler = Scheduler(scheduling_policy(policy, step_tokens=engine.max_num_batched_tokens),
+                          drain_rate_hint=drain_rate_hint)
     by_id: dict[str, Request] = {}
     true_output: dict[str, int] = {}
     run = PolicyRun(policy=policy.scheduler.policy, requests=[], samples=[], end_time=0.0)
