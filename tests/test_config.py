@@ -618,8 +618,8 @@ def test_the_automatic_prefill_budget_is_two_of_the_engines_steps():
             "tiers": {"t": {"priority": 0}}, "scheduler": scheduler,
             **({"backend": backend} if backend else {})})
 
-    auto = policy({})
-    assert auto.scheduler.prefill_budget_tokens == "auto"
+    assert policy({}).scheduler.prefill_budget_tokens is None  # off unless asked for
+    auto = policy({"prefill_budget_tokens": "auto"})
     assert scheduling_policy(auto, step_tokens=2048).prefill_budget_tokens == 4096
     # Where the engine's step is not known (an upstream server), none.
     assert scheduling_policy(auto).prefill_budget_tokens is None

@@ -760,7 +760,8 @@ async def test_vllm_backend_without_vllm_says_how_to_install_it() -> None:
 
 async def test_the_gateway_counts_an_automatic_prefill_budget_in_its_engines_steps() -> None:
     sim = SimBackend(SimBackendConfig(speed=1000, max_num_batched_tokens=512))
-    gw = Gateway(make_policy(), sim)
-    assert gw.scheduler.policy.prefill_budget_tokens == 1024
-    # A backend whose step is not known gets none.
-    assert Gateway(make_policy(), FakeBackend()).scheduler.policy.prefill_budget_tokens is None
+    auto = make_policy(prefill_budget_tokens="auto")
+    assert Gateway(auto, sim).scheduler.policy.prefill_budget_tokens == 1024
+    # A backend whose step is not known gets none; by default there is none.
+    assert Gateway(auto, FakeBackend()).scheduler.policy.prefill_budget_tokens is None
+    assert Gateway(make_policy(), sim).scheduler.policy.prefill_budget_tokens is None

@@ -412,13 +412,14 @@ class SchedulerConfig(StrictModel):
     """Time constant of the drain-rate EWMA (tokens/s the backend completes)."""
     initial_drain_rate: TokenRate | None = None
     """Drain rate (tokens/s) assumed before any measurement (default: backend's hint)."""
-    prefill_budget_tokens: Count | Literal["auto"] | None = "auto"
+    prefill_budget_tokens: Count | Literal["auto"] | None = None
     """Prompt tokens handed to the backend and not yet past their prefill (no
     first token) beyond which work below the top priority is held back, so a
     top-priority prompt never queues behind more prefill than this inside the
     engine (qos and strict). auto: two of the engine's steps
-    (2 x max_num_batched_tokens) where the backend section gives it (the sim;
-    vllm's engine_args), else no limit; null: no limit."""
+    (2 x max_num_batched_tokens) where qosgate knows them (the sim; a vllm
+    backend whose engine_args set it), else no limit; null (the default): no
+    limit."""
 
 
 class RateLimit(StrictModel):
