@@ -619,6 +619,11 @@ def test_the_automatic_prefill_budget_is_two_of_the_engines_steps():
             **({"backend": backend} if backend else {})})
 
     assert policy({}).scheduler.prefill_budget_tokens is None  # off unless asked for
+    # Delay tiers go in at two steps' pace by default.
+    assert scheduling_policy(policy({}), step_tokens=2048).delay_prefill_tokens == 4096
+    assert scheduling_policy(policy({})).delay_prefill_tokens is None
+    assert scheduling_policy(policy({"delay_prefill_tokens": None}),
+                             step_tokens=2048).delay_prefill_tokens is None
     auto = policy({"prefill_budget_tokens": "auto"})
     assert scheduling_policy(auto, step_tokens=2048).prefill_budget_tokens == 4096
     # Where the engine's step is not known (an upstream server), none.

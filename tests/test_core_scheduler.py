@@ -697,6 +697,35 @@ def test_prefill_budget_holds_lower_tiers_until_a_first_token_never_the_top():
     assert sched.on_first_token(s2.id, 0.4) is False  # nothing was held back
 
 
+def test_a_delay_tier_goes_in_at_the_pace_of_prefill_and_the_latency_tiers_do_not_wait():
+    # Two steps of 512 tokens: the automatic pace is 1,024 prompt tokens.
+    rules = scheduling_policy(policy(), step_tokens=512)
+    assert rules.delay_prefill_tokens == 1024 and rules.prefill_budget_tokens is None
+    sched = Scheduler(rules, drain_rate_hint=10**6)
+    batch = [req("batch", at=0.0, prompt=600) for _ in range(3)]
+    for r in batch:
+        sched.submit(r, 0.0)
+    # Nothing in prefill: one goes, however long; the next would pass 1,024.
+    assert sched.schedule(0.0, ROOMY).dispatch == batch[:1]
+    std = req("standard", at=0.1, prompt=900)
+    sched.submit(std, 0.1)
+    # Standard has a latency objective: the pace never holds it.
+    assert sched.schedule(0.1, ROOMY).dispatch == [std]
+    # Held work asks for a schedule at each first token.
+    assert sched.on_first_token(batch[0].id, 0.2) is True
+    assert sched.schedule(0.2, ROOMY).dispatch == []  # standard's 900 still in prefill
+    assert sched.on_first_token(std.id, 0.3) is True
+    assert sched.schedule(0.3, ROOMY).dispatch == batch[1:2]
+    # Held for the pace, the backend still counts as busy for the drain rate.
+    assert sched.drain.counting
+    # strict paces too; fcfs has no tiers to pace.
+    fcfs = Scheduler(scheduling_policy(policy(scheduler={"policy": "fcfs"}), step_tokens=512),
+                     drain_rate_hint=10**6)
+    for r in (req("batch", prompt=600) for _ in range(3)):
+        fcfs.submit(r, 0.0)
+    assert len(fcfs.schedule(0.0, ROOMY).dispatch) == 3
+
+
 def test_prefill_budget_is_given_back_by_ends_without_a_first_token():
     sched = Scheduler(scheduling_policy(policy(scheduler={"prefill_budget_tokens": 500})),
                       drain_rate_hint=10**6)

@@ -412,6 +412,14 @@ class SchedulerConfig(StrictModel):
     """Time constant of the drain-rate EWMA (tokens/s the backend completes)."""
     initial_drain_rate: TokenRate | None = None
     """Drain rate (tokens/s) assumed before any measurement (default: backend's hint)."""
+    delay_prefill_tokens: Count | Literal["auto"] | None = "auto"
+    """Prompt tokens handed to the backend and not yet past their prefill beyond
+    which tiers without a latency objective (delay tiers) are held back, so
+    that their long prompts, released into a lull, do not queue up in the
+    engine ahead of what comes next (qos and strict). auto (the default): two
+    of the engine's steps (2 x max_num_batched_tokens) where qosgate knows
+    them (the sim; a vllm backend whose engine_args set it), else no limit;
+    null: no limit."""
     prefill_budget_tokens: Count | Literal["auto"] | None = None
     """Prompt tokens handed to the backend and not yet past their prefill (no
     first token) beyond which work below the top priority is held back, so a

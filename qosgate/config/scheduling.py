@@ -38,10 +38,13 @@ def backend_step_tokens(policy: PolicyConfig) -> int | None:
     return None
 
 
-def prefill_budget(policy: PolicyConfig, step_tokens: int | None) -> int | None:
-    """scheduler.prefill_budget_tokens, with `auto` resolved against an engine
-    that takes `step_tokens` per step (None: unknown, so no budget)."""
-    budget = policy.scheduler.prefill_budget_tokens
+def prefill_budget(
+    policy: PolicyConfig, step_tokens: int | None, setting: str = "prefill_budget_tokens"
+) -> int | None:
+    """scheduler.prefill_budget_tokens (or `setting`, delay_prefill_tokens),
+    with `auto` resolved against an engine that takes `step_tokens` per step
+    (None: unknown, so no budget)."""
+    budget = getattr(policy.scheduler, setting)
     if budget != "auto":
         return budget
     return PREFILL_BUDGET_STEPS * step_tokens if step_tokens else None
@@ -71,4 +74,5 @@ def scheduling_policy(
         drain_rate_tau_s=sched.drain_rate_tau_s,
         initial_drain_rate=sched.initial_drain_rate,
         prefill_budget_tokens=prefill_budget(policy, step_tokens),
+        delay_prefill_tokens=prefill_budget(policy, step_tokens, "delay_prefill_tokens"),
     )

@@ -90,6 +90,9 @@ class SchedulingPolicy:
     w_out: float = 2.0
     drain_rate_tau_s: float = 10.0
     initial_drain_rate: float | None = None
+    delay_prefill_tokens: int | None = None
+    """Prompt tokens released and not yet past their prefill beyond which a
+    tier without a latency objective is held back (None: no limit)."""
     prefill_budget_tokens: int | None = None
     """Prompt tokens released to the backend and not yet past their prefill
     (no first token) beyond which work below the top level is held back, so

@@ -103,10 +103,12 @@ class Scheduler:
         self._w_in = policy.w_in
         self._w_out = policy.w_out
         self._prefill_budget = policy.prefill_budget_tokens if policy.tiered else None
+        self._delay_prefill = policy.delay_prefill_tokens if policy.tiered else None
         # Prompt tokens of running requests with no first token yet: the
         # prefills queued in or going through the backend.
         self._prefilling = 0
         self._held_for_prefill = False
+        self._paced = False
         prior = policy.initial_drain_rate or drain_rate_hint or DEFAULT_DRAIN_RATE
         self.drain = DrainRateEstimator(policy.drain_rate_tau_s, prior)
         self._output_estimate = _DEFAULT_OUTPUT_ESTIMATE
@@ -336,12 +338,13 @@ class Scheduler:
         blocked: TierQueue | None = None
         budget = self._prefill_budget
         held: list[TierQueue] = []  # tiers held back this round for the prefill budget
+        paced: list[TierQueue] = []  # delay tiers held back for theirs
 
         while free_slots > 0:
             ready: list[tuple[TierQueue, float, bool]] = []
             for queue in self._queue_list:
                 oldest = queue.oldest()
-                if oldest is None or queue in held:
+                if oldest is None or queue in held or queue in paced:
                     continue
                 if queue.max_wait_s > 0.0:
                     batch = open_batches.get(queue.name)
@@ -368,6 +371,16 @@ class Scheduler:
                 # The backend's prefill queue is as long as a top-level
                 # request may wait behind; this waits for a first token.
                 held.append(best)
+                continue
+            if (self._delay_prefill is not None and not has_latency_objective(best)
+                    and self._prefilling > 0
+                    and self._prefilling + req.prompt_tokens > self._delay_prefill):
+                # Work that can wait goes in at the pace of prefill: a lull's
+                # worth of long prompts would sit in the engine ahead of
+                # whatever comes next. Unlike the prefill budget this keeps
+                # the backend counted as busy: it holds no tier that waits
+                # for a slot, and the engine's step stays full of prefill.
+                paced.append(best)
                 continue
             if kv_total is not None and req.prompt_tokens >= kv_total:
                 best.pop()
@@ -413,6 +426,7 @@ class Scheduler:
         # Work held for the prefill budget waits for a first token, not for a
         # slot: the backend still has room for top-level work.
         self._held_for_prefill = bool(held)
+        self._paced = bool(paced)
         self._saturated = saturated(free_slots, blocked is not None)
         self._room_slots = 0 if self._saturated else free_slots
         self._room_kv = 0 if self._saturated else free_kv
@@ -504,12 +518,13 @@ class Scheduler:
 
     def on_first_token(self, req_id: str, now: float) -> bool:
         """A running request's first output token; True when work was held
-        back for the prefill budget, so the caller should schedule again."""
+        back for the prefill budget (or a delay tier's), so the caller should
+        schedule again."""
         req = self._running.get(req_id)
         if req is not None and req.first_token_at is None:
             req.first_token_at = now
             self._prefilling -= req.prompt_tokens
-        return self._held_for_prefill
+        return self._held_for_prefill or self._paced
 
     def finish(self, req_id: str, now: float, outcome: Outcome, output_tokens: int) -> Request:
         """A running request ended (completed, failed, cancelled mid-stream)."""
