@@ -879,3 +879,22 @@ def test_an_owed_share_waits_while_latency_work_is_queued():
     # and past it passes bulk's waiting work.
     assert not sched.schedule(1.0, one).dispatch
     assert list(sched.schedule(1.0, two).dispatch) == [b]
+
+
+def test_a_reload_that_gives_a_tier_a_latency_objective_or_takes_it_away_changes_its_order():
+    from qosgate.core.fairness import CountedFifoOrder, VtcOrder
+
+    sched = Scheduler(scheduling_policy(latency_tier()), drain_rate_hint=10**6)
+    a, _ = fill(sched, "a", 3)
+    b, _ = fill(sched, "b", 1)
+    assert isinstance(sched.queue("t").order, CountedFifoOrder)
+    delayed = latency_tier().model_copy(update={"tiers": {"t": latency_tier().tiers["t"].model_copy(
+        update={"on_timeout": "delay"})}})
+    sched.reconfigure(scheduling_policy(delayed))
+    assert isinstance(sched.queue("t").order, VtcOrder)
+    # By counters now: b goes second, not last; nothing queued was lost.
+    assert dispatch_order(sched, 4) == [a[0], b[0], a[1], a[2]]
+    sched.reconfigure(scheduling_policy(latency_tier()))
+    assert isinstance(sched.queue("t").order, CountedFifoOrder)
+    late, _ = fill(sched, "a", 2)
+    assert dispatch_order(sched, 2) == late

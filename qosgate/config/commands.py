@@ -63,14 +63,13 @@ def backend_slots(policy: PolicyConfig) -> int | None:
     return sum(caps) if all(caps) else None  # type: ignore[arg-type]
 
 
-def _prefill_budget(policy: PolicyConfig, name: str = "prefill_budget_tokens") -> str:
-    setting = getattr(policy.scheduler, name)
+def _prefill_budget(policy: PolicyConfig, setting: int | str | None) -> str:
     if setting is None:
         return "off"
     if setting != "auto":
         return f"{setting} tokens"
     step = backend_step_tokens(policy)
-    budget = prefill_budget(policy, step, name)
+    budget = prefill_budget(setting, step)
     if budget is None:
         return "auto (off: the engine's tokens per step are not known here)"
     return f"auto ({budget} tokens: {PREFILL_BUDGET_STEPS} steps of {step})"
@@ -148,8 +147,8 @@ def summarize(policy: PolicyConfig, source: str) -> str:
         f"backend    {_backend(policy)}",
         f"scheduler  {scheduler.policy}  fairness {fairness}  aging {aging}  "
         f"admission {_on(scheduler.admission)}  preemption {_on(scheduler.preemption)}  "
-        f"prefill budget {_prefill_budget(policy)}  delay tiers' prefill "
-        f"{_prefill_budget(policy, 'delay_prefill_tokens')}",
+        f"prefill budget {_prefill_budget(policy, scheduler.prefill_budget_tokens)}  "
+        f"delay tiers' prefill {_prefill_budget(policy, scheduler.delay_prefill_tokens)}",
         "",
         _tier_table(policy),
         "",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from qosgate.config.models import PolicyConfig, SimBackendConfig, TierConfig, VllmBackendConfig
 from qosgate.core.policy import SchedulingPolicy, TierParams
 
@@ -38,15 +40,12 @@ def backend_step_tokens(policy: PolicyConfig) -> int | None:
     return None
 
 
-def prefill_budget(
-    policy: PolicyConfig, step_tokens: int | None, setting: str = "prefill_budget_tokens"
-) -> int | None:
-    """scheduler.prefill_budget_tokens (or `setting`, delay_prefill_tokens),
-    with `auto` resolved against an engine that takes `step_tokens` per step
-    (None: unknown, so no budget)."""
-    budget = getattr(policy.scheduler, setting)
-    if budget != "auto":
-        return budget
+def prefill_budget(setting: int | Literal["auto"] | None, step_tokens: int | None) -> int | None:
+    """A prefill budget setting (prefill_budget_tokens, delay_prefill_tokens)
+    in tokens, `auto` resolved against an engine that takes `step_tokens` per
+    step (None: unknown, so no budget)."""
+    if setting != "auto":
+        return setting
     return PREFILL_BUDGET_STEPS * step_tokens if step_tokens else None
 
 
@@ -73,6 +72,6 @@ def scheduling_policy(
         w_out=sched.vtc.w_out,
         drain_rate_tau_s=sched.drain_rate_tau_s,
         initial_drain_rate=sched.initial_drain_rate,
-        prefill_budget_tokens=prefill_budget(policy, step_tokens),
-        delay_prefill_tokens=prefill_budget(policy, step_tokens, "delay_prefill_tokens"),
+        prefill_budget_tokens=prefill_budget(sched.prefill_budget_tokens, step_tokens),
+        delay_prefill_tokens=prefill_budget(sched.delay_prefill_tokens, step_tokens),
     )

@@ -23,7 +23,7 @@ from qosgate.core.admission import (
     predicted_wait,
     saturated,
 )
-from qosgate.core.fairness import CountedFifoOrder, FifoOrder, VtcOrder, service
+from qosgate.core.fairness import CountedFifoOrder, FairnessOrder, FifoOrder, VtcOrder, service
 from qosgate.core.ordering import (
     has_reserve,
     may_preempt,
@@ -154,7 +154,13 @@ class Scheduler:
                 self._queues[name] = TierQueue(tier, self._order(tier, weights), tau)
                 continue
             queue.configure(tier)
-            if isinstance(queue.order, (VtcOrder, CountedFifoOrder)):
+            order = self._order(tier, weights)
+            if type(order) is not type(queue.order):
+                # The tier took or dropped a latency objective: it now goes
+                # in admission order with a fair door, or by its counters.
+                # Counters start again; what is queued keeps its order.
+                queue.reorder(order)
+            elif isinstance(queue.order, (VtcOrder, CountedFifoOrder)):
                 queue.order.set_weights(weights)
         self._queue_list = sorted(
             {id(q): q for q in self._queues.values()}.values(), key=lambda q: (q.priority, q.name)
@@ -162,7 +168,9 @@ class Scheduler:
         self._top_level = min(self._queues[name].priority for name in policy.tiers)
         self._shares = any(q.min_share > 0.0 for q in self._queue_list)
 
-    def _order(self, tier: TierParams, weights: dict[str, float]):
+    def _order(self, tier: TierParams, weights: dict[str, float]) -> FairnessOrder:
+        """The release order of a tier: by counters, or (a tier admitted by its
+        predicted wait, under vtc) admission order with a fair door."""
         if not self.policy.fair:
             return FifoOrder()
         if self._admission and has_latency_objective(tier):

@@ -46,6 +46,13 @@ class TierQueue:
         for name in _SETTINGS:
             setattr(self, name, getattr(tier, name))
 
+    def reorder(self, order: FairnessOrder) -> None:
+        """Release from now on in `order`, with what is queued in it, in
+        admission order (a reload that changed which order the tier takes)."""
+        self.order = order
+        for req in self._by_age.values():
+            order.push(req)
+
     def __len__(self) -> int:
         return len(self._by_age)
 
