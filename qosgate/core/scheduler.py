@@ -242,9 +242,9 @@ class Scheduler:
             # free room does not take a newcomer at once.
             held = self._held_for_prefill and queue.priority > self._top_level
             room = 0 if held else self._room_slots
-            predicted = self._predicted_wait(queue, req, now, reserved, room)
+            predicted = self._predicted_wait(queue, req, now, reserved, room, held)
             if predicted > budget and isinstance(queue.order, CountedFifoOrder):
-                predicted = self._push_out(queue, req, now, predicted, budget, reserved, room)
+                predicted = self._push_out(queue, req, now, predicted, budget, reserved, room, held)
             if predicted > budget:
                 return self._reject(req, now, AdmissionDecision(
                     admitted=False, outcome=Outcome.REJECTED_OVERLOAD,
@@ -268,17 +268,18 @@ class Scheduler:
         return ADMITTED
 
     def _predicted_wait(
-        self, queue: TierQueue, req: Request, now: float, reserved: bool, room: int
+        self, queue: TierQueue, req: Request, now: float, reserved: bool, room: int,
+        held: bool,
     ) -> float:
         return predicted_wait(
             queue.priority, req.work, self._queue_list, now,
-            own_slot=self._saturated and not reserved,
+            own_slot=(self._saturated or held) and not reserved,
             room_work=min(self._room_kv, room * req.work) if room > 0 else 0,
             drain=self.drain.rate,
         )  # fmt: skip
 
     def _push_out(self, queue: TierQueue, req: Request, now: float, predicted: float,
-                  budget: float, reserved: bool, room: int) -> float:
+                  budget: float, reserved: bool, room: int, held: bool) -> float:
         """Give `req` the place of one queued request of a tenant ahead of its
         own (CountedFifoOrder.pushout) whose leaving brings its predicted wait
         within `budget`, refusing that one; the predicted wait after. One for
@@ -289,7 +290,7 @@ class Scheduler:
                 break
             queue.work = work - victim.work
             try:
-                after = self._predicted_wait(queue, req, now, reserved, room)
+                after = self._predicted_wait(queue, req, now, reserved, room, held)
             finally:
                 queue.work = work
             if after <= budget:
@@ -374,6 +375,11 @@ class Scheduler:
                 break
             req = best.peek()
             assert req is not None
+            if below_top and held:
+                # Keep order: below the top level nothing overtakes the work
+                # held for the budget because its prompt is shorter.
+                held.append(best)
+                continue
             if (below_top and budget is not None and self._prefilling > 0
                     and self._prefilling + req.prompt_tokens > budget):
                 # The backend's prefill queue is as long as a top-level
@@ -381,13 +387,15 @@ class Scheduler:
                 held.append(best)
                 continue
             if (self._delay_prefill is not None and not has_latency_objective(best)
-                    and self._prefilling > 0
-                    and self._prefilling + req.prompt_tokens > self._delay_prefill):
+                    and (paced or (self._prefilling > 0
+                                   and self._prefilling + req.prompt_tokens > self._delay_prefill))):
                 # Work that can wait goes in at the pace of prefill: a lull's
                 # worth of long prompts would sit in the engine ahead of
-                # whatever comes next. Unlike the prefill budget this keeps
-                # the backend counted as busy: it holds no tier that waits
-                # for a slot, and the engine's step stays full of prefill.
+                # whatever comes next (and, as above, a later delay tier's
+                # shorter prompt does not overtake). Unlike the prefill budget
+                # this keeps the backend counted as busy: it holds no tier
+                # that waits for a slot, and the engine's step stays full of
+                # prefill.
                 paced.append(best)
                 continue
             if kv_total is not None and req.prompt_tokens >= kv_total:
