@@ -618,7 +618,7 @@ def test_the_automatic_prefill_budget_is_two_of_the_engines_steps():
             "tiers": {"t": {"priority": 0}}, "scheduler": scheduler,
             **({"backend": backend} if backend else {})})
 
-    assert policy({}).scheduler.prefill_budget_tokens is None  # off unless asked for
+    assert policy({}).scheduler.prefill_budget_tokens == "auto"  # where the step is known
     # Delay tiers go in at two steps' pace by default.
     assert scheduling_policy(policy({}), step_tokens=2048).delay_prefill_tokens == 4096
     assert scheduling_policy(policy({})).delay_prefill_tokens is None

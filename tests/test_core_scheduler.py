@@ -741,7 +741,7 @@ def test_a_later_delay_tier_does_not_overtake_one_held_at_the_pace_of_prefill():
 
 def test_a_delay_tier_goes_in_at_the_pace_of_prefill_and_the_latency_tiers_do_not_wait():
     # Two steps of 512 tokens: the automatic pace is 1,024 prompt tokens.
-    rules = scheduling_policy(policy(), step_tokens=512)
+    rules = scheduling_policy(policy(scheduler={"prefill_budget_tokens": None}), step_tokens=512)
     assert rules.delay_prefill_tokens == 1024 and rules.prefill_budget_tokens is None
     sched = Scheduler(rules, drain_rate_hint=10**6)
     batch = [req("batch", at=0.0, prompt=600) for _ in range(3)]
@@ -794,22 +794,43 @@ def test_work_held_for_the_prefill_budget_leaves_the_top_tier_its_room():
     assert sched.schedule(0.1, ROOMY).dispatch == [top]
 
 
-def test_time_held_for_the_prefill_budget_does_not_teach_the_drain_rate():
-    # While work waits for a first token, the backend runs below what it can
-    # do; its few completions then say nothing about its rate.
+def test_while_work_is_held_for_the_prefill_budget_the_drain_rate_follows_prefill():
+    # A backlog held for the budget drains at the pace of prefill. Prompts
+    # are counted at their first token, so that pace is learned even though
+    # the backend is never full, from a prior four times too low (before,
+    # that time did not count and the prior stood: standard refused at the
+    # door on a live gateway that the simulator with the engine's rate served).
     sched = Scheduler(scheduling_policy(policy(scheduler={"prefill_budget_tokens": 500})),
                       drain_rate_hint=1000.0)
-    first, held = req("batch", prompt=400), req("batch", prompt=400)
-    sched.submit(first, 0.0)
-    sched.submit(held, 0.0)
-    assert sched.schedule(0.0, ROOMY).dispatch == [first]
-    small = req("interactive", at=0.0, prompt=10, max_tokens=10)
-    sched.submit(small, 0.0)
-    assert sched.schedule(0.0, ROOMY).dispatch == [small]
-    sched.on_first_token(small.id, 1.0)
-    sched.finish(small.id, 30.0, Outcome.COMPLETED, 10)  # 20 tokens in 30 s
-    sched.schedule(30.0, ROOMY)
-    assert sched.drain.rate == pytest.approx(1000.0)
+    backlog = [req("batch", prompt=400, max_tokens=1) for _ in range(700)]
+    for r in backlog:
+        sched.submit(r, 0.0)
+    now = 0.0
+    for k in range(600):
+        running = sched.schedule(now, ROOMY).dispatch
+        assert len(running) == 1  # 400 in prefill: the next 400 would pass 500
+        now = 0.1 * (k + 1)
+        assert sched.on_first_token(running[0].id, now) is True
+        sched.finish(running[0].id, now, Outcome.COMPLETED, 1)
+    # 401 tokens every 0.1 s.
+    assert sched.drain.rate == pytest.approx(4010.0, rel=0.02)
+
+
+def test_a_prompt_counts_toward_the_drain_rate_once_at_its_first_token():
+    def estimator() -> DrainRateEstimator:
+        est = DrainRateEstimator(tau_s=10.0, prior_tokens_per_s=1.0)
+        est.advance(0.0, True)
+        return est
+
+    early = estimator()
+    early.prefilled(1000, 1.0)
+    assert early.rate > 1.0  # counted before the request completes
+    # The prompt counts once: at its first token, or at completion if none was seen.
+    split, whole = estimator(), estimator()
+    split.prefilled(1000, 5.0)
+    split.completed(1000, 50, 5.0, prefilled=True)
+    whole.completed(1000, 50, 5.0, prefilled=False)
+    assert split.rate == pytest.approx(whole.rate) and whole.rate > early.rate
 
 
 def test_a_delay_tier_neither_passes_top_level_work_nor_takes_its_reserved_slots():

@@ -22,15 +22,17 @@ sys.modules[_SPEC.name] = sweep
 _SPEC.loader.exec_module(sweep)
 
 
-def run(mix: str, arrivals: str, load: float, *, prefill_budget: int | None = None) -> dict:
+def run(mix: str, arrivals: str, load: float, *, prefill_budget: int | str | None = "auto",
+        delay_prefill: int | str | None = "auto", seed: int | None = None) -> dict:
     """qos and strict on one cell of the sweep (600 s of arrivals)."""
     base = sweep.load_scenario(sweep.SCENARIO)
-    if prefill_budget is not None:
-        data = base.model_dump()
-        data["policy"]["scheduler"]["prefill_budget_tokens"] = prefill_budget
-        base = Scenario.model_validate(data)
+    data = base.model_dump()
+    data["policy"]["scheduler"].update(prefill_budget_tokens=prefill_budget,
+                                       delay_prefill_tokens=delay_prefill)
+    base = Scenario.model_validate(data)
     cell = sweep.cell_scenario(base, mix, arrivals)
-    result, _ = Simulation(cell, seed=base.seed, quiet=True).run(load, ("qos", "strict"))
+    result, _ = Simulation(cell, seed=base.seed if seed is None else seed,
+                           quiet=True).run(load, ("qos", "strict"))
     return result["policies"]
 
 
@@ -67,7 +69,7 @@ def test_the_prefill_budget_costs_standard_nothing_under_sustained_overload():
     # completed 1,727 requests against 486), and a held level's newcomers
     # were predicted a wait without their own prefill.
     with_budget = run("b3", "poisson", 4.0, prefill_budget=4096)["qos"]
-    without = run("b3", "poisson", 4.0)["qos"]
+    without = run("b3", "poisson", 4.0, prefill_budget=None)["qos"]
     assert attainment(with_budget, "standard") >= attainment(without, "standard")
     assert with_budget["tiers"]["batch"]["completed"] <= 1.05 * without["tiers"]["batch"]["completed"]
 
@@ -135,8 +137,25 @@ def test_in_a_burst_batchs_long_prompts_do_not_put_interactive_below_strict():
     # Bursts (gamma CV 4) at 2x beside 8k-token prompts: with fairness at the
     # door standard leaves more lulls, and batch filled them with 5 to 7 long
     # prompts at once, ahead of every interactive prefill in the engine (qos
-    # 0.813 against strict's 0.857 before delay tiers went in at the pace of
-    # prefill).
-    policies = run("long", "gamma4", 2.0)
-    assert attainment(policies["qos"], "interactive") >= attainment(policies["strict"],
-                                                                    "interactive")
+    # 0.813 against strict's 0.857 on seed 3 before delay tiers went in at the
+    # pace of prefill). With the defaults (the pace, and the prefill budget for
+    # standard's long prompts) qos serves it 0.987 on seed 3; with neither,
+    # 0.876 (strict 0.854). Against strict the seeds' noise is larger than
+    # one seed shows: the test below pairs five.
+    defaults = run("long", "gamma4", 2.0)
+    neither = run("long", "gamma4", 2.0, prefill_budget=None, delay_prefill=None)
+    assert attainment(defaults["qos"], "interactive") >= 0.95
+    assert (attainment(defaults["qos"], "interactive")
+            >= attainment(neither["qos"], "interactive") + 0.05)
+
+
+def test_in_bursts_beside_long_prompts_the_defaults_serve_interactive_as_strict_does():
+    # With the defaults (the prefill budget and the pace), over the sweep's
+    # five seeds, by its paired rule: a shortfall beyond the seeds' noise fails.
+    qos, strict = [], []
+    for seed in range(3, 8):
+        policies = run("long", "gamma4", 2.0, seed=seed)
+        qos.append(attainment(policies["qos"], "interactive"))
+        strict.append(attainment(policies["strict"], "interactive"))
+    assert sweep.Paired.of(qos, strict).upper >= 0.0
+    assert sum(qos) / len(qos) >= 0.95

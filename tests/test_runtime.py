@@ -762,6 +762,8 @@ async def test_the_gateway_counts_an_automatic_prefill_budget_in_its_engines_ste
     sim = SimBackend(SimBackendConfig(speed=1000, max_num_batched_tokens=512))
     auto = make_policy(prefill_budget_tokens="auto")
     assert Gateway(auto, sim).scheduler.policy.prefill_budget_tokens == 1024
-    # A backend whose step is not known gets none; by default there is none.
+    # A backend whose step is not known gets none; auto is the default; null sets none.
     assert Gateway(auto, FakeBackend()).scheduler.policy.prefill_budget_tokens is None
-    assert Gateway(make_policy(), sim).scheduler.policy.prefill_budget_tokens is None
+    assert Gateway(make_policy(), sim).scheduler.policy.prefill_budget_tokens == 1024
+    assert Gateway(make_policy(prefill_budget_tokens=None),
+                   sim).scheduler.policy.prefill_budget_tokens is None

@@ -420,14 +420,13 @@ class SchedulerConfig(StrictModel):
     of the engine's steps (2 x max_num_batched_tokens) where qosgate knows
     them (the sim; a vllm backend whose engine_args set it), else no limit;
     null: no limit."""
-    prefill_budget_tokens: Count | Literal["auto"] | None = None
+    prefill_budget_tokens: Count | Literal["auto"] | None = "auto"
     """Prompt tokens handed to the backend and not yet past their prefill (no
     first token) beyond which work below the top priority is held back, so a
     top-priority prompt never queues behind more prefill than this inside the
-    engine (qos and strict). auto: two of the engine's steps
+    engine (qos and strict). auto (the default): two of the engine's steps
     (2 x max_num_batched_tokens) where qosgate knows them (the sim; a vllm
-    backend whose engine_args set it), else no limit; null (the default): no
-    limit."""
+    backend whose engine_args set it), else no limit; null: no limit."""
 
 
 class RateLimit(StrictModel):

@@ -136,10 +136,26 @@ class DrainRateEstimator:
         self._saturated = saturated
 
     def observe(self, tokens: int, now: float) -> None:
-        """`tokens` (prompt + output) of a request completed at `now`."""
+        """`tokens` of work the backend finished at `now`."""
         self.advance(now, self._saturated)
         if self._saturated:
             self._tokens += tokens
+
+    def prefilled(self, prompt_tokens: int, now: float) -> None:
+        """A prompt is through prefill (its first token came). Its tokens are
+        counted now, not when the request completes: the rate then follows
+        the engine's work as it is done instead of lagging a request's whole
+        decode behind it. Counted at completion, a burst's first seconds
+        showed few completions against much saturated time, and the estimate
+        fell far below what the backend does (5,000 tokens/s against 22,000
+        while work was held for the prefill budget)."""
+        self.observe(prompt_tokens, now)
+
+    def completed(self, prompt_tokens: int, output_tokens: int, now: float, *,
+                  prefilled: bool) -> None:
+        """A request completed with `output_tokens`; its prompt counts here
+        only if no first token was seen (`prefilled` False)."""
+        self.observe(output_tokens if prefilled else prompt_tokens + output_tokens, now)
 
     @property
     def counting(self) -> bool:

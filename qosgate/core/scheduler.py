@@ -201,10 +201,9 @@ class Scheduler:
         # on our requests and more are waiting: with nothing running (an idle
         # or down backend) no completion can be expected, and counting that
         # time would drive the estimate to zero. Work held back for the prefill
-        # budget waits on the gateway, not on the backend, which then runs
-        # below what it can do.
-        return bool(self._running) and (
-            self._saturated or (bool(self._queued) and not self._held_for_prefill))
+        # budget counts too: the queue then drains at the pace of prefill,
+        # which the first tokens measure (DrainRateEstimator.prefilled).
+        return bool(self._running) and (self._saturated or bool(self._queued))
 
     def _advance(self, now: float) -> None:
         self.drain.advance(now, self._draining())
@@ -540,6 +539,7 @@ class Scheduler:
         if req is not None and req.first_token_at is None:
             req.first_token_at = now
             self._prefilling -= req.prompt_tokens
+            self.drain.prefilled(req.prompt_tokens, now)
         return self._held_for_prefill or self._paced
 
     def finish(self, req_id: str, now: float, outcome: Outcome, output_tokens: int) -> Request:
@@ -557,7 +557,8 @@ class Scheduler:
         queue.order.on_settle(req, actual - req.charged_service)
         req.charged_service = actual
         if outcome is Outcome.COMPLETED:
-            self.drain.observe(req.prompt_tokens + output_tokens, now)
+            self.drain.completed(req.prompt_tokens, output_tokens, now,
+                                 prefilled=req.first_token_at is not None)
             self._output_estimate += 0.05 * (output_tokens - self._output_estimate)
         return req
 

@@ -449,16 +449,19 @@ class EngineNode:
     ) -> None:
         item_id = lease.item.id
         output = 0
+        prefilled = False
         try:
             async for chunk in gen:
                 event = wire.chunk_event(item_id, lease.token, chunk)
                 output += chunk.tokens
+                if not prefilled and chunk.tokens:
+                    prefilled = True
+                    self.drain.prefilled(job.prompt_tokens, asyncio.get_running_loop().time())
                 if chunk.finish_reason is not None:
                     if chunk.usage and "completion_tokens" in chunk.usage:
                         output = int(chunk.usage["completion_tokens"])
-                    self.drain.observe(
-                        job.prompt_tokens + output, asyncio.get_running_loop().time()
-                    )
+                    self.drain.completed(job.prompt_tokens, output,
+                                         asyncio.get_running_loop().time(), prefilled=prefilled)
                     await self._end(lease, reply_to, event, self._used(job, output))
                     return
                 self._streaming.add(item_id)
