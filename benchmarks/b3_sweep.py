@@ -607,6 +607,18 @@ def _positive(text: str) -> int:
     return value
 
 
+_UNSET = object()
+
+
+def _budget(text: str) -> int | str | None:
+    if text in ("auto", "null"):
+        return None if text == "null" else text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number, auto or null") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--loads", help="comma-separated multiples of capacity "
@@ -626,8 +638,10 @@ def main(argv: list[str] | None = None) -> int:
                         "processes, with "
                         f"the same figures as one at a time (default 1; this machine has "
                         f"{os.cpu_count()} CPUs)")
-    parser.add_argument("--prefill-budget", type=int, metavar="TOKENS",
-                        help="run with scheduler.prefill_budget_tokens set (default: unset)")
+    parser.add_argument("--prefill-budget", type=_budget, default=_UNSET, metavar="TOKENS",
+                        help="run with scheduler.prefill_budget_tokens set: a number of "
+                        "tokens, auto or null (default: the policy's, auto: 4,096 on "
+                        "this profile)")
     parser.add_argument("--override", type=json.loads, default={},
                         help="JSON object merged into the scenario's policy, e.g. "
                         "'{\"tiers\": {\"batch\": {\"min_share\": 0}}}' (an experiment, "
@@ -645,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"b3_sweep: {exc}", file=sys.stderr)
         return 2
     override = args.override
-    if args.prefill_budget is not None:
+    if args.prefill_budget is not _UNSET:
         override = merged({"scheduler": {"prefill_budget_tokens": args.prefill_budget}}, override)
     base = with_override(load_scenario(SCENARIO), override)
     seed = base.seed if args.seed is None else args.seed
