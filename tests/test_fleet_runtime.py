@@ -135,6 +135,12 @@ async def chores(fleet: Fleet) -> None:
     await asyncio.gather(*list(fleet.backend._chores))
 
 
+async def runs_done(node) -> None:
+    """A node's runs have ended on the node too: a client reads a run's end
+    as soon as the store delivers it, a moment before the node counts it."""
+    await asyncio.gather(*list(node._runs.values()), return_exceptions=True)
+
+
 async def read_all(stream: RequestStream) -> tuple[str, int]:
     text, tokens = "", 0
     async for chunk in stream:
@@ -535,6 +541,7 @@ async def test_a_session_keeps_its_node_and_spills_only_while_that_node_is_full(
             # Both nodes idle and woken alike: the session's turns go home.
             for _ in range(4):
                 await read_all(fleet.submit(session="chat-1"))
+            await runs_done(home)
             assert (home.completed, busy.completed) == (5, 0)
             assert home.status()["affinity"] == {"home": 4, "away": 0, "new": 1}
             # Home full: the next turn runs on the other node, and the
@@ -543,6 +550,7 @@ async def test_a_session_keeps_its_node_and_spills_only_while_that_node_is_full(
             await first_chunk(long_turn)
             assert home.status()["running"] == 1
             assert await read_all(fleet.submit(session="chat-1")) == (filler_text(0, 8), 8)
+            await runs_done(busy)
             assert busy.completed == 1
             assert busy.status()["affinity"] == {"home": 0, "away": 1, "new": 0}
             assert await store.bound_node("session:chat-1") == home.node
