@@ -3,6 +3,7 @@ cannot be evaluated is an error, never a pass."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
@@ -296,3 +297,11 @@ def figures_of(runs: dict) -> str:
         for policy in run["policies"].values():
             del policy["engine"]["cpu_s"]
     return json.dumps(runs)
+
+
+def test_the_prefill_budget_option_takes_tokens_auto_or_null():
+    assert sweep._budget("4096") == 4096
+    assert sweep._budget("auto") == "auto"
+    assert sweep._budget("null") is None
+    with pytest.raises(argparse.ArgumentTypeError, match="lots"):
+        sweep._budget("lots")

@@ -724,9 +724,13 @@ def test_a_later_delay_tier_does_not_overtake_one_held_at_the_pace_of_prefill():
     base = policy()
     tiers = {name: tier.model_dump() for name, tier in base.tiers.items()}
     tiers["bulk"] = {**tiers["batch"], "priority": 3}
+    # The prefill budget off, so that only the pace holds (the budget keeps
+    # order the same way, tested above).
     rules = scheduling_policy(policy(
         tiers=tiers, tenants=[*(t.model_dump() for t in base.tenants),
-                              {"id": "k1", "tier": "bulk"}]), step_tokens=512)
+                              {"id": "k1", "tier": "bulk"}],
+        scheduler={"prefill_budget_tokens": None}), step_tokens=512)
+    assert rules.prefill_budget_tokens is None and rules.delay_prefill_tokens == 1024
     sched = Scheduler(rules, drain_rate_hint=10**6)
     first, long_batch = req("batch", at=0.0, prompt=600), req("batch", at=0.0, prompt=900)
     short_bulk = req("bulk", "k1", at=0.0, prompt=50)

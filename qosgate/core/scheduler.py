@@ -385,16 +385,16 @@ class Scheduler:
                 # request may wait behind; this waits for a first token.
                 held.append(best)
                 continue
-            if (self._delay_prefill is not None and not has_latency_objective(best)
+            pace = self._delay_prefill
+            if (pace is not None and not has_latency_objective(best)
                     and (paced or (self._prefilling > 0
-                                   and self._prefilling + req.prompt_tokens > self._delay_prefill))):
+                                   and self._prefilling + req.prompt_tokens > pace))):
                 # Work that can wait goes in at the pace of prefill: a lull's
                 # worth of long prompts would sit in the engine ahead of
                 # whatever comes next (and, as above, a later delay tier's
                 # shorter prompt does not overtake). Unlike the prefill budget
-                # this keeps the backend counted as busy: it holds no tier
-                # that waits for a slot, and the engine's step stays full of
-                # prefill.
+                # it holds no tier with a latency objective, so no newcomer's
+                # predicted wait changes for it.
                 paced.append(best)
                 continue
             if kv_total is not None and req.prompt_tokens >= kv_total:
