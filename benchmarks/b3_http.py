@@ -3,7 +3,8 @@ benchmarks/b3_sweep.py, sent by `qosgate bench` to `qosgate serve` on the live
 simulated GPU, judged by the sweep's own rules.
 
     .venv/bin/python benchmarks/b3_http.py [--loads 1,2,4] [--policies qos,strict,fcfs]
-        [--speed 1] [--duration 60] [--warmup 20] [--timeout 90] [--fleet] [--json PATH]
+        [--mix b3|long] [--speed 1] [--duration 60] [--warmup 20] [--timeout 90] [--fleet]
+        [--json PATH]
 
 Each cell and policy starts its own gateway (or, with --fleet, a redis-server,
 --gateways replicas and --engines engine nodes, each a `qosgate serve`
@@ -134,8 +135,10 @@ def serve_policy(base: Scenario, policy: str, speed: float) -> dict[str, Any]:
 
 def bench_scenario(base: Scenario, rate_rps: float, args: argparse.Namespace,
                    seed: int) -> dict[str, Any]:  # fmt: skip
-    """B3's class mix and lengths as a `qosgate bench` open-loop scenario, its
-    tiers' SLOs stretched as the gateway's are (`dilated`)."""
+    """B3's class mix (`args.mix`: b3_sweep's mixes) and lengths as a
+    `qosgate bench` open-loop scenario, its tiers' SLOs stretched as the
+    gateway's are (`dilated`)."""
+    cell = sweep.cell_scenario(base, args.mix, ARRIVALS)
     tiers = {tenant.id: tenant.tier for tenant in base.policy.tenants}
     slos = {name: {"ttft_slo_ms": tier.ttft_slo_ms, "e2e_slo_ms": tier.e2e_slo_ms}
             for name, tier in base.policy.tiers.items()}  # fmt: skip
@@ -146,7 +149,10 @@ def bench_scenario(base: Scenario, rate_rps: float, args: argparse.Namespace,
         "arrivals": {"process": "poisson", "rate_rps": round(rate_rps, 4)},
         "lengths": base.lengths.model_dump(mode="json"),
         "classes": [{"name": c.tenant, "tier": tiers[c.tenant], "api_key": tenant_key(c.tenant),
-                     "share": c.effective_share} for c in base.classes],
+                     "share": c.effective_share,
+                     **({"lengths": c.lengths.model_dump(mode="json", exclude_none=True)}
+                        if c.lengths is not None else {})}
+                    for c in cell.classes],
         "tiers": {name: {key: value for key, value in dilated(slo, args.speed).items()
                          if value is not None} for name, slo in slos.items()},
     }  # fmt: skip
@@ -273,7 +279,7 @@ def twin_scenario(base: Scenario, args: argparse.Namespace) -> Scenario:
     duration and warm-up, with each request asking for exactly its output, as
     the bench asks. The offline simulator replays it, so each HTTP figure has
     the figure the same rules give in the simulator beside it."""
-    cell = sweep.cell_scenario(base, MIX, ARRIVALS)
+    cell = sweep.cell_scenario(base, args.mix, ARRIVALS)
     return cell.model_copy(update={
         "duration_s": args.duration, "warmup_s": args.warmup, "drain_s": args.timeout,
         "max_tokens": "output"})
@@ -284,7 +290,7 @@ def run_table(base: Scenario, loads: tuple[float, ...], policies: tuple[str, ...
     """{Cell: entry} in b3_sweep's shape through HTTP, the same for the
     simulator on the same requests (`twin_scenario`), and the capacity
     (requests/s) the loads multiply: one engine's, times the engines of a fleet."""
-    scenario = sweep.cell_scenario(base, MIX, ARRIVALS)
+    scenario = sweep.cell_scenario(base, args.mix, ARRIVALS)
     engines = args.engines if args.fleet else 1
     capacity = Simulation(scenario, seed=base.seed, quiet=True).capacity_rps * args.speed * engines
     # Interactive demand is a ratio of rates on one engine: the speed factor cancels.
@@ -297,7 +303,7 @@ def run_table(base: Scenario, loads: tuple[float, ...], policies: tuple[str, ...
         tmp = Path(tmp_name)
         for load in loads:
             rate = load * capacity
-            cell = sweep.Cell(MIX, ARRIVALS, load)
+            cell = sweep.Cell(args.mix, ARRIVALS, load)
             runs = {}
             for policy in policies:
                 began = time.monotonic()
@@ -409,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S,
                         help=f"modelled seconds a client waits for one request (default "
                         f"{TIMEOUT_S:g}); a request still unanswered then is an error")
+    parser.add_argument("--mix", choices=sweep.MIXES, default=MIX,
+                        help=f"b3_sweep's class mix (default {MIX}; long: 8k-token prompts "
+                        "beside short chat)")
     parser.add_argument("--fleet", action="store_true",
                         help="run each cell on a fleet: a redis-server, --gateways replicas "
                         "and --engines engine nodes, the load unit being all the engines")
@@ -432,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     except (sweep.SweepError, RuntimeError) as exc:
         print(f"ERROR  {exc}")
         return 2
-    print(f"engine capacity on the B3 mix at speed {args.speed:g}: {capacity:.2f} req/s; "
+    print(f"engine capacity on the {args.mix} mix at speed {args.speed:g}: "
+          f"{capacity:.2f} req/s; "
           f"load average {os.getloadavg()[0]:.2f}")
     print(tier_counts(table, twins, args.speed))
     print()
@@ -445,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     status, checks = judge(table, base.seed)
     if args.json_path:
-        payload = {"speed": args.speed, "duration_s": args.duration, "warmup_s": args.warmup,
+        payload = {"mix": args.mix, "speed": args.speed, "duration_s": args.duration,
+                   "warmup_s": args.warmup,
                    "timeout_s": args.timeout, "fleet": args.fleet and {
                        "gateways": args.gateways, "engines": args.engines},
                    "override": args.override, "capacity_rps": capacity,

@@ -25,7 +25,7 @@ sys.modules[_SPEC.name] = http
 _SPEC.loader.exec_module(http)
 sweep = http.sweep
 BASE = http.load_scenario(sweep.SCENARIO)
-ARGS = argparse.Namespace(speed=0.1, duration=60.0, warmup=20.0, timeout=90.0)
+ARGS = argparse.Namespace(speed=0.1, duration=60.0, warmup=20.0, timeout=90.0, mix="b3")
 
 
 def bench_report(interactive=1.0, standard=1.0, goodput=1.0, throughput=300.0) -> dict:
@@ -77,6 +77,13 @@ def test_the_bench_scenario_sends_b3s_mix_with_stretched_slos():
     assert scenario.lengths == BASE.lengths
 
 
+def test_the_long_prompt_mix_sends_its_tenants_8k_prompts_beside_short_chat():
+    args = argparse.Namespace(**{**vars(ARGS), "mix": "long"})
+    scenario = BenchScenario.model_validate(http.bench_scenario(BASE, 3.2, args, 3))
+    prompts = {c.tenant_id: scenario.class_lengths(c).prompt.median for c in scenario.classes}
+    assert {t for t, mean in prompts.items() if mean > 4000} == sweep.LONG_PROMPT_TENANTS
+
+
 def test_good_figures_pass_and_a_bad_one_fails():
     status, checks = http.judge(table(), BASE.seed)
     assert status == 0
@@ -98,10 +105,11 @@ def test_an_unknown_policy_on_the_command_line_is_an_error():
     assert http.main(["--policies", "qos,lifo"]) == 2
 
 
-def test_the_simulator_replays_the_benchs_own_requests():
+@pytest.mark.parametrize("mix", sweep.MIXES)
+def test_the_simulator_replays_the_benchs_own_requests(mix):
     # The simulator's figures beside each HTTP figure are for the very requests
     # the bench sends, at the modelled GPU's pace.
-    args = argparse.Namespace(speed=0.5, duration=20.0, warmup=5.0, timeout=90.0)
+    args = argparse.Namespace(speed=0.5, duration=20.0, warmup=5.0, timeout=90.0, mix=mix)
     rate = 8.0
     bench = BenchScenario.model_validate(
         http.bench_scenario(BASE, rate * args.speed, args, BASE.seed))

@@ -23,6 +23,7 @@ from qosgate.fleet import (
     FleetTiers,
     Lease,
     MemoryWorkQueue,
+    Prefill,
     WorkItem,
     WorkQueue,
     pick_tier,
@@ -77,7 +78,7 @@ fair = each_store(FAIR)
 
 def item(
     id: str, tier: str, arrival: float, tenant: str = "t", payload: bytes = b"", affinity: str = "",
-    charge: float = 0.0, work: int = 0,
+    charge: float = 0.0, work: int = 0, prompt: int = 0,
 ) -> WorkItem:  # fmt: skip
     return WorkItem(
         id=id,
@@ -88,6 +89,7 @@ def item(
         affinity=affinity,
         charge=charge,
         work=work,
+        prompt=prompt,
     )
 
 
@@ -245,6 +247,79 @@ def test_the_fleet_reserves_what_one_node_reserves():
     fcfs = FleetTiers.from_config(PolicyConfig.model_validate(
         {"tiers": tiers, "scheduler": {**reserve, "policy": "fcfs"}}))
     assert fcfs.reserve_slots == 0
+
+
+# gold and std refuse late work; bronze delays.
+PREFILL = FleetTiers.of(
+    {"gold": 0, "std": 1, "bronze": 3}, interval_s=INTERVAL, max_boost=2,
+    budgets={"gold": 30.0, "std": 10.0, "bronze": BUDGET}, delays=["bronze"],
+)  # fmt: skip
+prefill_store = each_store(PREFILL)
+
+
+async def test_below_the_top_level_a_claim_keeps_the_nodes_prefill_within_its_budget(
+    prefill_store,
+):
+    queue = prefill_store
+    await queue.enqueue(item("s-long", "std", T0, prompt=3000))
+    await queue.enqueue(item("b-short", "bronze", T0 + 1, prompt=100))
+    await queue.enqueue(item("g", "gold", T0 + 2, prompt=5000))
+    # 1,000 tokens already in prefill, a 2,048-token budget: gold goes whatever
+    # its prompt; std's does not fit, and bronze's short one does not overtake it.
+    claim = await queue.claim("n1", 10, T0 + 3, LEASE, prefill=Prefill(1000, 2048))
+    assert [lease.item.id for lease in claim.leases] == ["g"]
+    assert [lease.item.prompt for lease in claim.leases] == [5000]
+    assert claim.held_for_prefill and not claim.paced
+    # Still 1,500 in: bronze's 100 would fit, but std's head is held.
+    claim = await queue.claim("n1", 9, T0 + 3, LEASE, prefill=Prefill(1500, 2048))
+    assert claim.leases == [] and claim.held_for_prefill
+    # Nothing in prefill: the first prompt goes however long, then bronze's
+    # waits behind it.
+    claim = await queue.claim("n1", 9, T0 + 3, LEASE, prefill=Prefill(0, 2048))
+    assert [lease.item.id for lease in claim.leases] == ["s-long"] and claim.held_for_prefill
+    # No budget: no holding.
+    claim = await queue.claim("n1", 8, T0 + 3, LEASE, prefill=Prefill(3000))
+    assert [lease.item.id for lease in claim.leases] == ["b-short"]
+    assert not claim.held_for_prefill
+
+
+async def test_tiers_without_a_latency_objective_go_in_at_the_pace_of_prefill(queue):
+    await queue.enqueue(item("s", "silver", T0, prompt=1000))
+    await queue.enqueue(item("b", "bronze", T0 + 1, prompt=100))
+    await queue.enqueue(item("g", "gold", T0 + 2, prompt=1000))
+    # gold has a latency objective: the pace never holds it. silver's prompt
+    # would take the node past 1,500 tokens; bronze keeps its place behind.
+    claim = await queue.claim("n1", 10, T0 + 3, LEASE, prefill=Prefill(1000, pace=1500))
+    assert [lease.item.id for lease in claim.leases] == ["g"]
+    assert claim.paced and not claim.held_for_prefill
+    claim = await queue.claim("n1", 9, T0 + 3, LEASE, prefill=Prefill(450, pace=1500))
+    assert [lease.item.id for lease in claim.leases] == ["s"] and claim.paced
+
+
+async def test_a_node_holding_for_its_prefill_budget_has_no_room_below_the_top(prefill_store):
+    """Admission reads a held node as one node's scheduler reads a held
+    level: its free slots take no newcomer below the top level at once."""
+    queue = prefill_store
+    await queue.enqueue(item("s1", "std", T0, prompt=3000, work=3100))
+    await queue.enqueue(item("s2", "std", T0, prompt=3000, work=3100))
+    claim = await queue.claim("n1", 10, T0 + 1, LEASE, drain_rate=1000.0,
+                              prefill=Prefill(0, 2048))  # fmt: skip
+    assert [lease.item.id for lease in claim.leases] == ["s1"] and claim.held_for_prefill
+    load = await queue.load(T0 + 1)
+    assert (load.rooms, load.held_rooms, load.room) == ((), (9,), 9)
+    # std's newcomer waits for s2's work and its own, as on a full node;
+    # gold's starts at once.
+    assert predicted_wait(PREFILL, "std", 100, load, T0 + 1) == (3100 + 100) / 1000.0
+    assert predicted_wait(PREFILL, "gold", 100, load, T0 + 1) == 0.0
+    # Its next claim, after the first token, holds nothing: the node has room again.
+    claim = await queue.claim("n1", 9, T0 + 2, LEASE, drain_rate=1000.0, prefill=Prefill(0, 2048))
+    assert [lease.item.id for lease in claim.leases] == ["s2"] and not claim.held_for_prefill
+    load = await queue.load(T0 + 2)
+    assert (load.rooms, load.held_rooms) == ((8,), ())
+    # A node that leaves takes its record with it.
+    await queue.claim("n1", 8, T0 + 2, LEASE, prefill=Prefill(3000, 2048))
+    await queue.leave("n1")
+    assert (await queue.load(T0 + 2)).held_rooms == ()
 
 
 async def test_the_tier_is_picked_again_for_every_item_of_a_claim(queue):

@@ -1,9 +1,10 @@
 """The fleet's Lua scripts against the core's rules.
 
-The Redis store restates five of the core's rules inside its scripts,
+The Redis store restates six of the core's rules inside its scripts,
 because they must run atomically with the state they read: the tier choice
-with ageing and the tiers' share credits, and the stop at a node's reserved
-slots (claim), the update of a tier's arrival-rate average (enqueue;
+with ageing and the tiers' share credits, the stop at a node's reserved
+slots, and what waits for a first token under the node's prefill budget and
+delay tiers' pace (claim), the update of a tier's arrival-rate average (enqueue;
 admission's inflow correction reads it back) and the VTC lift to the floor
 (every push); and it keeps the sums of each tenant's queued charges that a
 fair latency tier's door reads. Its admissions, and the place a refused
@@ -16,7 +17,8 @@ place a newcomer takes, whether a preemption is still needed, and every
 tenant's counter):
 
 - `CoreModel`, below: plain lists, every decision taken by calling
-  qosgate/core (ordering.pick_tier, reserve_holds and share_credit,
+  qosgate/core (ordering.pick_tier, reserve_holds, prefill_holds and
+  share_credit,
   admission.predicted_wait and ArrivalRate, fairness.lifted, ahead_at_door
   and gives_place, scheduler.PUSHOUT_CANDIDATES,
   ordering.preemption_victim);
@@ -40,7 +42,7 @@ from qosgate.core.admission import ArrivalRate
 from qosgate.core.fairness import ahead_at_door, gives_place, lifted
 from qosgate.core.policy import has_latency_objective
 from qosgate.core.scheduler import PUSHOUT_CANDIDATES
-from qosgate.fleet import FleetTiers, Lease, MemoryWorkQueue, WorkItem
+from qosgate.fleet import FleetTiers, Lease, MemoryWorkQueue, Prefill, WorkItem
 from qosgate.fleet.redis_store import RedisWorkQueue
 from qosgate.fleet.store import milli
 from qosgate.runtime.errors import WorkQueueFull, WorkQueueOverloaded
@@ -86,6 +88,9 @@ class CoreModel:
         self.reserve_stops = 0  # claims that stopped at the node's reserved slots
         self.latency_holds = 0  # claims where a share owed waited for latency work
         self.at_reserve = False  # the last claim stopped there
+        self.prefill_held: set[str] = set()  # nodes whose last claim held for the budget
+        self.waited = {"budget": 0, "pace": 0}  # claims that held work for a first token
+        self.held_for_prefill = self.paced = False  # the last claim did
         self.tokens = 0
 
     def _in(self, tier: str, tenant: str | None = None) -> list[WorkItem]:
@@ -124,11 +129,16 @@ class CoreModel:
         self._push(dataclasses.replace(item, attempt=item.attempt + 1))
 
     def _live(self, now: float, priority: int) -> tuple[float, int]:
-        """The live nodes' drain, and the free slots work at `priority` may take."""
-        live = [(rate, room) for room, until, rate in self.nodes.values() if until > now]
+        """The live nodes' drain, and the free slots work at `priority` may
+        take: below the top level none of a node holding work for its prefill
+        budget (the core's scheduler leaves a held level no room)."""
+        live = [(rate, room, node in self.prefill_held)
+                for node, (room, until, rate) in self.nodes.items() if until > now]
+        below_top = priority > self.tiers.top_level
         room = sum(ordering.open_slots(priority, self.tiers.top_level, free,
-                                       self.tiers.reserve_slots) for _, free in live)  # fmt: skip
-        return sum(rate for rate, _ in live) / 1000.0, room
+                                       self.tiers.reserve_slots)
+                   for _, free, held in live if not (held and below_top))  # fmt: skip
+        return sum(rate for rate, _, _ in live) / 1000.0, room
 
     def _predicted(self, item: WorkItem, less: int = 0) -> float:
         """The core's predicted wait of `item`, with `less` tokens fewer queued
@@ -197,17 +207,23 @@ class CoreModel:
         self.inflow[item.tier].add(item.work, item.arrival)
         return ("placed", taken) if taken is not None else None
 
-    def claim(self, node: str, max_items: int, now: float, lease_s: float, rate: float) -> list:
+    def claim(
+        self, node: str, max_items: int, now: float, lease_s: float, rate: float, prefill: Prefill
+    ) -> list:
         expired = sorted((exp, i) for i, (_, _, _, exp) in self.held.items() if exp <= now)
         for _, item_id in expired:
             self._requeue(item_id)
         self.nodes = {n: v for n, v in self.nodes.items() if v[1] > now}
+        self.prefill_held &= set(self.nodes)
         taken = []
         self.at_reserve = False
+        prefilling, held, paced = prefill.tokens, False, False
+        passed: set[str] = set()  # tiers left for a first token
         while len(taken) < max_items:
             heads = [
                 (t, head.arrival, ordering.share_owed(self.credits.get(t.name, 0.0), head.work))
-                for t in self.tiers.tiers if self._in(t.name) and (head := self._in(t.name)[0])
+                for t in self.tiers.tiers
+                if t.name not in passed and self._in(t.name) and (head := self._in(t.name)[0])
             ]  # fmt: skip
             chosen = ordering.pick_tier(heads, now, self.tiers.ageing)
             if chosen is None:
@@ -229,6 +245,14 @@ class CoreModel:
                 counters = self.counters[tier]
                 tenant = min((counters[i.tenant], i.tenant) for i in self._in(tier))[1]
                 item = self._in(tier, tenant)[0]
+            wait = ordering.prefill_holds(chosen[0], chosen[1], self.tiers.top_level, item.prompt,
+                                          prefilling, prefill.budget, prefill.pace,
+                                          held=held, paced=paced)  # fmt: skip
+            if wait is not None:
+                held, paced = held or wait == "budget", paced or wait == "pace"
+                passed.add(tier)
+                continue
+            prefilling += item.prompt
             self._unqueue(item.id)
             for t in self.tiers.tiers if ordering.settles_shares(chosen[0]) else ():
                 if t.min_share and self._in(t.name):
@@ -241,6 +265,10 @@ class CoreModel:
             self.held[item.id] = (item, node, self.tokens, now + lease_s)
             taken.append((item.id, self.tokens))
         self.nodes[node] = (max_items - len(taken), now + lease_s, milli(rate))
+        (self.prefill_held.add if held else self.prefill_held.discard)(node)
+        self.held_for_prefill, self.paced = held, paced
+        self.waited["budget"] += held
+        self.waited["pace"] += paced
         return taken
 
     def _current(self, lease: Lease) -> bool:
@@ -364,6 +392,7 @@ async def test_core_memory_and_lua_decide_alike(redis_server):
                     arrival=now - waited(rng), payload=b"",
                     charge=rng.choice([0.0, 0.1, 1.25, 10.0, 33.3]),
                     work=rng.choice([0, 40, 300, 1200]),
+                    prompt=rng.choice([0, 30, 250, 1000, 2500]),
                 )  # fmt: skip
                 cap = rng.choice([None, None, None, 3, 8])
                 want = core.enqueue(item, cap)
@@ -378,12 +407,19 @@ async def test_core_memory_and_lua_decide_alike(redis_server):
             elif roll < 0.5:
                 node, n = rng.choice(NODES), rng.randrange(0, 6)
                 lease_s, rate = rng.choice([0.5, 1.0, 2.5]), rng.choice(RATES)
-                want = core.claim(node, n, now, lease_s, rate)
+                prefill = Prefill(rng.choice([0, 0, 100, 900, 3000]),
+                                  rng.choice([None, None, 2048]), rng.choice([None, 256, 4096]))
+                want = core.claim(node, n, now, lease_s, rate, prefill)
                 for store in stores:
-                    claim = await store.claim(node, n, now, lease_s, drain_rate=rate)
+                    claim = await store.claim(node, n, now, lease_s, drain_rate=rate,
+                                              prefill=prefill)
                     got = [(lease.item.id, lease.token) for lease in claim.leases]
                     assert got == want, (step, store.name, got, want)
                     assert claim.at_reserve == core.at_reserve, (step, store.name)
+                    assert (claim.held_for_prefill, claim.paced) == (
+                        core.held_for_prefill, core.paced), (step, store.name)
+                    assert [lease.item.prompt for lease in claim.leases] == [
+                        core.held[i][0].prompt for i, _ in want], (step, store.name)
                 for lease in claim.leases:
                     leases[lease.item.id] = lease
                 seen["claimed"] += len(want)
@@ -432,11 +468,13 @@ async def test_core_memory_and_lua_decide_alike(redis_server):
         seen["share turns"] = core.share_turns
         seen["reserve stops"] = core.reserve_stops
         seen["shares held for latency work"] = core.latency_holds
+        seen["held for the prefill budget"] = core.waited["budget"]
+        seen["held for the pace"] = core.waited["pace"]
         # A place is taken only where one item's leaving brings a prediction
         # back within its budget: a narrow window under random rates, so
         # fewer, each one checked item for item.
         assert seen.pop("placed") > 8, seen
-        assert all(count > 20 for count in seen.values()), seen
+        assert all(count > 20 for count in seen.values()), repr(seen)
     finally:
         await lua.close()
 
@@ -453,10 +491,10 @@ def test_the_core_model_follows_the_core():
     # 0.75 s a level), but its floor is bronze's 2: it passes bronze's fresher
     # head, never silver's.
     # Room for all three beyond the two slots held for gold.
-    taken = [item_id for item_id, _ in core.claim("n1", 5, T0 + 3.0, 1.0, 0.0)]
+    taken = [item_id for item_id, _ in core.claim("n1", 5, T0 + 3.0, 1.0, 0.0, Prefill())]
     assert taken == ["std", "old", "new"]
     # With room for three only, the last two are gold's: one goes.
     core = CoreModel(TIERS)
     core.enqueue(WorkItem("std", "silver", "a", T0, b"", work=10), None)
     core.enqueue(WorkItem("std2", "silver", "a", T0, b"", work=10), None)
-    assert [item_id for item_id, _ in core.claim("n1", 3, T0, 1.0, 0.0)] == ["std"]
+    assert [item_id for item_id, _ in core.claim("n1", 3, T0, 1.0, 0.0, Prefill())] == ["std"]

@@ -63,7 +63,10 @@ def make_policy(
 class Fleet:
     """One replica and `engines` engine nodes, started and stopped together."""
 
-    def __init__(self, policy: PolicyConfig, engines: int = 1, seqs: int = 2) -> None:
+    def __init__(
+        self, policy: PolicyConfig, engines: int = 1, seqs: int = 2,
+        backend: type[SimBackend] = SimBackend,
+    ) -> None:  # fmt: skip
         assert policy.fleet is not None
         self.policy = policy
         self.backend = FleetBackend(
@@ -75,7 +78,7 @@ class Fleet:
         self.engines = [
             EngineNode(
                 policy, policy.fleet.model_copy(update={"node_id": f"e{i}", "role": "engine"}),
-                SimBackend(engine_cfg),
+                backend(engine_cfg),
             )
             for i in range(engines)
         ]  # fmt: skip
@@ -255,6 +258,81 @@ async def test_a_node_held_at_its_reserve_is_full_to_its_drain_estimate(redis_se
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
             await running.aclose()
+
+
+class FirstTokenGate(SimBackend):
+    """The simulated GPU, whose runs' first output reaches the node only once
+    `gate` is set (until then every run it was given is in prefill), and the
+    rest only once `rest` is. It never calls its capacity listener."""
+
+    gate: asyncio.Event
+    rest: asyncio.Event
+
+    def _notify(self) -> None:
+        # The simulated GPU says it may have room at every step; a real
+        # engine, when a sequence ends. Nothing ends here until `rest`.
+        pass
+
+    def generate(self, job: GenerationJob) -> AsyncIterator[Chunk]:
+        output = super().generate(job)
+        gate, rest = self.gate, self.rest
+
+        async def gated() -> AsyncIterator[Chunk]:
+            await gate.wait()
+            async for chunk in output:
+                yield chunk
+                await rest.wait()
+
+        return gated()
+
+
+async def test_an_engine_node_holds_lower_tiers_for_its_prefill_budget_until_a_first_token(
+    redis_server, prefix
+):
+    """As one node's scheduler does: below the top level, a node claims no
+    prompt that would take what its backend has in prefill past the budget;
+    top-level work still goes; the first token lets the held work go, with
+    no other wake. Admission meanwhile reads the node as full below the top."""
+    policy = make_policy(redis_server.url, prefix, scheduler={
+        "prefill_budget_tokens": 100, "delay_prefill_tokens": None})  # fmt: skip
+    # Leases longer than the test: no lease timer wakes the node in it.
+    assert policy.fleet is not None
+    policy = policy.model_copy(update={"fleet": policy.fleet.model_copy(update={"lease_s": 60.0})})
+    FirstTokenGate.gate, FirstTokenGate.rest = asyncio.Event(), asyncio.Event()
+    async with Fleet(policy, engines=1, seqs=3, backend=FirstTokenGate) as fleet:
+        node, store = fleet.engines[0], fleet.backend.store
+        started = record_starts(node)
+        async with asyncio.timeout(LIMIT_S), Enqueues(fleet) as enqueues:
+            readers = []
+
+            def submit(**kw: Any) -> RequestStream:
+                stream = fleet.submit(max_tokens=4, **kw)
+                readers.append(asyncio.ensure_future(read_all(stream)))
+                return stream
+
+            first = submit(tier="batch", prompt_tokens=80)
+            assert await started.get() == first.request.id
+            held = submit(tier="batch", prompt_tokens=80)
+            await enqueues.wait(2)
+            await node._claim()
+            assert started.empty() and (await store.depth())["batch"] == 1
+            assert node.status()["prefill_tokens"] == 80
+            # (The simulated GPU may have finished the gated run already: how
+            # many slots it has free is not the point.)
+            load = await store.load(time.time())
+            assert load.rooms == () and len(load.held_rooms) == 1
+            # The top level is never held.
+            top = submit(prompt_tokens=500)
+            assert await started.get() == top.request.id
+            assert node.status()["prefill_tokens"] == 580
+            # First tokens, and nothing ends: the first token alone lets it go.
+            FirstTokenGate.gate.set()
+            assert await started.get() == held.request.id
+            FirstTokenGate.rest.set()
+            answers = await asyncio.gather(*readers)
+        assert [tokens for _, tokens in answers] == [4, 4, 4]
+        await runs_done(node)
+        assert node.status()["prefill_tokens"] == 0
 
 
 async def test_a_client_gone_while_queued_takes_its_item_out(redis_server, prefix):

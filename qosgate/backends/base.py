@@ -216,6 +216,12 @@ class Backend:
         (an upstream server, or an engine left at its own default)."""
         return None
 
+    releases_prefill: bool = True
+    """Whether what the gateway releases goes straight into an engine, whose
+    prefill queue the scheduler's prefill budget and delay tiers' pace keep
+    short. False where something downstream releases it and applies them (a
+    fleet replica's backend: the engine nodes' claims do)."""
+
     def hold_room(self, slots: int) -> None:
         """The gateway keeps `slots` of the free slots `capacity` reports for
         top-level work alone (the scheduler's reserve), so that other work

@@ -50,13 +50,19 @@ def prefill_budget(setting: int | Literal["auto"] | None, step_tokens: int | Non
 
 
 def scheduling_policy(
-    policy: PolicyConfig, *, step_tokens: int | None = None
+    policy: PolicyConfig, *, step_tokens: int | None = None, prefill_limits: bool = True
 ) -> SchedulingPolicy:
     """The core's parameters. `step_tokens`: the tokens per step of the
     engine the scheduler releases into (Backend.step_tokens; the simulator's
     engine), which an automatic prefill budget is counted in; None: unknown,
-    so `auto` sets none."""
+    so `auto` sets none. Without `prefill_limits` (Backend.releases_prefill
+    False) neither the prefill budget nor the pace is set, whatever the policy
+    says: they act where work enters the engine."""
     sched = policy.scheduler
+    if not prefill_limits:
+        step_tokens = None
+        sched = sched.model_copy(update={"prefill_budget_tokens": None,
+                                         "delay_prefill_tokens": None})  # fmt: skip
     return SchedulingPolicy(
         kind=sched.policy,
         tiers={name: _tier(name, tier) for name, tier in policy.tiers.items()},

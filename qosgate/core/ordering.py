@@ -5,7 +5,7 @@ held to this by tests/test_fleet_rules_differential.py)."""
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Protocol, Reversible, Sequence, TypeVar
+from typing import Callable, Iterable, Literal, Protocol, Reversible, Sequence, TypeVar
 
 from qosgate.core.policy import Ageing, has_latency_objective
 
@@ -103,6 +103,33 @@ def open_slots(level: int, top_level: int, free_slots: int, reserve_slots: int) 
     once: every one for top-level work, those past the reserve for the rest
     (reserve_holds)."""
     return free_slots if level <= top_level else max(0, free_slots - reserve_slots)
+
+
+def prefill_full(prefilling: int, prompt: int, limit: int | None) -> bool:
+    """Whether a prompt of `prompt` tokens would take a backend's prefill
+    queue (`prefilling`: prompt tokens sent in that have no first token yet)
+    past `limit` (None: no limit). The first prompt in always goes, however
+    long: holding it back gains nothing."""
+    return limit is not None and prefilling > 0 and prefilling + prompt > limit
+
+
+def prefill_holds(
+    tier: TierView, level: int, top_level: int, prompt: int, prefilling: int,
+    budget: int | None, pace: int | None, *, held: bool, paced: bool,
+) -> Literal["budget", "pace"] | None:
+    """Whether the next request of `tier`, competing at `level`, waits for a
+    first token before it goes to the backend: "budget" when it is below the
+    top level and the prefill budget is full, or something below the top
+    level was held for it already this round (so a shorter prompt behind a
+    held one does not overtake it); "pace" when its tier has no latency
+    objective and the delay tiers' pace is full, or another such tier was
+    held for it this round; None when it goes. The scheduler and the fleet's
+    claim apply it the same way, one request at a time."""
+    if level > top_level and (held or prefill_full(prefilling, prompt, budget)):
+        return "budget"
+    if not has_latency_objective(tier) and (paced or prefill_full(prefilling, prompt, pace)):
+        return "pace"
+    return None
 
 
 def share_owed(credit: float, head_work: float) -> bool:

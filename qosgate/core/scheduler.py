@@ -28,6 +28,7 @@ from qosgate.core.ordering import (
     has_reserve,
     may_preempt,
     pick_tier,
+    prefill_holds,
     preemption_victim,
     reserve_holds,
     settles_shares,
@@ -374,27 +375,19 @@ class Scheduler:
                 break
             req = best.peek()
             assert req is not None
-            if below_top and held:
-                # Keep order: below the top level nothing overtakes the work
-                # held for the budget because its prompt is shorter.
-                held.append(best)
-                continue
-            if (below_top and budget is not None and self._prefilling > 0
-                    and self._prefilling + req.prompt_tokens > budget):
+            wait = prefill_holds(best, level, top_level, req.prompt_tokens, self._prefilling,
+                                 budget, self._delay_prefill, held=bool(held), paced=bool(paced))
+            if wait == "budget":
                 # The backend's prefill queue is as long as a top-level
                 # request may wait behind; this waits for a first token.
                 held.append(best)
                 continue
-            pace = self._delay_prefill
-            if (pace is not None and not has_latency_objective(best)
-                    and (paced or (self._prefilling > 0
-                                   and self._prefilling + req.prompt_tokens > pace))):
+            if wait == "pace":
                 # Work that can wait goes in at the pace of prefill: a lull's
                 # worth of long prompts would sit in the engine ahead of
-                # whatever comes next (and, as above, a later delay tier's
-                # shorter prompt does not overtake). Unlike the prefill budget
-                # it holds no tier with a latency objective, so no newcomer's
-                # predicted wait changes for it.
+                # whatever comes next. Unlike the prefill budget it holds no
+                # tier with a latency objective, so no newcomer's predicted
+                # wait changes for it.
                 paced.append(best)
                 continue
             if kv_total is not None and req.prompt_tokens >= kv_total:

@@ -9,7 +9,10 @@ is woken, never polling, by:
 - a timer at the first lease expiry in the store, while it has room, so a
   dead node's work is taken back even when nothing else happens;
 - a timer at the instant a node it held affinity work back for stops
-  counting as live, so such work is not left waiting for a dead node.
+  counting as live, so such work is not left waiting for a dead node;
+- a run's first token, when its last claim left work queued for one (the
+  prefill budget, or delay tiers' pace: the prompt tokens in its backend's
+  prefill queue are the node's own count, as one node's scheduler keeps).
 
 Every third of `lease_s` the node records in the store that it is live,
 how much room it has and how many tokens/s it completes while full (a
@@ -57,7 +60,7 @@ from qosgate.runtime.errors import WorkQueueError
 
 from . import wire
 from .gateway import default_node_id, fleet_store
-from .model import Lease, ServiceMeter
+from .model import Lease, Prefill, ServiceMeter
 from .redis_store import Subscription
 
 log = logging.getLogger(__name__)
@@ -113,7 +116,7 @@ class EngineNode:
         trace its replica began (None: off)."""
         self.node = fleet.node_id or default_node_id()
         self.store = fleet_store(policy, fleet)
-        rules = scheduling_policy(policy)
+        rules = scheduling_policy(policy, step_tokens=backend.step_tokens)
         backend.hold_room(rules.held_slots)
         self._meter = ServiceMeter(rules) if rules.fair else None
         # What this node completes while full, as one node measures its
@@ -137,6 +140,15 @@ class EngineNode:
         self._runs: dict[str, asyncio.Task[None]] = {}
         self._at_reserve = False
         """The last claim stopped at the reserved slots (Claim.at_reserve)."""
+        self._prefill_budget = rules.prefill_budget_tokens
+        self._delay_prefill = rules.delay_prefill_tokens
+        self._in_prefill: dict[str, int] = {}
+        """Prompt tokens of each run that has no first token yet: this node's
+        side of the backend's prefill queue, which its claims keep within the
+        prefill budget as one node's scheduler does."""
+        self._waits_for_prefill = False
+        """The last claim left work queued for a first token here
+        (Claim.held_for_prefill or Claim.paced)."""
         self._spans: dict[str, Any] = {}
         """The span of each traced run, ended with the run."""
         self._leases: dict[str, Lease] = {}
@@ -241,6 +253,7 @@ class EngineNode:
             "completed": self.completed,
             "free_slots": self.backend.capacity().free_slots,
             "drain_rate_tokens_per_s": self.drain.rate,
+            "prefill_tokens": sum(self._in_prefill.values()),
             "preempted": self.preempted,
             "orphaned": self.orphaned,
             "affinity": dict(self.affinity),
@@ -270,8 +283,11 @@ class EngineNode:
         """Tell the drain estimate whether the time from now on is measured:
         only while the node is full for the work that waits is what it
         completes what it can do. A node that keeps its reserved slots for
-        top-level work is full to the rest, as one node's scheduler counts it."""
-        full = bool(self._runs) and saturated(self._room(), self._at_reserve)
+        top-level work is full to the rest, as one node's scheduler counts it;
+        so is one holding work for a first token, whose queue then drains at
+        the pace of prefill (DrainRateEstimator.prefilled)."""
+        full = bool(self._runs) and (
+            saturated(self._room(), self._at_reserve) or self._waits_for_prefill)
         self.drain.advance(asyncio.get_running_loop().time(), full)
 
     def wake(self) -> None:
@@ -298,13 +314,16 @@ class EngineNode:
                 now = time.time()
                 try:
                     claim = await self.store.claim(
-                        self.node, room, now, self.lease_s, drain_rate=self.drain.rate
+                        self.node, room, now, self.lease_s, drain_rate=self.drain.rate,
+                        prefill=Prefill(sum(self._in_prefill.values()), self._prefill_budget,
+                                        self._delay_prefill),
                     )
                 except WorkQueueError as exc:
                     log.error("claim failed: %s", exc)
                     self._arm_expiry(time.time() + 1.0)
                     return
                 self._at_reserve = claim.at_reserve
+                self._waits_for_prefill = claim.held_for_prefill or claim.paced
                 for lease in claim.leases:
                     if lease.item.affinity:
                         self.affinity[claim.placement(lease.item.id)] += 1
@@ -420,6 +439,7 @@ class EngineNode:
             self._hold(item_id, self._end(lease, reply_to, event))
             return
         self._outbox.put(reply_to, wire.started_event(item_id, lease.token))
+        self._in_prefill[item_id] = job.prompt_tokens
         self._hold(item_id, self._run(lease, job, reply_to, gen))
 
     def _hold(self, item_id: str, work: Coroutine[Any, Any, None]) -> None:
@@ -437,6 +457,7 @@ class EngineNode:
             self._leases.pop(item_id, None)
             self._replies.pop(item_id, None)
             self._streaming.discard(item_id)
+            self._in_prefill.pop(item_id, None)
             self._note_load()
             self.wake()
 
@@ -457,6 +478,10 @@ class EngineNode:
                 if not prefilled and chunk.tokens:
                     prefilled = True
                     self.drain.prefilled(job.prompt_tokens, asyncio.get_running_loop().time())
+                    self._in_prefill.pop(item_id, None)
+                    if self._waits_for_prefill:
+                        # What the last claim left for a first token may go now.
+                        self.wake()
                 if chunk.finish_reason is not None:
                     if chunk.usage and "completion_tokens" in chunk.usage:
                         output = int(chunk.usage["completion_tokens"])

@@ -133,6 +133,8 @@ class _FleetStream(BackendStream):
 class FleetBackend(Backend):
     """The `Backend` port of a gateway replica: work goes to the shared queue."""
 
+    releases_prefill = False
+
     def __init__(
         self,
         policy: PolicyConfig,
@@ -287,6 +289,7 @@ class FleetBackend(Backend):
                 if self._meter is not None
                 else 0.0,
                 work=job.work or job.prompt_tokens + job.max_tokens,
+                prompt=job.prompt_tokens,
             )
             # Before the enqueue returns, a node may already have started it.
             waiting.queued_at = item.arrival

@@ -7,7 +7,9 @@ rules are the single node's, from qosgate/core (ordering.pick_tier and
 share_credit, admission.predicted_wait, fairness.lifted and
 fairness.service, ahead_at_door and gives_place): the shared queue is a
 storage strategy under them. The Redis store's scripts restate the tier
-choice, the share credit, the arrival-rate update and the VTC lift, which
+choice, the share credit, what waits for a first token under a node's
+prefill budget (ordering.prefill_holds), the arrival-rate update and the VTC
+lift, which
 must run inside Redis to be atomic, and keep the sums of queued charges a
 fair latency tier's door reads; tests/test_fleet_rules_differential.py
 holds them to the core.
@@ -74,6 +76,9 @@ class WorkItem:
     work: int = 0
     """Tokens it is expected to take (prompt + expected output): what it adds
     to its tier's queued work, which admission divides by the drain rate."""
+    prompt: int = 0
+    """Its prompt's tokens: what it adds to its node's prefill queue (a
+    claim's prefill budget, `Prefill`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +91,23 @@ class Lease:
     """Fencing token, increasing per store: after a lease is lost and the item
     re-leased, only the newer token can complete or renew it."""
     expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Prefill:
+    """A claiming node's prefill queue and the limits on it: the core's
+    prefill budget and delay tiers' pace (ordering.prefill_holds), resolved
+    against that node's backend."""
+
+    tokens: int = 0
+    """Prompt tokens the node sent to its backend that have no first token yet."""
+    budget: int | None = None
+    """Below the top level, what may be in prefill (None: no limit)."""
+    pace: int | None = None
+    """For tiers without a latency objective, the same (None: no limit)."""
+
+
+NO_PREFILL_LIMIT = Prefill()
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +128,12 @@ class Claim:
     at_reserve: bool = False
     """It stopped at the node's reserved slots (ordering.reserve_holds) with
     work below the top level still queued: to that work the node is full."""
+    held_for_prefill: bool = False
+    """It left work below the top level queued for the node's prefill budget
+    (ordering.prefill_holds): that work waits for a first token, not a slot."""
+    paced: bool = False
+    """It left work of a tier without a latency objective queued for the
+    delay tiers' pace: that too waits for a first token."""
 
     def placement(self, item_id: str) -> Literal["home", "away", "new"]:
         """Where a taken item's key was bound: here, elsewhere, or nowhere."""
@@ -293,14 +321,19 @@ class FleetLoad:
     drain: float
     """Tokens/s the live engine nodes complete, summed (0: none reports)."""
     rooms: tuple[int, ...]
-    """Free sequence slots of each live engine node, fewest first."""
+    """Free sequence slots of each live engine node whose last claim held
+    nothing back for its prefill budget, fewest first."""
     oldest: Mapping[str, float] = dataclasses.field(default_factory=dict)
     """Tier -> arrival of its oldest queued item (non-empty tiers)."""
+    held_rooms: tuple[int, ...] = ()
+    """Free sequence slots of each live node whose last claim held work below
+    the top level for its prefill budget (Claim.held_for_prefill): room for
+    top-level work only, as one node's held backend is."""
 
     @property
     def room(self) -> int:
         """Free sequence slots of the live engine nodes, summed."""
-        return sum(self.rooms)
+        return sum(self.rooms) + sum(self.held_rooms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,8 +368,11 @@ def predicted_wait(
     ]  # fmt: skip
     priority = tiers.tier(tier).priority
     reserved = ordering.has_reserve(priority, tiers.top_level, tiers.reserve_slots)
+    # Below the top level a node holding work for its prefill budget does not
+    # take a newcomer at once, whatever its free slots (as on one node).
+    rooms = load.rooms + load.held_rooms if priority <= tiers.top_level else load.rooms
     room = sum(ordering.open_slots(priority, tiers.top_level, free, tiers.reserve_slots)
-               for free in load.rooms)  # fmt: skip
+               for free in rooms)  # fmt: skip
     return admission.predicted_wait(
         priority, work, views, now,
         own_slot=room <= 0 and not reserved, room_work=room * work, drain=load.drain,

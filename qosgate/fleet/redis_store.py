@@ -36,6 +36,9 @@ which the scripts need since they touch every tier):
             %.17g, which reads back exactly) / the last arrival it counts
   credit    hash, tier -> its guaranteed share's credit (%.17g), for tiers
             with work queued
+  prompt    hash, item id -> its prompt's tokens
+  pheld     hash, node -> 1 while its last claim held work for its prefill
+            budget (Claim.held_for_prefill)
 Arrivals and lease ends go in and out as Python's `repr` of the float, never
 through a Lua number: Redis writes Lua numbers with 14 significant digits,
 which would move a wall-clock time by up to a tenth of a millisecond and make
@@ -57,7 +60,17 @@ from qosgate.core.admission import ArrivalRate
 from qosgate.quotas.redis_client import connection_pool, guarded, register_scripts
 from qosgate.runtime.errors import WorkQueueError, WorkQueueFull, WorkQueueOverloaded
 
-from .model import Claim, FleetLoad, FleetTiers, Lease, TierStandings, WorkItem, lane_key
+from .model import (
+    NO_PREFILL_LIMIT,
+    Claim,
+    FleetLoad,
+    FleetTiers,
+    Lease,
+    Prefill,
+    TierStandings,
+    WorkItem,
+    lane_key,
+)
 from .store import ItemStatus, Notice, QueuedEntry, WorkQueue, milli
 
 log = logging.getLogger(__name__)
@@ -74,14 +87,20 @@ _FIELDS = (
     "holder", "node", "expiry", "done", "token",
     "affkey", "bound", "bound_at", "room", "seen",
     "charge", "lane", "served", "work", "qwork",
-    "rate", "inflow", "inflow_at", "credit",
+    "rate", "inflow", "inflow_at", "credit", "prompt",
+    "pheld",
 )  # fmt: skip
 # The prelude's K_* constants and F (the per-tier keys follow) assume this.
-assert len(_FIELDS) == 24
+assert len(_FIELDS) == 26
 _PER_TIER = ("q", "lane", "backlog", "counter", "qcharge")
 # How many times an enqueue decides again at a door when the item whose place
 # it was to take left the queue (a node took it) before the script ran.
 _DOOR_TRIES = 3
+
+
+def _limit(tokens: int | None) -> int | str:
+    """A prefill limit as the claim script reads it ('' for none)."""
+    return "" if tokens is None else tokens
 
 
 class RedisWorkQueue(WorkQueue):
@@ -202,7 +221,7 @@ class RedisWorkQueue(WorkQueue):
                 item.id, item.tier, item.tenant, repr(item.arrival), item.payload, item.attempt,
                 max_queued or 0, self.wake_channel, item.affinity, repr(item.charge),
                 lane_key(item), item.work, 1 if refusal is not None and taken is None else 0,
-                taken.id if taken is not None else "", *(reply or ("", b"")),
+                taken.id if taken is not None else "", *(reply or ("", b"")), item.prompt,
             ]  # fmt: skip
             result = await self._run(self._enqueue, [*args, *self._tier_args])
             if result == -3:
@@ -256,20 +275,21 @@ class RedisWorkQueue(WorkQueue):
     async def _queued_item(self, item_id: str) -> WorkItem | None:
         """The item `item_id` as it is stored, while it is queued (None once
         it is not: a node took it, or it ended)."""
-        names = ("tier", "tenant", "arrival", "payload", "attempt", "affkey", "charge", "work")
+        names = ("tier", "tenant", "arrival", "payload", "attempt", "affkey", "charge", "work",
+                 "prompt")  # fmt: skip
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hexists(self._field["holder"], item_id)
             for name in names:
                 pipe.hget(self._field[name], item_id)
             held, *values = await self._guard(pipe.execute())
-        tier, tenant, arrival, payload, attempt, affinity, charge, work = values
+        tier, tenant, arrival, payload, attempt, affinity, charge, work, prompt = values
         if held or tier is None:
             return None
         return WorkItem(
             id=item_id, tier=tier.decode(), tenant=tenant.decode(), arrival=float(arrival),
             payload=bytes(payload), attempt=int(attempt),
             affinity=affinity.decode() if affinity is not None else "",
-            charge=float(charge), work=int(work),
+            charge=float(charge), work=int(work), prompt=int(prompt or 0),
         )  # fmt: skip
 
     async def cancel(
@@ -284,20 +304,23 @@ class RedisWorkQueue(WorkQueue):
         return float(first[0][1]) if first else None
 
     async def claim(
-        self, node: str, max_items: int, now: float, lease_s: float, *, drain_rate: float = 0.0
+        self, node: str, max_items: int, now: float, lease_s: float, *, drain_rate: float = 0.0,
+        prefill: Prefill = NO_PREFILL_LIMIT,
     ) -> Claim:
         expires_at = now + lease_s
         args: list[Any] = [
             repr(now), node, max_items, repr(expires_at),
             repr(self.tiers.interval_s), self.tiers.max_boost,
             repr(now - self.done_retention_s), repr(now - self.affinity_ttl_s), self.wake_channel,
-            milli(drain_rate), *self._tier_args,
+            milli(drain_rate), prefill.tokens, _limit(prefill.budget), _limit(prefill.pace),
+            *self._tier_args,
         ]  # fmt: skip
-        rows, held_until, at_reserve = await self._run(self._claim, args)
+        rows, held_until, at_reserve, held, paced = await self._run(self._claim, args)
         leases = []
         home, away = set(), set()
         for row in rows:
-            item_id, tier, tenant, arrival, payload, attempt, token, affinity, charge, bound, work = row
+            (item_id, tier, tenant, arrival, payload, attempt, token, affinity, charge, bound,
+             work, prompt) = row  # fmt: skip
             item = WorkItem(
                 id=item_id.decode(),
                 tier=tier.decode(),
@@ -308,12 +331,14 @@ class RedisWorkQueue(WorkQueue):
                 affinity=affinity.decode(),
                 charge=float(charge),
                 work=int(work),
+                prompt=int(prompt),
             )
             leases.append(Lease(item, node, int(token), expires_at))
             if bound:
                 (home if bound == 1 else away).add(item.id)
         held_back_until = float(held_until) if held_until else None
-        return Claim(leases, held_back_until, frozenset(home), frozenset(away), bool(at_reserve))
+        return Claim(leases, held_back_until, frozenset(home), frozenset(away), bool(at_reserve),
+                     bool(held), bool(paced))  # fmt: skip
 
     async def heartbeat(
         self, node: str, room: int, now: float, ttl_s: float, *, drain_rate: float = 0.0
@@ -380,9 +405,10 @@ class RedisWorkQueue(WorkQueue):
             pipe.zrangebyscore(self._field["seen"], f"({now!r}", "+inf")
             pipe.hgetall(self._field["rate"])
             pipe.hgetall(self._field["room"])
+            pipe.hgetall(self._field["pheld"])
             for tier in tiers:
                 pipe.zrange(self._queue[tier], 0, 0, withscores=True)
-            work, sums, lasts, live, rates, rooms, *heads = await self._guard(pipe.execute())
+            work, sums, lasts, live, rates, rooms, held, *heads = await self._guard(pipe.execute())
         tau = self.tiers.inflow_tau_s
         inflow: dict[str, float] = {}
         for tier in tiers:
@@ -396,8 +422,9 @@ class RedisWorkQueue(WorkQueue):
             queued_work={tier: int(work.get(tier.encode(), 0)) for tier in tiers},
             inflow=inflow,
             drain=sum(int(rates.get(node, 0)) for node in live) / 1000.0,
-            rooms=tuple(sorted(int(rooms.get(node, 0)) for node in live)),
+            rooms=tuple(sorted(int(rooms.get(node, 0)) for node in live if node not in held)),
             oldest={tier: float(head[0][1]) for tier, head in zip(tiers, heads) if head},
+            held_rooms=tuple(sorted(int(rooms.get(node, 0)) for node in live if node in held)),
         )
 
     async def depth(self) -> dict[str, int]:

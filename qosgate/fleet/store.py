@@ -16,10 +16,12 @@ from qosgate.core.scheduler import PUSHOUT_CANDIDATES
 from qosgate.runtime.errors import WorkQueueFull, WorkQueueOverloaded
 
 from .model import (
+    NO_PREFILL_LIMIT,
     Claim,
     FleetLoad,
     FleetTiers,
     Lease,
+    Prefill,
     TierStandings,
     WorkItem,
     choose_tier,
@@ -164,7 +166,8 @@ class WorkQueue(ABC):
 
     @abstractmethod
     async def claim(
-        self, node: str, max_items: int, now: float, lease_s: float, *, drain_rate: float = 0.0
+        self, node: str, max_items: int, now: float, lease_s: float, *, drain_rate: float = 0.0,
+        prefill: Prefill = NO_PREFILL_LIMIT,
     ) -> Claim:
         """Return expired leases' items to their queues, then lease up to
         `max_items` to `node`, each from the tier `choose_tier` names at that
@@ -172,11 +175,14 @@ class WorkQueue(ABC):
         left than the tiers' `reserve_slots`: `Claim.at_reserve` says it
         stopped there), until `now + lease_s`, leaving items for the live
         nodes their affinity keys are bound to while those have room (see
-        model.py). Binds a taken item's key to `node` unless a live node has
-        it, and records `node` as live until `now + lease_s` with the room it
-        has left (`max_items` less what it took) and the tokens/s it drains
-        when full (`drain_rate`; 0: unknown), which admission sums over the
-        live nodes."""
+        model.py), and leaving queued what `node`'s prefill queue has no room
+        for (`prefill`, by ordering.prefill_holds: `Claim.held_for_prefill`
+        and `Claim.paced` say it did). Binds a taken item's key to `node`
+        unless a live node has it, and records `node` as live until `now +
+        lease_s` with the room it has left (`max_items` less what it took),
+        whether it held work for its prefill budget, and the tokens/s it
+        drains when full (`drain_rate`; 0: unknown), which admission sums
+        over the live nodes."""
 
     @abstractmethod
     async def heartbeat(
@@ -290,6 +296,8 @@ class MemoryWorkQueue(WorkQueue):
         # affinity key -> (node, when bound).
         self._nodes: dict[str, tuple[int, float, int]] = {}
         self._bound: dict[str, tuple[str, float]] = {}
+        # Nodes whose last claim held work for their prefill budget.
+        self._prefill_held: set[str] = set()
         # Fair tiers: tier -> tenant -> its queued items (only backlogged
         # tenants have a lane), tier -> tenant -> counter, tier -> the
         # counter last served.
@@ -354,17 +362,19 @@ class MemoryWorkQueue(WorkQueue):
 
     def _load(self, now: float) -> FleetLoad:
         drain = 0
-        rooms = []
-        for node_room, until, rate in self._nodes.values():
+        rooms: list[int] = []
+        held: list[int] = []
+        for node, (node_room, until, rate) in self._nodes.items():
             if until > now:
                 drain += rate
-                rooms.append(node_room)
+                (held if node in self._prefill_held else rooms).append(node_room)
         return FleetLoad(
             queued_work=dict(self._work),
             inflow={name: rate.rate(now) for name, rate in self._inflow.items()},
             drain=drain / 1000.0,
             rooms=tuple(sorted(rooms)),
             oldest={name: queue[0][0] for name, queue in self._queues.items() if queue},
+            held_rooms=tuple(sorted(held)),
         )
 
     async def load(self, now: float) -> FleetLoad:
@@ -461,7 +471,8 @@ class MemoryWorkQueue(WorkQueue):
         return dict(self._counters[tier])
 
     async def claim(
-        self, node: str, max_items: int, now: float, lease_s: float, *, drain_rate: float = 0.0
+        self, node: str, max_items: int, now: float, lease_s: float, *, drain_rate: float = 0.0,
+        prefill: Prefill = NO_PREFILL_LIMIT,
     ) -> Claim:
         # In the Redis store's order (by lease end, then id): under fairness,
         # each refund and lift depends on the ones before it.
@@ -479,6 +490,7 @@ class MemoryWorkQueue(WorkQueue):
             del self._bound[key]
         for other in [n for n, (_, until, _) in self._nodes.items() if until <= now]:
             del self._nodes[other]
+            self._prefill_held.discard(other)
         # How many more items each other live node has room for, and so may
         # still have held back for it.
         reserve = {n: room for n, (room, _, _) in self._nodes.items() if n != node and room > 0}
@@ -492,6 +504,7 @@ class MemoryWorkQueue(WorkQueue):
         passed: set[str] = set()  # tiers with nothing left for this node
         leases: list[Lease] = []
         expires_at = now + lease_s
+        prefilling, held, paced = prefill.tokens, False, False
         while len(leases) < max_items:
             heads = {name: q[0][2] for name, q in self._queues.items() if q and name not in passed}
             chosen = choose_tier(self.tiers, heads, now, self._credits)
@@ -514,6 +527,15 @@ class MemoryWorkQueue(WorkQueue):
                 until = self._nodes[owner][1]
                 held_back_until = until if held_back_until is None else min(held_back_until, until)
                 continue
+            wait = ordering.prefill_holds(
+                self.tiers.tier(tier), level, self.tiers.top_level, item.prompt, prefilling,
+                prefill.budget, prefill.pace, held=held, paced=paced,
+            )  # fmt: skip
+            if wait is not None:
+                held, paced = held or wait == "budget", paced or wait == "pace"
+                passed.add(tier)
+                continue
+            prefilling += item.prompt
             self._unqueue(item)
             del self._queued[item.id]
             settle_shares(
@@ -533,7 +555,12 @@ class MemoryWorkQueue(WorkQueue):
             self._held[item.id] = lease = Lease(item, node, next(self._tokens), expires_at)
             leases.append(lease)
         self._set_room(node, max_items - len(leases), expires_at, milli(drain_rate))
-        return Claim(leases, held_back_until, frozenset(home), frozenset(away), at_reserve)
+        if held:
+            self._prefill_held.add(node)
+        else:
+            self._prefill_held.discard(node)
+        return Claim(leases, held_back_until, frozenset(home), frozenset(away), at_reserve,
+                     held, paced)  # fmt: skip
 
     def _set_room(self, node: str, room: int, until: float, rate: int) -> None:
         before = self._nodes.get(node, (0, 0.0, 0))[0]
@@ -553,6 +580,7 @@ class MemoryWorkQueue(WorkQueue):
 
     async def leave(self, node: str) -> None:
         room, _, _ = self._nodes.pop(node, (0, 0.0, 0))
+        self._prefill_held.discard(node)
         self._wake_if_full(room, 0)
 
     async def bound_node(self, key: str) -> str | None:

@@ -97,7 +97,8 @@ class Gateway:
         # A backend that queues what it takes (the fleet's) reports when the
         # waiting there ends.
         backend.set_start_listener(self.observer.metrics.fleet_started)
-        rules = scheduling_policy(policy, step_tokens=backend.step_tokens)
+        rules = scheduling_policy(policy, step_tokens=backend.step_tokens,
+                                  prefill_limits=backend.releases_prefill)
         self._scheduler = Scheduler(rules, drain_rate_hint=drain_rate_hint)
         backend.hold_room(rules.held_slots)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -183,7 +184,9 @@ class Gateway:
                     f"{section}: changed, and changing it needs a restart "
                     "(a reload swaps tiers, tenants and quotas)"
                 )
-        self._scheduler.reconfigure(scheduling_policy(policy, step_tokens=self._backend.step_tokens))
+        backend = self._backend
+        self._scheduler.reconfigure(scheduling_policy(
+            policy, step_tokens=backend.step_tokens, prefill_limits=backend.releases_prefill))
         self.quotas.set_limits(policy)
         self.observer.metrics.set_tiers(policy)
         self._policy = policy

@@ -1,12 +1,15 @@
 -- ARGV: now, node, max_items, expires_at, interval_s, max_boost, done
--- horizon, affinity horizon, wake channel, drain rate (milli), then the tier
--- args. Returns {leases, held back until ('' for none), 1 if it stopped at
--- the node's reserved slots}, one [id, tier,
+-- horizon, affinity horizon, wake channel, drain rate (milli), the node's
+-- prompt tokens in prefill, its prefill budget and delay tiers' pace ('' for
+-- none), then the tier args. Returns {leases, held back until ('' for none),
+-- 1 if it stopped at the node's reserved slots, 1 if it held work for the
+-- prefill budget, 1 if for the pace}, one [id, tier,
 -- tenant, arrival, payload, attempt, token, affinity key, charge, where its
--- key was bound (0: nowhere, 1: this node, 2: another), work] per lease.
--- The tier choice restates core.ordering.pick_tier (with the tiers' share
--- credits), the stop at the node's reserved slots core.ordering.reserve_holds,
--- and the rest MemoryWorkQueue.claim
+-- key was bound (0: nowhere, 1: this node, 2: another), work, prompt] per
+-- lease. The tier choice restates core.ordering.pick_tier (with the tiers'
+-- share credits), the stop at the node's reserved slots
+-- core.ordering.reserve_holds, what waits for a first token
+-- core.ordering.prefill_holds, and the rest MemoryWorkQueue.claim
 -- (tests/test_fleet_rules_differential.py).
 local BACKLOG_PAGE = 8
 local now = tonumber(ARGV[1])
@@ -23,10 +26,18 @@ redis.call('ZREMRANGEBYSCORE', KEYS[K_BOUND_AT], '-inf', '(' .. ARGV[8])
 for _, other in ipairs(redis.call('ZRANGEBYSCORE', KEYS[K_SEEN], '-inf', ARGV[1])) do
   redis.call('HDEL', KEYS[K_ROOM], other)
   redis.call('HDEL', KEYS[K_RATE], other)
+  redis.call('HDEL', KEYS[K_PHELD], other)
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[K_SEEN], '-inf', ARGV[1])
 local wake = ARGV[9]
-tier_args(11)
+local prefilling = tonumber(ARGV[11])
+local prefill_budget, prefill_pace = tonumber(ARGV[12]), tonumber(ARGV[13])
+tier_args(14)
+-- core.ordering.prefill_full
+local function prefill_full(limit, prompt)
+  return limit ~= nil and prefilling > 0 and prefilling + prompt > limit
+end
+local held, paced = 0, 0
 
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[K_EXPIRY], '-inf', ARGV[1])) do
   requeue(id)
@@ -128,34 +139,51 @@ while #out < max_items do
         held_until = live_until
       end
     else
-      unqueue(id, tier)
-      settle_shares(tier, tonumber(redis.call('HGET', KEYS[K_WORK], id)))
-      local charge = redis.call('HGET', KEYS[K_CHARGE], id)
-      if T.fair then
-        local counter = add_service(tier, redis.call('HGET', KEYS[K_TENANT], id), charge)
-        redis.call('ZADD', KEYS[K_SERVED], counter, tier)
+      local prompt = tonumber(redis.call('HGET', KEYS[K_PROMPT], id) or '0')
+      local latency = T.budget[tier] and not T.delays[tier]
+      -- core.ordering.prefill_holds
+      if best_level > T.top and (held == 1 or prefill_full(prefill_budget, prompt)) then
+        held = 1
+        passed[tier] = true
+      elseif not latency and (paced == 1 or prefill_full(prefill_pace, prompt)) then
+        paced = 1
+        passed[tier] = true
+      else
+        prefilling = prefilling + prompt
+        unqueue(id, tier)
+        settle_shares(tier, tonumber(redis.call('HGET', KEYS[K_WORK], id)))
+        local charge = redis.call('HGET', KEYS[K_CHARGE], id)
+        if T.fair then
+          local counter = add_service(tier, redis.call('HGET', KEYS[K_TENANT], id), charge)
+          redis.call('ZADD', KEYS[K_SERVED], counter, tier)
+        end
+        local bound = 0
+        if owner then
+          bound = 2
+          if owner == node then bound = 1 end
+        end
+        if key then
+          if not (owner and redis.call('ZSCORE', KEYS[K_SEEN], owner)) then owner = node end
+          redis.call('HSET', KEYS[K_BOUND], key, owner)
+          redis.call('ZADD', KEYS[K_BOUND_AT], ARGV[1], key)
+        end
+        local token = redis.call('INCR', KEYS[K_TOKEN])
+        redis.call('HSET', KEYS[K_HOLDER], id, token)
+        redis.call('HSET', KEYS[K_NODE], id, node)
+        redis.call('ZADD', KEYS[K_EXPIRY], expires_at, id)
+        out[#out + 1] = {id, tier, redis.call('HGET', KEYS[K_TENANT], id),
+                         redis.call('HGET', KEYS[K_ARRIVAL], id),
+                         redis.call('HGET', KEYS[K_PAYLOAD], id),
+                         redis.call('HGET', KEYS[K_ATTEMPT], id), token, key or '', charge, bound,
+                         redis.call('HGET', KEYS[K_WORK], id), prompt}
       end
-      local bound = 0
-      if owner then
-        bound = 2
-        if owner == node then bound = 1 end
-      end
-      if key then
-        if not (owner and redis.call('ZSCORE', KEYS[K_SEEN], owner)) then owner = node end
-        redis.call('HSET', KEYS[K_BOUND], key, owner)
-        redis.call('ZADD', KEYS[K_BOUND_AT], ARGV[1], key)
-      end
-      local token = redis.call('INCR', KEYS[K_TOKEN])
-      redis.call('HSET', KEYS[K_HOLDER], id, token)
-      redis.call('HSET', KEYS[K_NODE], id, node)
-      redis.call('ZADD', KEYS[K_EXPIRY], expires_at, id)
-      out[#out + 1] = {id, tier, redis.call('HGET', KEYS[K_TENANT], id),
-                       redis.call('HGET', KEYS[K_ARRIVAL], id),
-                       redis.call('HGET', KEYS[K_PAYLOAD], id),
-                       redis.call('HGET', KEYS[K_ATTEMPT], id), token, key or '', charge, bound,
-                       redis.call('HGET', KEYS[K_WORK], id)}
     end
   end
 end
 set_room(node, max_items - #out, expires_at, ARGV[10], wake)
-return {out, held_until or '', at_reserve}
+if held == 1 then
+  redis.call('HSET', KEYS[K_PHELD], node, 1)
+else
+  redis.call('HDEL', KEYS[K_PHELD], node)
+end
+return {out, held_until or '', at_reserve, held, paced}

@@ -3,11 +3,11 @@
 -- refused by admission (1/0: the caller's prediction), the id of the queued
 -- item whose place it takes at its tier's door ('' for none: the caller's
 -- choice, WorkQueue._place_for), the channel ('' for none) and message to
--- tell that one's gateway, then the tier args.
+-- tell that one's gateway, its prompt's tokens, then the tier args.
 -- Returns 1, 0 (duplicate), -1 (full), -2 (refused by admission) or -3 (the
 -- item whose place it was to take is no longer queued as it was chosen).
 local id = ARGV[1]
-tier_args(17)
+tier_args(18)
 if redis.call('HEXISTS', KEYS[K_TIER], id) == 1
     or redis.call('ZSCORE', KEYS[K_DONE], id) then
   return 0
@@ -39,6 +39,7 @@ if ARGV[9] ~= '' then redis.call('HSET', KEYS[K_AFFKEY], id, ARGV[9]) end
 redis.call('HSET', KEYS[K_CHARGE], id, ARGV[10])
 redis.call('HSET', KEYS[K_LANE], id, ARGV[11])
 redis.call('HSET', KEYS[K_WORK], id, ARGV[12])
+redis.call('HSET', KEYS[K_PROMPT], id, ARGV[17])
 push(id)
 inflow_add(ARGV[2], tonumber(ARGV[12]), ARGV[4])
 -- Names the tier, so that a full node can tell whether to preempt for it.

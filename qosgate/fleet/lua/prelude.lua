@@ -10,8 +10,9 @@ local K_TIER, K_TENANT, K_ARRIVAL, K_ATTEMPT, K_PAYLOAD = 1, 2, 3, 4, 5
 local K_HOLDER, K_NODE, K_EXPIRY, K_DONE, K_TOKEN = 6, 7, 8, 9, 10
 local K_AFFKEY, K_BOUND, K_BOUND_AT, K_ROOM, K_SEEN = 11, 12, 13, 14, 15
 local K_CHARGE, K_LANE, K_SERVED, K_WORK, K_QWORK = 16, 17, 18, 19, 20
-local K_RATE, K_INFLOW, K_INFLOW_AT, K_CREDIT = 21, 22, 23, 24
-local F = 24
+local K_RATE, K_INFLOW, K_INFLOW_AT, K_CREDIT, K_PROMPT = 21, 22, 23, 24, 25
+local K_PHELD = 26
+local F = 26
 local T = {}
 local function tier_args(at)
   local n = tonumber(ARGV[at])
@@ -135,7 +136,7 @@ local function requeue(id)
 end
 local function forget(id)
   for _, k in ipairs({K_TIER, K_TENANT, K_ARRIVAL, K_ATTEMPT, K_PAYLOAD, K_HOLDER, K_NODE,
-                      K_AFFKEY, K_CHARGE, K_LANE, K_WORK}) do
+                      K_AFFKEY, K_CHARGE, K_LANE, K_WORK, K_PROMPT}) do
     redis.call('HDEL', KEYS[k], id)
   end
   redis.call('ZREM', KEYS[K_EXPIRY], id)
