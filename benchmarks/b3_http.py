@@ -134,11 +134,11 @@ def serve_policy(base: Scenario, policy: str, speed: float) -> dict[str, Any]:
 
 
 def bench_scenario(base: Scenario, rate_rps: float, args: argparse.Namespace,
-                   seed: int) -> dict[str, Any]:  # fmt: skip
-    """B3's class mix (`args.mix`: b3_sweep's mixes) and lengths as a
-    `qosgate bench` open-loop scenario, its tiers' SLOs stretched as the
-    gateway's are (`dilated`)."""
-    cell = sweep.cell_scenario(base, args.mix, ARRIVALS)
+                   seed: int, mix: str = MIX) -> dict[str, Any]:  # fmt: skip
+    """B3's class mix (`mix`: one of b3_sweep's) and lengths as a `qosgate
+    bench` open-loop scenario, its tiers' SLOs stretched as the gateway's are
+    (`dilated`)."""
+    cell = sweep.cell_scenario(base, mix, ARRIVALS)
     tiers = {tenant.id: tenant.tier for tenant in base.policy.tenants}
     slos = {name: {"ttft_slo_ms": tier.ttft_slo_ms, "e2e_slo_ms": tier.e2e_slo_ms}
             for name, tier in base.policy.tiers.items()}  # fmt: skip
@@ -260,7 +260,8 @@ def run_cell(base: Scenario, policy: str, rate_rps: float, args: argparse.Namesp
                   engines=args.engines, lease_s=FLEET_LEASE_S, doc=doc)  # fmt: skip
     sampler = EngineSampler(fleet.engines, interval_s=1.0 / args.speed)
     try:
-        report = run_bench(fleet.urls, bench_scenario(base, rate_rps, args, seed), tmp, name)
+        scenario = bench_scenario(base, rate_rps, args, seed, args.mix)
+        report = run_bench(fleet.urls, scenario, tmp, name)
         report["gateway"] = gateway_figures([g.url for g in fleet.gateways])
         report["gateway"]["engines"] = sampler.stop()
         report["gateway"]["cpu_s"] = {p.name: cpu_seconds(p.proc.pid)

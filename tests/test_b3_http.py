@@ -78,8 +78,7 @@ def test_the_bench_scenario_sends_b3s_mix_with_stretched_slos():
 
 
 def test_the_long_prompt_mix_sends_its_tenants_8k_prompts_beside_short_chat():
-    args = argparse.Namespace(**{**vars(ARGS), "mix": "long"})
-    scenario = BenchScenario.model_validate(http.bench_scenario(BASE, 3.2, args, 3))
+    scenario = BenchScenario.model_validate(http.bench_scenario(BASE, 3.2, ARGS, 3, "long"))
     prompts = {c.tenant_id: scenario.class_lengths(c).prompt.median for c in scenario.classes}
     assert {t for t, mean in prompts.items() if mean > 4000} == sweep.LONG_PROMPT_TENANTS
 
@@ -112,7 +111,7 @@ def test_the_simulator_replays_the_benchs_own_requests(mix):
     args = argparse.Namespace(speed=0.5, duration=20.0, warmup=5.0, timeout=90.0, mix=mix)
     rate = 8.0
     bench = BenchScenario.model_validate(
-        http.bench_scenario(BASE, rate * args.speed, args, BASE.seed))
+        http.bench_scenario(BASE, rate * args.speed, args, BASE.seed, mix))
     planned = plan_open(bench)
     twin = http.twin_scenario(BASE, args)
     arrivals = generate_arrivals(twin, twin.policy, rate, BASE.seed)

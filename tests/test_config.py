@@ -386,6 +386,23 @@ def test_validate_good_file_prints_summary(capsys: pytest.CaptureFixture[str]) -
     assert "warning" not in out
 
 
+@pytest.mark.parametrize(("backend", "says"), [
+    ({"kind": "sim", "max_num_batched_tokens": 512},
+     "prefill budget auto (1024 tokens: 2 steps of 512)"),
+    ({"kind": "vllm", "model": "m"},
+     "prefill budget auto (2 steps of the engine's max_num_batched_tokens, read once it is up)"),
+    ({"kind": "openai", "upstreams": [{"url": "http://u:8000"}]},
+     "prefill budget auto (off: the engine's tokens per step are not known here)"),
+])  # fmt: skip
+def test_validate_says_what_the_automatic_prefill_budget_comes_to(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], backend: dict, says: str
+) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump({"backend": backend, "tiers": {"gold": {"priority": 0}}}))
+    assert main(["validate", str(path)]) == 0
+    assert says in capsys.readouterr().out
+
+
 def test_validate_warns_about_unbounded_waits_and_missing_slos(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

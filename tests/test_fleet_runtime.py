@@ -27,7 +27,7 @@ from qosgate.backends.sim_live import SimBackend, filler_text
 from qosgate.config.models import PolicyConfig
 from qosgate.core.request import Outcome
 from qosgate.fleet import engine as engine_module
-from qosgate.fleet import wire
+from qosgate.fleet import Prefill, wire
 from qosgate.fleet.engine import EngineNode
 from qosgate.fleet.gateway import FleetBackend
 from qosgate.http.app import build_app
@@ -333,6 +333,34 @@ async def test_an_engine_node_holds_lower_tiers_for_its_prefill_budget_until_a_f
         assert [tokens for _, tokens in answers] == [4, 4, 4]
         await runs_done(node)
         assert node.status()["prefill_tokens"] == 0
+
+
+@pytest.mark.parametrize("policy_kind", ["qos", "fcfs"])
+async def test_an_engine_node_counts_its_prefill_budget_in_its_own_engines_steps(
+    redis_server, prefix, policy_kind
+):
+    """`auto` resolves against the node's backend, again once a backend that
+    loads in the background knows its step; fcfs has no budget and no pace."""
+
+    class LearnsItsStep(SimBackend):
+        step: int | None = None
+
+        @property
+        def step_tokens(self) -> int | None:
+            return self.step
+
+    policy = make_policy(redis_server.url, prefix, scheduler={"policy": policy_kind})
+    assert policy.fleet is not None
+    backend = LearnsItsStep(policy.backend)
+    node = EngineNode(policy, policy.fleet.model_copy(update={"node_id": "e0", "role": "engine"}),
+                      backend)  # fmt: skip
+    try:
+        assert node._prefill() == Prefill(0, None, None)
+        backend.step = 512
+        want = (1024, 1024) if policy_kind == "qos" else (None, None)
+        assert (node._prefill().budget, node._prefill().pace) == want
+    finally:
+        await node.store.close()
 
 
 async def test_a_client_gone_while_queued_takes_its_item_out(redis_server, prefix):

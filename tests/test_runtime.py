@@ -741,6 +741,35 @@ def test_build_backend() -> None:
     assert vllm.engine_args()["scheduling_policy"] == "priority"
 
 
+class LearnsItsStep(FakeBackend):
+    """A backend that knows its engine's tokens per step only once it is up,
+    as a vllm engine left at its own default does."""
+
+    step: int | None = None
+
+    @property
+    def step_tokens(self) -> int | None:
+        return self.step
+
+
+async def test_an_engine_that_learns_its_step_once_up_gets_its_automatic_prefill_budget() -> None:
+    backend = LearnsItsStep()
+    gw = await started_gateway(backend)
+    try:
+        assert gw.scheduler.policy.prefill_budget_tokens is None
+        backend.step = 512
+        backend._notify()  # the engine is up: capacity may have grown
+        stream = submit(gw, "silver")
+        consumer = Consumer(stream)
+        assert await backend.started.get() == stream.request.id
+        assert gw.scheduler.policy.prefill_budget_tokens == 1024
+        assert gw.scheduler.policy.delay_prefill_tokens == 1024
+        backend.finish(stream.request.id)
+        await consumer.task
+    finally:
+        await gw.close()
+
+
 async def test_vllm_backend_without_vllm_says_how_to_install_it() -> None:
     try:
         import vllm  # noqa: F401

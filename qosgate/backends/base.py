@@ -213,7 +213,9 @@ class Backend:
     def step_tokens(self) -> int | None:
         """Tokens its engine takes per step (vLLM's max_num_batched_tokens),
         where known: the unit of an automatic prefill budget. None: unknown
-        (an upstream server, or an engine left at its own default)."""
+        (an upstream server). An engine that loads in the background may
+        learn it once it is up; it then calls its capacity listener, and the
+        gateway resolves the budget again."""
         return None
 
     releases_prefill: bool = True

@@ -124,6 +124,9 @@ class VllmBackend(Backend):
             int, tuple[dict[str, Any], dict[str, Any] | BackendRejected]
         ] = collections.OrderedDict()
         self._max_seqs = 0
+        self._step_tokens = cfg.engine_count("max_num_batched_tokens")
+        """What engine_args set, then what the engine took (vLLM's own
+        default when they set none), once it is up."""
         self._block_size = 16
         self._kv_tokens = 0
         self._aborts: set[asyncio.Task[None]] = set()
@@ -148,7 +151,7 @@ class VllmBackend(Backend):
 
     @property
     def step_tokens(self) -> int | None:
-        return self.cfg.engine_count("max_num_batched_tokens")
+        return self._step_tokens
 
     def engine_args(self) -> dict[str, Any]:
         """The engine arguments: the policy's, over qosgate's defaults."""
@@ -206,6 +209,7 @@ class VllmBackend(Backend):
         self._block_size = int(cache.block_size)
         self._kv_tokens = int(cache.num_gpu_blocks or 0) * self._block_size
         self._max_seqs = int(engine.vllm_config.scheduler_config.max_num_seqs)
+        self._step_tokens = int(engine.vllm_config.scheduler_config.max_num_batched_tokens)
         self.max_model_len = int(engine.model_config.max_model_len)
         log.info(
             "vLLM engine ready: %s, %d sequences, %d KV tokens, context %d",

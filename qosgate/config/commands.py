@@ -70,6 +70,9 @@ def _prefill_budget(policy: PolicyConfig, setting: int | str | None) -> str:
         return f"{setting} tokens"
     step = backend_step_tokens(policy)
     budget = prefill_budget(setting, step)
+    if budget is None and isinstance(policy.backend, VllmBackendConfig):
+        return (f"auto ({PREFILL_BUDGET_STEPS} steps of the engine's max_num_batched_tokens, "
+                "read once it is up)")
     if budget is None:
         return "auto (off: the engine's tokens per step are not known here)"
     return f"auto ({budget} tokens: {PREFILL_BUDGET_STEPS} steps of {step})"

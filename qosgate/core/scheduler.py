@@ -103,8 +103,6 @@ class Scheduler:
         self._reserve_kv = policy.held_kv_tokens
         self._w_in = policy.w_in
         self._w_out = policy.w_out
-        self._prefill_budget = policy.prefill_budget_tokens if policy.tiered else None
-        self._delay_prefill = policy.delay_prefill_tokens if policy.tiered else None
         # Prompt tokens of running requests with no first token yet: the
         # prefills queued in or going through the backend.
         self._prefilling = 0
@@ -133,12 +131,18 @@ class Scheduler:
     # -- configuration -------------------------------------------------------
 
     def reconfigure(self, policy: SchedulingPolicy) -> None:
-        """Take a reloaded policy's tiers and tenants. The `scheduler` section
-        must be unchanged (the caller checks). Queued and running requests keep
-        their place and their deadlines; a tier's new settings apply to what
-        is decided from now on; a tier that is gone keeps its queue until it
-        drains (no tenant can send it more)."""
+        """Take a reloaded policy's tiers and tenants, and its prefill budget
+        and pace (resolved again once the engine's step is known). The rest of
+        the `scheduler` section must be unchanged (the caller checks). Queued
+        and running requests keep their place and their deadlines; a tier's
+        new settings apply to what is decided from now on; a tier that is
+        gone keeps its queue until it drains (no tenant can send it more)."""
         self.policy = policy
+        # The one scheduler setting a reconfigure takes: an engine that loads
+        # in the background tells its tokens per step, which an automatic
+        # prefill budget is counted in, only once it is up.
+        self._prefill_budget = policy.prefill_budget_tokens if policy.tiered else None
+        self._delay_prefill = policy.delay_prefill_tokens if policy.tiered else None
         weights = dict(policy.weights)
         tau = policy.drain_rate_tau_s
         if self.kind == "fcfs":

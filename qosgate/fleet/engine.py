@@ -140,8 +140,10 @@ class EngineNode:
         self._runs: dict[str, asyncio.Task[None]] = {}
         self._at_reserve = False
         """The last claim stopped at the reserved slots (Claim.at_reserve)."""
-        self._prefill_budget = rules.prefill_budget_tokens
-        self._delay_prefill = rules.delay_prefill_tokens
+        self._policy = policy
+        self._step_tokens: int | None = None
+        self._prefill_limits: tuple[int | None, int | None] = (None, None)
+        self._learn_step()
         self._in_prefill: dict[str, int] = {}
         """Prompt tokens of each run that has no first token yet: this node's
         side of the backend's prefill queue, which its claims keep within the
@@ -279,6 +281,22 @@ class EngineNode:
             return 0
         return self.backend.capacity().free_slots
 
+    def _learn_step(self) -> None:
+        """The prefill budget and delay tiers' pace for this node's backend,
+        as one node's gateway resolves them (`auto` counts its engine's
+        tokens per step, which a vllm engine knows once it is up; fcfs has
+        neither)."""
+        self._step_tokens = self.backend.step_tokens
+        rules = scheduling_policy(self._policy, step_tokens=self._step_tokens)
+        self._prefill_limits = ((rules.prefill_budget_tokens, rules.delay_prefill_tokens)
+                                if rules.tiered else (None, None))  # fmt: skip
+
+    def _prefill(self) -> Prefill:
+        """This node's prefill queue and its limits, for a claim."""
+        if self.backend.step_tokens != self._step_tokens:
+            self._learn_step()
+        return Prefill(sum(self._in_prefill.values()), *self._prefill_limits)
+
     def _note_load(self) -> None:
         """Tell the drain estimate whether the time from now on is measured:
         only while the node is full for the work that waits is what it
@@ -315,8 +333,7 @@ class EngineNode:
                 try:
                     claim = await self.store.claim(
                         self.node, room, now, self.lease_s, drain_rate=self.drain.rate,
-                        prefill=Prefill(sum(self._in_prefill.values()), self._prefill_budget,
-                                        self._delay_prefill),
+                        prefill=self._prefill(),
                     )
                 except WorkQueueError as exc:
                     log.error("claim failed: %s", exc)

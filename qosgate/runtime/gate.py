@@ -97,7 +97,8 @@ class Gateway:
         # A backend that queues what it takes (the fleet's) reports when the
         # waiting there ends.
         backend.set_start_listener(self.observer.metrics.fleet_started)
-        rules = scheduling_policy(policy, step_tokens=backend.step_tokens,
+        self._step_tokens = backend.step_tokens
+        rules = scheduling_policy(policy, step_tokens=self._step_tokens,
                                   prefill_limits=backend.releases_prefill)
         self._scheduler = Scheduler(rules, drain_rate_hint=drain_rate_hint)
         backend.hold_room(rules.held_slots)
@@ -184,13 +185,17 @@ class Gateway:
                     f"{section}: changed, and changing it needs a restart "
                     "(a reload swaps tiers, tenants and quotas)"
                 )
-        backend = self._backend
-        self._scheduler.reconfigure(scheduling_policy(
-            policy, step_tokens=backend.step_tokens, prefill_limits=backend.releases_prefill))
+        self._policy = policy
+        self._reconfigure()
         self.quotas.set_limits(policy)
         self.observer.metrics.set_tiers(policy)
-        self._policy = policy
         self._wake()
+
+    def _reconfigure(self) -> None:
+        backend = self._backend
+        self._step_tokens = backend.step_tokens
+        self._scheduler.reconfigure(scheduling_policy(
+            self._policy, step_tokens=self._step_tokens, prefill_limits=backend.releases_prefill))
 
     # -- views ---------------------------------------------------------------
 
@@ -438,6 +443,11 @@ class Gateway:
 
     def _on_wake(self) -> None:
         self._wake_handle = None
+        if self._backend.step_tokens != self._step_tokens:
+            # An engine that loads in the background (vllm) knows its tokens
+            # per step once it is up, and its capacity listener wakes us then:
+            # an automatic prefill budget is counted in them.
+            self._reconfigure()
         self._dispatch(self._get_loop().time())
 
     def _on_timer(self) -> None:

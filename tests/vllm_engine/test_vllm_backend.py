@@ -127,6 +127,17 @@ async def test_ready_once_the_engine_is_up(live):
             assert [m["id"] for m in (await r.json())["data"]] == ["tiny"]
 
 
+async def test_an_automatic_prefill_budget_counts_the_engines_own_step(live):
+    """engine_args set no max_num_batched_tokens: the prefill budget (`auto`)
+    is two of the steps the engine took, learned once it is up."""
+    step = live.gateway.backend.engine.vllm_config.scheduler_config.max_num_batched_tokens
+    assert live.gateway.backend.step_tokens == step > 0
+    # Served after the engine came up: the dispatcher has run since.
+    await client(live).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert live.gateway.scheduler.policy.prefill_budget_tokens == 2 * step
+
+
 async def test_the_openai_client_chat_and_completions_streamed_and_not(live):
     c = client(live)
     chat = await c.chat.completions.create(
