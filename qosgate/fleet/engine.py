@@ -116,7 +116,8 @@ class EngineNode:
         trace its replica began (None: off)."""
         self.node = fleet.node_id or default_node_id()
         self.store = fleet_store(policy, fleet)
-        rules = scheduling_policy(policy, step_tokens=backend.step_tokens)
+        # Its prefill limits come from _learn_step, against its backend's step.
+        rules = scheduling_policy(policy)
         backend.hold_room(rules.held_slots)
         self._meter = ServiceMeter(rules) if rules.fair else None
         # What this node completes while full, as one node measures its
