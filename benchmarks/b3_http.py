@@ -4,7 +4,7 @@ simulated GPU, judged by the sweep's own rules.
 
     .venv/bin/python benchmarks/b3_http.py [--loads 1,2,4] [--policies qos,strict,fcfs]
         [--mix b3|long] [--speed 1] [--duration 60] [--warmup 20] [--timeout 90] [--fleet]
-        [--json PATH]
+        [--seeds 1] [--json PATH]
 
 Each cell and policy starts its own gateway (or, with --fleet, a redis-server,
 --gateways replicas and --engines engine nodes, each a `qosgate serve`
@@ -31,7 +31,12 @@ client saw (completed, refused by status, expired, cut by its timeout,
 errors, TTFT), what the gateways counted (/metrics: outcomes, queue waits)
 and the CPU the client and each server process used.
 
-The rules are b3_sweep's `evaluate`, on the bench reports. One rule is out of
+The rules are b3_sweep's `evaluate`, on the bench reports. With --seeds N each
+cell runs on N arrival seeds (B3's seed on), every policy on the same
+requests, and the rules are the sweep's over seeds: qos against strict by the
+paired difference and its noise, the rest on the seeds' means. On one seed
+qos against strict is the exact comparison of one run, which any reordering
+of the lower tiers' work moves by a request or two either way. One rule is out of
 reach of a client: the tiers' longest served queue wait against their stated
 bound (the client sees TTFT, not the gateway's queue), so it is not evaluated
 here and the output says so.
@@ -288,39 +293,47 @@ def twin_scenario(base: Scenario, args: argparse.Namespace) -> Scenario:
 
 def run_table(base: Scenario, loads: tuple[float, ...], policies: tuple[str, ...],
               args: argparse.Namespace) -> tuple[dict, dict, float]:  # fmt: skip
-    """{Cell: entry} in b3_sweep's shape through HTTP, the same for the
-    simulator on the same requests (`twin_scenario`), and the capacity
-    (requests/s) the loads multiply: one engine's, times the engines of a fleet."""
+    """{Cell: {seed: entry}} in b3_sweep's shape through HTTP, the same for
+    the simulator on the same requests (`twin_scenario`), and the capacity
+    (requests/s) the loads multiply on the first seed: one engine's, times the
+    engines of a fleet."""
     scenario = sweep.cell_scenario(base, args.mix, ARRIVALS)
     engines = args.engines if args.fleet else 1
-    capacity = Simulation(scenario, seed=base.seed, quiet=True).capacity_rps * args.speed * engines
-    # Interactive demand is a ratio of rates on one engine: the speed factor cancels.
-    own = sweep.interactive_capacity_rps(scenario, base.seed) * args.speed * engines
     share = sweep.interactive_share(scenario)
-    twin = Simulation(twin_scenario(base, args), seed=base.seed, quiet=True)
     table: dict = {}
     twins: dict = {}
+    capacities = []
     with tempfile.TemporaryDirectory(prefix="qosgate-b3-http-") as tmp_name:
         tmp = Path(tmp_name)
-        for load in loads:
-            rate = load * capacity
-            cell = sweep.Cell(args.mix, ARRIVALS, load)
-            runs = {}
-            for policy in policies:
-                began = time.monotonic()
-                runs[policy] = run_cell(base, policy, rate, args, tmp, base.seed)
-                print(f"  {cell} {policy}: {rate:.2f} req/s offered, "
-                      f"{time.monotonic() - began:.0f} s, load average "
-                      f"{os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)  # fmt: skip
-            # The client cannot see queue waits: no stated bound is judged here (UNSEEN_RULE).
-            table[cell] = {"capacity_rps": capacity, "rate_rps": rate,
-                           "interactive_demand": rate * share / own, "bounds": {},
-                           "policies": runs}  # fmt: skip
-            # For a fleet: one engine at the same load (its share of the requests).
-            twins[cell] = {"capacity_rps": capacity / engines, "rate_rps": rate / engines,
-                           "interactive_demand": rate * share / own, "bounds": {},
-                           "policies": twin.run(load, policies)[0]["policies"]}  # fmt: skip
-    return table, twins, capacity
+        for seed in range(base.seed, base.seed + args.seeds):
+            # As the sweep measures it, on each seed's own draws.
+            one = Simulation(scenario, seed=seed, quiet=True).capacity_rps
+            capacity = one * args.speed * engines
+            capacities.append(capacity)
+            # Interactive demand is a ratio of rates on one engine: the speed factor cancels.
+            own = sweep.interactive_capacity_rps(scenario, seed) * args.speed * engines
+            twin = Simulation(twin_scenario(base, args), seed=seed, quiet=True)
+            for load in loads:
+                rate = load * capacity
+                cell = sweep.Cell(args.mix, ARRIVALS, load)
+                runs = {}
+                for policy in policies:
+                    began = time.monotonic()
+                    runs[policy] = run_cell(base, policy, rate, args, tmp, seed)
+                    print(f"  {cell} seed {seed} {policy}: {rate:.2f} req/s offered, "
+                          f"{time.monotonic() - began:.0f} s, load average "
+                          f"{os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)  # fmt: skip
+                # The client cannot see queue waits: no stated bound is judged here
+                # (UNSEEN_RULE).
+                table.setdefault(cell, {})[seed] = {
+                    "capacity_rps": capacity, "rate_rps": rate,
+                    "interactive_demand": rate * share / own, "bounds": {}, "policies": runs}
+                # For a fleet: one engine at the same load (its share of the requests).
+                twins.setdefault(cell, {})[seed] = {
+                    "capacity_rps": capacity / engines, "rate_rps": rate / engines,
+                    "interactive_demand": rate * share / own, "bounds": {},
+                    "policies": twin.run(load, policies)[0]["policies"]}  # fmt: skip
+    return table, twins, capacities[0]
 
 
 def _s(value: float | None, speed: float = 1.0) -> str:
@@ -345,60 +358,69 @@ def tier_counts(table: dict, twins: dict, speed: float) -> str:
     what the simulator gives on the same requests (`sim`; `cut`: still
     running at its horizon), every time in the gateway's seconds."""
     lines = []
-    for cell in sorted(table, key=sweep.Cell.sort_key):
-        for policy, report in table[cell]["policies"].items():
-            totals = report["totals"]
-            gateway = report.get("gateway", {})
-            cpu = ", ".join(f"{name} {_s(used)}" for name, used in gateway.get("cpu_s", {}).items())
-            lines.append(f"{cell} {policy}: {totals.get('sent')} sent over "
-                         f"{_s(totals.get('wall_s'))} s; CPU s: client "
-                         f"{_s(totals.get('client_cpu_s'))}, {cpu}")  # fmt: skip
-            lines.append(TIER_HEAD)
-            twin = twins[cell]["policies"][policy]
-            for tier, http in report["tiers"].items():
-                kinds = dict(http.get("error_types") or {})
-                cut = kinds.pop("timeout", 0)
-                lines.append(
-                    f"  {tier:<11} {'http':>4} {http['requests']:>5} {http['completed']:>5} "
-                    f"{http['rejected_overload']:>4} {http['rejected_queue_full']:>4} "
-                    f"{http['expired']:>4} {cut:>4} {http['errors'] - cut:>4} "
-                    f"{_s(http['ttft_p50_s']):>8} {_s(http['ttft_p99_s']):>6} {'':>8} {'':>6} "
-                    f"{_a(http['ttft_slo_attainment']):>6}"
-                    + (f"  errors: {kinds}" if kinds else ""))  # fmt: skip
-                counted = gateway.get("outcomes", {}).get(tier, {})
-                wait = (gateway.get("fleet_queue_wait") or gateway.get("queue_wait", {})).get(tier, {})
-                lines.append(
-                    f"  {'':<11} {'gw':>4} {sum(counted.values()):>5} "
-                    f"{counted.get('completed', 0):>5} {counted.get('rejected_overload', 0):>4} "
-                    f"{counted.get('rejected_queue_full', 0):>4} {counted.get('expired', 0):>4} "
-                    f"{counted.get('cancelled', 0):>4} {counted.get('backend_error', 0):>4} "
-                    f"{'':>8} {'':>6} {_s(wait.get('p50_s')):>8} {_s(wait.get('p99_s')):>6}")
-                sim = twin["tiers"][tier]
-                lines.append(
-                    f"  {'':<11} {'sim':>4} {sim['requests']:>5} {sim['completed']:>5} "
-                    f"{sim['rejected_overload']:>4} {sim['rejected_queue_full']:>4} "
-                    f"{sim['expired']:>4} {sim['cancelled']:>4} {sim['backend_error']:>4} "
-                    f"{_s(sim['ttft_p50_s'], speed):>8} {_s(sim['ttft_p99_s'], speed):>6} "
-                    f"{'-':>8} "
-                    f"{_s(sim['queue_wait_p99_s'], speed):>6} "
-                    f"{_a(sim['ttft_slo_attainment']):>6}")  # fmt: skip
+    runs = [(cell, seed, policy, report)
+            for cell in sorted(table, key=sweep.Cell.sort_key)
+            for seed, entry in table[cell].items()
+            for policy, report in entry["policies"].items()]
+    for cell, seed, policy, report in runs:
+        totals = report["totals"]
+        gateway = report.get("gateway", {})
+        cpu = ", ".join(f"{name} {_s(used)}" for name, used in gateway.get("cpu_s", {}).items())
+        lines.append(f"{cell} seed {seed} {policy}: {totals.get('sent')} sent over "
+                     f"{_s(totals.get('wall_s'))} s; CPU s: client "
+                     f"{_s(totals.get('client_cpu_s'))}, {cpu}")  # fmt: skip
+        lines.append(TIER_HEAD)
+        twin = twins[cell][seed]["policies"][policy]
+        for tier, http in report["tiers"].items():
+            kinds = dict(http.get("error_types") or {})
+            cut = kinds.pop("timeout", 0)
+            lines.append(
+                f"  {tier:<11} {'http':>4} {http['requests']:>5} {http['completed']:>5} "
+                f"{http['rejected_overload']:>4} {http['rejected_queue_full']:>4} "
+                f"{http['expired']:>4} {cut:>4} {http['errors'] - cut:>4} "
+                f"{_s(http['ttft_p50_s']):>8} {_s(http['ttft_p99_s']):>6} {'':>8} {'':>6} "
+                f"{_a(http['ttft_slo_attainment']):>6}"
+                + (f"  errors: {kinds}" if kinds else ""))  # fmt: skip
+            counted = gateway.get("outcomes", {}).get(tier, {})
+            wait = (gateway.get("fleet_queue_wait") or gateway.get("queue_wait", {})).get(tier, {})
+            lines.append(
+                f"  {'':<11} {'gw':>4} {sum(counted.values()):>5} "
+                f"{counted.get('completed', 0):>5} {counted.get('rejected_overload', 0):>4} "
+                f"{counted.get('rejected_queue_full', 0):>4} {counted.get('expired', 0):>4} "
+                f"{counted.get('cancelled', 0):>4} {counted.get('backend_error', 0):>4} "
+                f"{'':>8} {'':>6} {_s(wait.get('p50_s')):>8} {_s(wait.get('p99_s')):>6}")
+            sim = twin["tiers"][tier]
+            lines.append(
+                f"  {'':<11} {'sim':>4} {sim['requests']:>5} {sim['completed']:>5} "
+                f"{sim['rejected_overload']:>4} {sim['rejected_queue_full']:>4} "
+                f"{sim['expired']:>4} {sim['cancelled']:>4} {sim['backend_error']:>4} "
+                f"{_s(sim['ttft_p50_s'], speed):>8} {_s(sim['ttft_p99_s'], speed):>6} "
+                f"{'-':>8} "
+                f"{_s(sim['queue_wait_p99_s'], speed):>6} "
+                f"{_a(sim['ttft_slo_attainment']):>6}")  # fmt: skip
     return "\n".join(lines)
 
 
-def judge(table: dict, seed: int) -> tuple[int, list]:
-    """b3_sweep's rules on the table (one run per cell, on `seed`): (exit
-    status, checks), printing each failure."""
+def judge(table: dict) -> tuple[int, list]:
+    """b3_sweep's rules on the table ({cell: {seed: entry}}): (exit status,
+    checks), printing each failure, and each rule that cannot be evaluated on
+    what was run (a subset of loads or policies) as an error: exit status 2
+    then, with the other rules still judged."""
+    errors: list[str] = []
     try:
-        checks = sweep.evaluate(sweep.one_seed(table, seed))
+        checks = sweep.evaluate(table, errors)
     except sweep.SweepError as exc:
         print(f"ERROR  {exc}")
         return 2, []
     failed = [c for c in checks if not c.passed]
     for check in failed:
         print(sweep.format_check(check))
+    for error in errors:
+        print(f"ERROR  {error}")
     print(f"not evaluated over HTTP: {UNSEEN_RULE}")
-    print(f"{len(checks) - len(failed)} of {len(checks)} checks pass, {len(failed)} FAIL")
-    return (1 if failed else 0), checks
+    print(f"{len(checks) - len(failed)} of {len(checks)} checks pass, {len(failed)} FAIL"
+          + (f", {len(errors)} not evaluated" if errors else ""))
+    return (2 if errors else 1 if failed else 0), checks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -428,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="JSON object merged into every served policy, e.g. "
                         "'{\"tiers\": {\"batch\": {\"min_share\": 0}}}' (an experiment, "
                         "not B3: the report is not comparable with RESULTS.md's)")
+    parser.add_argument("--seeds", type=sweep._positive, default=1,
+                        help="arrival seeds per cell, from B3's on (default 1); on several, "
+                        "qos against strict is judged by the paired difference over them")
     parser.add_argument("--json", dest="json_path", help="write the per-cell figures and checks")
     args = parser.parse_args(argv)
     try:
@@ -447,14 +472,14 @@ def main(argv: list[str] | None = None) -> int:
           f"load average {os.getloadavg()[0]:.2f}")
     print(tier_counts(table, twins, args.speed))
     print()
-    rows = sweep.summarise(sweep.one_seed(table, base.seed))
-    twin_rows = sweep.summarise(sweep.one_seed(twins, base.seed))
+    rows = sweep.summarise(table)
+    twin_rows = sweep.summarise(twins)
     print(sweep.format_rows(rows))
     print()
     print("the simulator on the same requests:")
     print(sweep.format_rows(twin_rows))
     print()
-    status, checks = judge(table, base.seed)
+    status, checks = judge(table)
     if args.json_path:
         payload = {"mix": args.mix, "speed": args.speed, "duration_s": args.duration,
                    "warmup_s": args.warmup,
@@ -463,10 +488,11 @@ def main(argv: list[str] | None = None) -> int:
                    "override": args.override, "capacity_rps": capacity,
                    "load_average": os.getloadavg(), "cells": rows,
                    "simulator_cells": twin_rows,
-                   "runs": {str(cell): {policy: {key: report.get(key) for key in
-                                                 ("tiers", "totals", "gateway")}
-                                        for policy, report in entry["policies"].items()}
-                            for cell, entry in table.items()},
+                   "seeds": list(range(base.seed, base.seed + args.seeds)),
+                   "runs": {f"{cell} seed {seed}": {
+                       policy: {key: report.get(key) for key in ("tiers", "totals", "gateway")}
+                       for policy, report in entry["policies"].items()}
+                       for cell, runs in table.items() for seed, entry in runs.items()},
                    "checks": [{"cell": str(c.cell), "rule": c.rule, "value": c.value,
                                "threshold": c.threshold, "passed": c.passed} for c in checks]}
         Path(args.json_path).write_text(json.dumps(payload, indent=1))

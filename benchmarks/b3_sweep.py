@@ -45,7 +45,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import fmean, stdev
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from qosgate.sim.commands import Simulation
 from qosgate.sim.report import build_policy_report
@@ -384,39 +384,70 @@ def versus_strict(table: Table, cell: Cell, tier: str) -> Check:
                  f"t {t95(paired.n - 1):.3f}")
 
 
-def evaluate(table: Table) -> list[Check]:
-    """Every rule in every cell of the table, over the seeds every cell ran;
-    SweepError when one cannot be evaluated."""
+def evaluate(table: Table, errors: list[str] | None = None) -> list[Check]:
+    """Every rule in every cell of the table, over the seeds every cell ran.
+    A rule that cannot be evaluated (a policy or the 1x baseline not run, a
+    figure missing, a zero denominator) raises SweepError; with `errors`, its
+    message goes there instead and the other rules are still judged (the
+    caller then exits 2 all the same: an unevaluated rule is never a pass)."""
     checks: list[Check] = []
+
+    def rule(make: Callable[[], Check | None]) -> None:
+        try:
+            check = make()
+        except SweepError as exc:
+            if errors is None:
+                raise
+            errors.append(str(exc))
+            return
+        if check is not None:
+            checks.append(check)
+
     n = len(common_seeds(table)) if table else 1
     mean_of, longest_of, sum_of = ("", "", "") if n == 1 else (
         f", mean of {n} seeds", f", longest of {n} seeds", f", sum of {n} seeds")
     for cell in sorted(table, key=Cell.sort_key):
         entries = list(table[cell].values())
-        qos_int = fmean(_attainments(table, cell, "qos", "interactive"))
-        demand = fmean(entry["interactive_demand"] for entry in entries)
-        if demand <= INTERACTIVE_DEMAND_LIMIT:
+
+        def floor(cell: Cell = cell, entries: list = entries) -> Check | None:
+            demand = fmean(entry["interactive_demand"] for entry in entries)
+            if demand > INTERACTIVE_DEMAND_LIMIT:
+                return None
+            qos_int = fmean(_attainments(table, cell, "qos", "interactive"))
             alone = _mean([entry.get("interactive_alone") for entry in entries])
-            checks.append(Check(cell, f"interactive attainment (qos){mean_of}, interactive "
-                                f"demand {demand:.2f}x capacity, alone on the engine {_f(alone)}",
-                                qos_int, INTERACTIVE_FLOOR[cell.arrivals]))
-        for tier in ("interactive", "standard"):
-            checks.append(versus_strict(table, cell, tier))
-        goodput = fmean(figures(table, cell, "qos", "totals", "goodput_rps"))
-        if cell.load >= BASELINE_LOAD:
+            return Check(cell, f"interactive attainment (qos){mean_of}, interactive "
+                         f"demand {demand:.2f}x capacity, alone on the engine {_f(alone)}",
+                         qos_int, INTERACTIVE_FLOOR[cell.arrivals])
+
+        def goodput(cell: Cell = cell) -> Check | None:
+            if cell.load < BASELINE_LOAD:
+                return None
             base = Cell(cell.mix, cell.arrivals, BASELINE_LOAD)
             if base not in table:
                 raise SweepError(
                     f"{cell}: qos goodput is compared with qos at {BASELINE_LOAD:g}x, "
                     f"which is not in the selection (add {BASELINE_LOAD:g} to --loads)")
+            num = fmean(figures(table, cell, "qos", "totals", "goodput_rps"))
             den = fmean(figures(table, base, "qos", "totals", "goodput_rps"))
-            checks.append(Check(cell, f"qos goodput / qos goodput at {BASELINE_LOAD:g}x{mean_of}",
-                                ratio(goodput, den, f"{cell}: qos goodput at {BASELINE_LOAD:g}x"),
-                                GOODPUT_FLOOR))
-        thr_q = fmean(figures(table, cell, "qos", "totals", "throughput_tokens_per_s"))
-        thr_f = fmean(figures(table, cell, "fcfs", "totals", "throughput_tokens_per_s"))
-        checks.append(Check(cell, f"qos throughput / fcfs throughput{mean_of}",
-                            ratio(thr_q, thr_f, f"{cell}: fcfs throughput"), THROUGHPUT_FLOOR))
+            return Check(cell, f"qos goodput / qos goodput at {BASELINE_LOAD:g}x{mean_of}",
+                         ratio(num, den, f"{cell}: qos goodput at {BASELINE_LOAD:g}x"),
+                         GOODPUT_FLOOR)
+
+        def throughput(cell: Cell = cell) -> Check:
+            thr_q = fmean(figures(table, cell, "qos", "totals", "throughput_tokens_per_s"))
+            thr_f = fmean(figures(table, cell, "fcfs", "totals", "throughput_tokens_per_s"))
+            return Check(cell, f"qos throughput / fcfs throughput{mean_of}",
+                         ratio(thr_q, thr_f, f"{cell}: fcfs throughput"), THROUGHPUT_FLOOR)
+
+        def lost(policy: str, cell: Cell = cell) -> Check:
+            return Check(cell, f"requests lost ({policy}){sum_of}",
+                         sum(figures(table, cell, policy, "totals", "lost")), 0.0, "==")
+
+        rule(floor)
+        for tier in ("interactive", "standard"):
+            rule(lambda cell=cell, tier=tier: versus_strict(table, cell, tier))
+        rule(goodput)
+        rule(throughput)
         if any("bounds" not in entry for entry in entries):
             raise SweepError(f"{cell}: the tiers' stated bounds are missing")
         for tier, bound in entries[0]["bounds"].items():
@@ -428,8 +459,7 @@ def evaluate(table: Table) -> list[Check]:
             checks.append(Check(cell, f"{tier} max served wait (qos) within its stated "
                                 f"bound{longest_of}", waited, bound, "<="))
         for policy in POLICIES:
-            checks.append(Check(cell, f"requests lost ({policy}){sum_of}",
-                                sum(figures(table, cell, policy, "totals", "lost")), 0.0, "=="))
+            rule(lambda policy=policy: lost(policy))
     return checks
 
 

@@ -40,14 +40,18 @@ def bench_report(interactive=1.0, standard=1.0, goodput=1.0, throughput=300.0) -
     }  # fmt: skip
 
 
-def table(policies=sweep.POLICIES, loads=(1.0, 2.0), **qos) -> dict:
+def table(policies=sweep.POLICIES, loads=(1.0, 2.0), seeds=(BASE.seed,), **qos) -> dict:
+    """{cell: {seed: entry}}; qos's figures as given (a list: one per seed)."""
+    def qos_on(index: int) -> dict:
+        return {k: v[index] if isinstance(v, list) else v for k, v in qos.items()}
+
     return {
-        sweep.Cell(http.MIX, http.ARRIVALS, load): {
+        sweep.Cell(http.MIX, http.ARRIVALS, load): {seed: {
             "capacity_rps": 1.6, "rate_rps": 1.6 * load, "interactive_demand": 0.1 * load,
             "bounds": {},
-            "policies": {p: bench_report(**qos) if p == "qos" else bench_report()
+            "policies": {p: bench_report(**qos_on(index)) if p == "qos" else bench_report()
                          for p in policies},
-        }
+        } for index, seed in enumerate(seeds)}
         for load in loads
     }  # fmt: skip
 
@@ -84,20 +88,46 @@ def test_the_long_prompt_mix_sends_its_tenants_8k_prompts_beside_short_chat():
 
 
 def test_good_figures_pass_and_a_bad_one_fails():
-    status, checks = http.judge(table(), BASE.seed)
+    status, checks = http.judge(table())
     assert status == 0
     # per cell: demand rule, 2 x vs strict, throughput, 3 x lost, plus goodput at 1x and 2x;
     # no stated bound (the client cannot see queue waits)
     assert len(checks) == 2 * 7 + 2
-    assert http.judge(table(interactive=0.9), BASE.seed)[0] == 1
+    assert http.judge(table(interactive=0.9))[0] == 1
+
+
+def test_on_several_seeds_qos_against_strict_is_the_paired_difference():
+    seeds = tuple(range(BASE.seed, BASE.seed + 5))
+    # One run a request below strict, the others above: noise, not a shortfall.
+    noisy = [0.996, 1.0, 1.0, 1.0, 1.0]
+    assert http.judge(table(seeds=seeds, standard=noisy))[0] == 0
+    assert http.judge(table(standard=0.996))[0] == 1
+    # Below on every seed: a shortfall, however small.
+    assert http.judge(table(seeds=seeds, standard=[0.996, 0.995, 0.997, 0.996, 0.998]))[0] == 1
+
+
+def test_a_seed_missing_from_one_cell_is_an_error():
+    cells = table(seeds=(BASE.seed, BASE.seed + 1))
+    del cells[sweep.Cell(http.MIX, http.ARRIVALS, 2.0)][BASE.seed + 1]
+    assert http.judge(cells)[0] == 2
 
 
 def test_a_policy_not_run_is_an_error():
-    assert http.judge(table(policies=("qos", "fcfs")), BASE.seed)[0] == 2
+    assert http.judge(table(policies=("qos", "fcfs")))[0] == 2
+
+
+def test_on_a_subset_the_rules_that_can_be_evaluated_still_are(capsys):
+    # 2x alone, qos and strict: no 1x baseline, no fcfs; qos against strict is judged.
+    status, checks = http.judge(table(policies=("qos", "strict"), loads=(2.0,), standard=0.9))
+    assert status == 2
+    assert [c.rule for c in checks if not c.passed] == ["standard attainment qos >= strict"]
+    out = capsys.readouterr().out
+    assert "ERROR  mix=b3 arrivals=poisson load=2x: qos goodput is compared with qos at 1x" in out
+    assert "a rule needs policy 'fcfs'" in out
 
 
 def test_no_baseline_load_is_an_error():
-    assert http.judge(table(loads=(2.0, 4.0)), BASE.seed)[0] == 2
+    assert http.judge(table(loads=(2.0, 4.0)))[0] == 2
 
 
 def test_an_unknown_policy_on_the_command_line_is_an_error():
@@ -142,8 +172,9 @@ def test_the_counts_behind_each_figure_are_printed_per_tier():
     sim = {"requests": 70, "completed": 55, "rejected_overload": 10, "rejected_queue_full": 0,
            "expired": 5, "cancelled": 0, "backend_error": 0, "ttft_p50_s": 0.02,
            "ttft_p99_s": 0.04, "queue_wait_p99_s": 0.03, "ttft_slo_attainment": 0.75}
-    text = http.tier_counts({cell: {"policies": {"qos": report}}},
-                            {cell: {"policies": {"qos": {"tiers": {"interactive": sim}}}}}, 0.1)
+    text = http.tier_counts({cell: {3: {"policies": {"qos": report}}}},
+                            {cell: {3: {"policies": {"qos": {"tiers": {"interactive": sim}}}}}},
+                            0.1)  # fmt: skip
     http_row, gw_row, sim_row = text.splitlines()[2:]
     assert http_row.split()[:10] == ["interactive", "http", "70", "50", "12", "0", "5", "2", "1",
                                      "0.2"]
@@ -151,4 +182,5 @@ def test_the_counts_behind_each_figure_are_printed_per_tier():
     assert gw_row.split() == ["gw", "67", "60", "0", "0", "7", "0", "0", "0.1", "0.3"]
     # The simulator's times are the modelled GPU's: at speed 0.1, ten times as long here.
     assert sim_row.split()[:10] == ["sim", "70", "55", "10", "0", "5", "0", "0", "0.2", "0.4"]
+    assert text.splitlines()[0].startswith(f"{cell} seed 3 qos:")
     assert "single 12.5" in text.splitlines()[0]
