@@ -7,7 +7,7 @@ import pytest
 from qosgate.config.models import PolicyConfig
 from qosgate.config.scheduling import scheduling_policy
 from qosgate.core.admission import DrainRateEstimator
-from qosgate.core.fairness import ahead_at_door, gives_place
+from qosgate.core.fairness import ahead_at_door, fits_place, gives_place
 from qosgate.core.request import Outcome, Request, RequestState
 from qosgate.core.scheduler import BackendCapacity, Scheduler
 
@@ -456,6 +456,21 @@ def test_a_tenant_behind_takes_the_place_of_the_newest_of_the_one_ahead():
     assert sched.schedule(0.0, FULL).pushed_out == [heavy[5], heavy[4]]
     assert sched.schedule(0.0, FULL).pushed_out == ()
     assert dispatch_order(sched, 6) == heavy[:4] + light + late
+
+
+def test_a_newcomer_takes_no_place_of_a_smaller_request():
+    # a's six 200-token requests fill the 1 s budget at 1,000 tokens/s. b's
+    # 400-token newcomer would fit in the place of one of them, but would
+    # leave more work queued for whoever comes next: it is refused.
+    sched = Scheduler(scheduling_policy(latency_tier()), drain_rate_hint=1000.0)
+    heavy, _ = fill(sched, "a", 6)
+    _, (large,) = fill(sched, "b", 1, prompt=200, max_tokens=200)
+    assert not large.admitted and not any(r.finished for r in heavy)
+    # A newcomer no larger takes the place, and the tier holds less work.
+    _, (small,) = fill(sched, "b", 1, prompt=50, max_tokens=50)
+    assert small.admitted and heavy[5].outcome is Outcome.REJECTED_OVERLOAD
+    assert sched.queue("t").work == 5 * 200 + 100
+    assert fits_place(200, 200) and fits_place(100, 200) and not fits_place(201, 200)
 
 
 def test_no_place_is_taken_from_a_tenant_that_would_then_be_behind():

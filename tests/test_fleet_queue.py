@@ -847,6 +847,24 @@ async def test_a_light_tenants_newcomer_takes_the_newest_place_of_a_flood(door):
     await listener.aclose()
 
 
+async def test_a_newcomer_takes_no_place_of_a_smaller_item(door):
+    await _flood(door, 9)  # 900 tokens queued
+    # light's 150-token newcomer would wait 10.5 s. The flood's newest leaving
+    # would bring that to 9.5 s, but would leave more work queued than before
+    # for whoever comes next: no place is taken.
+    with pytest.raises(WorkQueueOverloaded):
+        await door.enqueue(item("l0", "std", T0 + 0.6, tenant="light", charge=1.0, work=150))
+    assert await door.status("f8") == "queued"
+    # 10 s for the flood's own next: admitted outright.
+    assert await door.enqueue(item("f9", "std", T0 + 0.7, tenant="flood", charge=1.0,
+                                    work=100)) is None  # fmt: skip
+    # A 50-token newcomer takes the place of the flood's newest: 950 tokens
+    # queued after, not 1,050.
+    taken = await door.enqueue(item("l1", "std", T0 + 0.8, tenant="light", charge=1.0, work=50))
+    assert taken is not None and taken.id == "f9"
+    assert (await door.load(T0 + 0.8)).queued_work["std"] == 950
+
+
 async def test_a_place_goes_only_where_one_leaving_makes_room_and_never_a_rerun(door):
     await _flood(door, 9)
     # 9 s queued: a newcomer of 300 tokens would wait 12 s, and no single

@@ -20,7 +20,7 @@ tenant's counter):
   qosgate/core (ordering.pick_tier, reserve_holds, prefill_holds and
   share_credit,
   admission.predicted_wait and ArrivalRate, fairness.lifted, ahead_at_door
-  and gives_place, scheduler.PUSHOUT_CANDIDATES,
+  fits_place and gives_place, scheduler.PUSHOUT_CANDIDATES,
   ordering.preemption_victim);
 - MemoryWorkQueue;
 - RedisWorkQueue, on a real redis-server.
@@ -39,7 +39,7 @@ from types import SimpleNamespace
 
 from qosgate.core import admission, ordering
 from qosgate.core.admission import ArrivalRate
-from qosgate.core.fairness import ahead_at_door, gives_place, lifted
+from qosgate.core.fairness import ahead_at_door, fits_place, gives_place, lifted
 from qosgate.core.policy import has_latency_objective
 from qosgate.core.scheduler import PUSHOUT_CANDIDATES
 from qosgate.fleet import FleetTiers, Lease, MemoryWorkQueue, Prefill, WorkItem
@@ -177,7 +177,8 @@ class CoreModel:
         tried = 0
         for standing, tenant in ahead_at_door(standings, mine):
             for queued in reversed(self._in(item.tier, tenant)):
-                if queued.attempt or not gives_place(standing, queued.charge, mine):
+                if (queued.attempt or not fits_place(item.work, queued.work)
+                        or not gives_place(standing, queued.charge, mine)):
                     continue
                 if tried == PUSHOUT_CANDIDATES:
                     return None

@@ -281,9 +281,10 @@ class CountedFifoOrder(_Lane):
     admission order, so releasing in another order only makes admitted
     requests expire. Fairness acts where such a tier chooses, at the door: a
     newcomer that would be refused may take the place of one queued request
-    of a tenant further ahead (`pushout`, `gives_place`). A tenant's
-    standing is its counter (service received over its weight, lifted as
-    in VtcOrder) plus what it has queued, over its weight.
+    of a tenant further ahead, at least as large as it (`pushout`,
+    `gives_place`, `fits_place`). A tenant's standing is its counter
+    (service received over its weight, lifted as in VtcOrder) plus what it
+    has queued, over its weight.
 
     Only backlogged tenants are looked at, and in a tier that admits by its
     wait they are few: its queue holds at most a budget's worth of work.
@@ -374,18 +375,19 @@ class CountedFifoOrder(_Lane):
     def counters(self) -> dict[str, float]:
         return {name: share.counter for name, share in self._shares.items()}
 
-    def pushout(self, tenant: str, extra: float) -> Iterator[Request]:
+    def pushout(self, tenant: str, extra: float, work: int) -> Iterator[Request]:
         """Queued requests whose place a newcomer of `tenant` with `extra`
-        service may take: from the tenant furthest ahead on, each tenant's
-        newest first, those whose tenant stays at or ahead of the newcomer's
-        once they leave and it comes in."""
+        service and `work` tokens may take: from the tenant furthest ahead
+        on, each tenant's newest first, those at least as large as it
+        (`fits_place`) whose tenant stays at or ahead of the newcomer's once
+        they leave and it comes in."""
         mine = self.standing(tenant, extra)
         standings = ((self.standing(name), name) for name in self._backlogged if name != tenant)
         for standing, name in ahead_at_door(standings, mine):
             share = self._shares[name]
             for req in reversed(share.queued):
                 # A preempted request already started once: it keeps its place.
-                if (req.state is _QUEUED and not req.preemptions
+                if (req.state is _QUEUED and not req.preemptions and fits_place(work, req.work)
                         and gives_place(standing, self._charge(req) / share.weight, mine)):
                     yield req
 
@@ -396,6 +398,17 @@ def ahead_at_door(standings: Iterable[tuple[float, str]], mine: float) -> list[t
     tenant will stand at `mine`: those at or ahead of it, furthest ahead
     first (equal standings: the greater name first)."""
     return [entry for entry in sorted(standings, reverse=True) if entry[0] >= mine]
+
+
+def fits_place(work: int, queued_work: int) -> bool:
+    """Whether a newcomer of `work` tokens may take the place of a queued
+    request of `queued_work`: only of one at least as large. The tier then
+    holds as many requests as before and no more work, so the door changes
+    who waits, never how long the queue is for whoever comes next. (A larger
+    newcomer would: the door refuses a large newcomer sooner, since its own
+    work counts in its wait on a full backend, and swapping it in for a
+    smaller request made every later newcomer's wait longer.)"""
+    return queued_work >= work
 
 
 def gives_place(standing: float, charge: float, mine: float) -> bool:

@@ -226,7 +226,8 @@ class Scheduler:
         queue = self.queue(req.tier)
         self._advance(now)
         estimate = self._output_estimate
-        req.work = req.prompt_tokens + (req.max_tokens if req.max_tokens < estimate else int(estimate))
+        output = req.max_tokens if req.max_tokens < estimate else int(estimate)
+        req.work = req.prompt_tokens + output
 
         if len(queue) >= queue.max_len:
             return self._reject(req, now, AdmissionDecision(
@@ -287,9 +288,11 @@ class Scheduler:
         """Give `req` the place of one queued request of a tenant ahead of its
         own (CountedFifoOrder.pushout) whose leaving brings its predicted wait
         within `budget`, refusing that one; the predicted wait after. One for
-        one, so the tier admits as many requests as it would have."""
+        one and no larger (fairness.fits_place), so the tier admits as many
+        requests as it would have, with no more work queued."""
         work = queue.work
-        for tried, victim in enumerate(queue.order.pushout(req.tenant, self._charge(req))):
+        candidates = queue.order.pushout(req.tenant, self._charge(req), req.work)
+        for tried, victim in enumerate(candidates):
             if tried == PUSHOUT_CANDIDATES:
                 break
             queue.work = work - victim.work

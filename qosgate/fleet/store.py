@@ -11,7 +11,7 @@ from typing import Literal
 
 from qosgate.core import ordering
 from qosgate.core.admission import ArrivalRate
-from qosgate.core.fairness import gives_place, lifted
+from qosgate.core.fairness import fits_place, gives_place, lifted
 from qosgate.core.scheduler import PUSHOUT_CANDIDATES
 from qosgate.runtime.errors import WorkQueueFull, WorkQueueOverloaded
 
@@ -97,10 +97,11 @@ class WorkQueue(ABC):
         whose place it takes, if any. One node's rule (Scheduler._push_out
         over fairness.CountedFifoOrder.pushout): candidates are the items of
         the tenants ahead of its own (TierStandings.ahead), each tenant's
-        newest first, never one that ran before (it keeps its place), and
-        only where its tenant stays at or ahead (fairness.gives_place); of
-        the first PUSHOUT_CANDIDATES of them, the first whose leaving brings
-        the prediction within the budget."""
+        newest first, never one that ran before (it keeps its place) or one
+        smaller than the newcomer (fairness.fits_place), and only where its
+        tenant stays at or ahead (fairness.gives_place); of the first
+        PUSHOUT_CANDIDATES of them, the first whose leaving brings the
+        prediction within the budget."""
         budget = self.tiers.tier(item.tier).budget_s
         if item.tier not in self.tiers.doors or budget is None:
             return None
@@ -112,7 +113,8 @@ class WorkQueue(ABC):
             while True:
                 page = await self._newest(item.tier, tenant, start, _DOOR_PAGE)
                 for queued_id, attempt, charge, work in page:
-                    if attempt or not gives_place(standing, charge, mine):
+                    if (attempt or not fits_place(item.work, work)
+                            or not gives_place(standing, charge, mine)):
                         continue
                     if tried == PUSHOUT_CANDIDATES:
                         return None
