@@ -36,6 +36,7 @@ no 1.0x baseline in the selection): an error, never a pass.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -235,12 +236,6 @@ def run_sweep(
     return {cell: dict(sorted(runs.items())) for cell, runs in table.items()}
 
 
-def one_seed(table: dict[Cell, dict], seed: int) -> Table:
-    """A table of one run per cell (one entry each, as b3_http.py measures) in
-    the shape the rules take."""
-    return {cell: {seed: entry} for cell, entry in table.items()}
-
-
 # -- figures and rules --------------------------------------------------------------------
 
 
@@ -409,7 +404,9 @@ def evaluate(table: Table, errors: list[str] | None = None) -> list[Check]:
     for cell in sorted(table, key=Cell.sort_key):
         entries = list(table[cell].values())
 
-        def floor(cell: Cell = cell, entries: list = entries) -> Check | None:
+        # Each rule is judged at once, in this iteration: the closures read
+        # the loop's own cell.
+        def floor() -> Check | None:
             demand = fmean(entry["interactive_demand"] for entry in entries)
             if demand > INTERACTIVE_DEMAND_LIMIT:
                 return None
@@ -419,7 +416,7 @@ def evaluate(table: Table, errors: list[str] | None = None) -> list[Check]:
                          f"demand {demand:.2f}x capacity, alone on the engine {_f(alone)}",
                          qos_int, INTERACTIVE_FLOOR[cell.arrivals])
 
-        def goodput(cell: Cell = cell) -> Check | None:
+        def goodput() -> Check | None:
             if cell.load < BASELINE_LOAD:
                 return None
             base = Cell(cell.mix, cell.arrivals, BASELINE_LOAD)
@@ -433,19 +430,19 @@ def evaluate(table: Table, errors: list[str] | None = None) -> list[Check]:
                          ratio(num, den, f"{cell}: qos goodput at {BASELINE_LOAD:g}x"),
                          GOODPUT_FLOOR)
 
-        def throughput(cell: Cell = cell) -> Check:
+        def throughput() -> Check:
             thr_q = fmean(figures(table, cell, "qos", "totals", "throughput_tokens_per_s"))
             thr_f = fmean(figures(table, cell, "fcfs", "totals", "throughput_tokens_per_s"))
             return Check(cell, f"qos throughput / fcfs throughput{mean_of}",
                          ratio(thr_q, thr_f, f"{cell}: fcfs throughput"), THROUGHPUT_FLOOR)
 
-        def lost(policy: str, cell: Cell = cell) -> Check:
+        def lost(policy: str) -> Check:
             return Check(cell, f"requests lost ({policy}){sum_of}",
                          sum(figures(table, cell, policy, "totals", "lost")), 0.0, "==")
 
         rule(floor)
         for tier in ("interactive", "standard"):
-            rule(lambda cell=cell, tier=tier: versus_strict(table, cell, tier))
+            rule(functools.partial(versus_strict, table, cell, tier))
         rule(goodput)
         rule(throughput)
         if any("bounds" not in entry for entry in entries):
@@ -459,7 +456,7 @@ def evaluate(table: Table, errors: list[str] | None = None) -> list[Check]:
             checks.append(Check(cell, f"{tier} max served wait (qos) within its stated "
                                 f"bound{longest_of}", waited, bound, "<="))
         for policy in POLICIES:
-            rule(lambda policy=policy: lost(policy))
+            rule(functools.partial(lost, policy))
     return checks
 
 
