@@ -86,6 +86,9 @@ TIMEOUT_S = 90.0
 # loaded machine can hold a renewal back longer than fleet.py's 2 s allow.
 FLEET_LEASE_S = 5.0
 UNSEEN_RULE = "tiers' max served queue wait within their stated bound (gateway-side figure)"
+# The parts of --override that the simulator twin models too; the rest
+# (backend, server, fleet, ...) reaches the gateway only.
+MODELLED_SECTIONS = ("tiers", "tenants", "scheduler", "default_tier")
 
 
 def tenant_key(tenant: str) -> str:
@@ -260,7 +263,7 @@ def run_cell(base: Scenario, policy: str, rate_rps: float, args: argparse.Namesp
     """One policy's run of one cell: a fresh gateway (or fleet), the bench
     against it, and the gateways' own counts under the report's "gateway"."""
     name = f"{policy}-{rate_rps:.3f}"
-    doc = sweep.merged(serve_policy(base, policy, args.speed), args.override)
+    doc = sweep.merged(serve_policy(base, policy, args.speed), gateway_only(args.override))
     fleet = Fleet(tmp / name, single=not args.fleet, gateways=args.gateways,
                   engines=args.engines, lease_s=FLEET_LEASE_S, doc=doc)  # fmt: skip
     sampler = EngineSampler(fleet.engines, interval_s=1.0 / args.speed)
@@ -277,6 +280,22 @@ def run_cell(base: Scenario, policy: str, rate_rps: float, args: argparse.Namesp
         raise
     finally:
         fleet.close()
+
+
+def with_modelled_override(base: Scenario, override: dict[str, Any]) -> Scenario:
+    """`base` with the sections of `override` that the simulator models
+    (MODELLED_SECTIONS) merged into its policy, in the modelled GPU's time:
+    the gateway gets them stretched by the speed like the rest of B3's
+    policy (`serve_policy`), and the twin as they are, so both run the same
+    experiment. Raises ValueError naming the bad field."""
+    return sweep.with_override(
+        base, {key: value for key, value in override.items() if key in MODELLED_SECTIONS})
+
+
+def gateway_only(override: dict[str, Any]) -> dict[str, Any]:
+    """The sections of `override` the twin does not model, merged into the
+    served policy as they are."""
+    return {key: value for key, value in override.items() if key not in MODELLED_SECTIONS}
 
 
 def twin_scenario(base: Scenario, args: argparse.Namespace) -> Scenario:
@@ -449,7 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--override", type=json.loads, default={},
                         help="JSON object merged into every served policy, e.g. "
                         "'{\"tiers\": {\"batch\": {\"min_share\": 0}}}' (an experiment, "
-                        "not B3: the report is not comparable with RESULTS.md's)")
+                        "not B3: the report is not comparable with RESULTS.md's); "
+                        "tiers, tenants and scheduler in the modelled GPU's time, and the "
+                        "simulator twin runs with them too")
     parser.add_argument("--seeds", type=sweep._positive, default=1,
                         help="arrival seeds per cell, from B3's on (default 1); on several, "
                         "qos against strict is judged by the paired difference over them")
@@ -461,7 +482,11 @@ def main(argv: list[str] | None = None) -> int:
     except sweep.SweepError as exc:
         print(f"b3_http: {exc}", file=sys.stderr)
         return 2
-    base = load_scenario(sweep.SCENARIO)
+    try:
+        base = with_modelled_override(load_scenario(sweep.SCENARIO), args.override)
+    except ValueError as exc:
+        print(f"b3_http: --override: {exc}", file=sys.stderr)
+        return 2
     try:
         table, twins, capacity = run_table(base, loads, policies, args)
     except (sweep.SweepError, RuntimeError) as exc:

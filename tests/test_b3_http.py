@@ -153,6 +153,30 @@ def test_the_simulator_replays_the_benchs_own_requests(mix):
     assert [a.t for a in arrivals] == pytest.approx([t * args.speed for _, t, *_ in planned])
 
 
+def test_an_override_reaches_the_gateway_and_the_simulator_twin_alike():
+    # The twin replays the experiment, not B3: the scheduler's settings in
+    # the modelled GPU's time, stretched for the gateway like B3's own.
+    override = {"scheduler": {"aging": {"interval_ms": 1000}, "prefill_budget_tokens": 1024},
+                "backend": {"max_num_seqs": 64}}
+    base = http.with_modelled_override(BASE, override)
+    twin = http.twin_scenario(base, ARGS)
+    assert twin.policy.scheduler.aging.interval_ms == 1000
+    assert twin.policy.scheduler.prefill_budget_tokens == 1024
+    served = PolicyConfig.model_validate(
+        sweep.merged(http.serve_policy(base, "qos", 0.1), http.gateway_only(override)))
+    assert served.scheduler.aging.interval_ms == 10000
+    assert served.scheduler.prefill_budget_tokens == 1024
+    assert served.backend.max_num_seqs == 64 and served.backend.speed == 0.1
+    # What the twin does not model stays out of it.
+    assert twin.engine.max_num_seqs is None
+
+
+def test_a_bad_override_is_refused_naming_the_field(capsys):
+    assert http.main(["--override", '{"scheduler": {"agin": {}}}', "--loads", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--override" in err and "agin" in err
+
+
 def test_a_fleet_serves_the_same_policy():
     doc = with_fleet(http.serve_policy(BASE, "qos", 0.1), "redis://127.0.0.1:1/0")
     policy = PolicyConfig.model_validate(doc)
