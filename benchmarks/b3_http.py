@@ -292,6 +292,13 @@ def with_modelled_override(base: Scenario, override: dict[str, Any]) -> Scenario
         base, {key: value for key, value in override.items() if key in MODELLED_SECTIONS})
 
 
+def b3_scenario(override: dict[str, Any], seed: int | None = None) -> Scenario:
+    """B3's scenario as a run sends it: with the modelled part of `override`
+    (with_modelled_override), its seeds counted from `seed` (None: B3's)."""
+    base = with_modelled_override(load_scenario(sweep.SCENARIO), override)
+    return base if seed is None else base.model_copy(update={"seed": seed})
+
+
 def gateway_only(override: dict[str, Any]) -> dict[str, Any]:
     """The sections of `override` the twin does not model, merged into the
     served policy as they are."""
@@ -472,8 +479,11 @@ def main(argv: list[str] | None = None) -> int:
                         "tiers, tenants and scheduler in the modelled GPU's time, and the "
                         "simulator twin runs with them too")
     parser.add_argument("--seeds", type=sweep._positive, default=1,
-                        help="arrival seeds per cell, from B3's on (default 1); on several, "
+                        help="arrival seeds per cell, from --seed on (default 1); on several, "
                         "qos against strict is judged by the paired difference over them")
+    parser.add_argument("--seed", type=int,
+                        help="the first arrival seed (default: B3's); with --seeds N, "
+                        "this one and the next N - 1")
     parser.add_argument("--json", dest="json_path", help="write the per-cell figures and checks")
     args = parser.parse_args(argv)
     try:
@@ -483,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"b3_http: {exc}", file=sys.stderr)
         return 2
     try:
-        base = with_modelled_override(load_scenario(sweep.SCENARIO), args.override)
+        base = b3_scenario(args.override, args.seed)
     except ValueError as exc:
         print(f"b3_http: --override: {exc}", file=sys.stderr)
         return 2

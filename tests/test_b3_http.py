@@ -171,6 +171,15 @@ def test_an_override_reaches_the_gateway_and_the_simulator_twin_alike():
     assert twin.engine.max_num_seqs is None
 
 
+def test_seeds_count_from_the_first_one_given():
+    assert http.b3_scenario({}).seed == BASE.seed
+    assert http.b3_scenario({}, 5).seed == 5
+    args = argparse.Namespace(speed=0.5, duration=20.0, warmup=5.0, timeout=90.0, mix="b3")
+    # The bench draws a different run on another seed.
+    assert (http.bench_scenario(BASE, 4.0, args, 5)["seed"]
+            != http.bench_scenario(BASE, 4.0, args, BASE.seed)["seed"])
+
+
 def test_a_bad_override_is_refused_naming_the_field(capsys):
     assert http.main(["--override", '{"scheduler": {"agin": {}}}', "--loads", "1"]) == 2
     err = capsys.readouterr().err
