@@ -4,7 +4,7 @@ simulated GPU, judged by the sweep's own rules.
 
     .venv/bin/python benchmarks/b3_http.py [--loads 1,2,4] [--policies qos,strict,fcfs]
         [--mix b3|long] [--speed 1] [--duration 60] [--warmup 20] [--timeout 90] [--fleet]
-        [--seeds 1] [--json PATH]
+        [--seeds 1] [--seed 3] [--override JSON] [--json PATH]
 
 Each cell and policy starts its own gateway (or, with --fleet, a redis-server,
 --gateways replicas and --engines engine nodes, each a `qosgate serve`
@@ -32,7 +32,7 @@ errors, TTFT), what the gateways counted (/metrics: outcomes, queue waits)
 and the CPU the client and each server process used.
 
 The rules are b3_sweep's `evaluate`, on the bench reports. With --seeds N each
-cell runs on N arrival seeds (B3's seed on), every policy on the same
+cell runs on N arrival seeds (from --seed, by default B3's), every policy on the same
 requests, and the rules are the sweep's over seeds: qos against strict by the
 paired difference and its noise, the rest on the seeds' means. On one seed
 qos against strict is the exact comparison of one run, which any reordering
@@ -40,6 +40,10 @@ of the lower tiers' work moves by a request or two either way. One rule is out o
 reach of a client: the tiers' longest served queue wait against their stated
 bound (the client sees TTFT, not the gateway's queue), so it is not evaluated
 here and the output says so.
+
+--override is an experiment on B3's policy: its tiers, tenants and scheduler
+are in the modelled GPU's time, stretched for the gateway like the rest, and
+the simulator twin runs with them too; other sections reach the gateway only.
 
 Exit status as b3_sweep: 0 when every rule passes, 1 when one fails, 2 when a
 rule cannot be evaluated (a policy not run, no 1x baseline, a gateway or
