@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 
 import pytest
 import yaml
@@ -205,13 +204,12 @@ def test_max_tokens_rules(policy):
     assert [a.prompt_tokens for a in cap] == [a.prompt_tokens for a in fixed]
 
 
-def test_generation_is_fast(policy):
+def test_an_hour_of_arrivals_is_generated_whole(policy):
+    # How fast is B9's business (benchmarks/b9_hour.yaml), not a unit test's.
     s = scenario(duration_s=3600.0)
-    started = time.perf_counter()
     arrivals = generate_arrivals(s, policy, 5.0, seed=0)
-    elapsed = time.perf_counter() - started
     assert len(arrivals) > 17_000
-    assert elapsed < 1.0
+    assert arrivals[-1].t < 3600.0 <= arrivals[-1].t + 10.0
 
 
 def test_capacity_workload_mix(policy):
