@@ -4,7 +4,7 @@ simulated GPU, judged by the sweep's own rules.
 
     .venv/bin/python benchmarks/b3_http.py [--loads 1,2,4] [--policies qos,strict,fcfs]
         [--mix b3|long] [--speed 1] [--duration 60] [--warmup 20] [--timeout 90] [--fleet]
-        [--seeds 1] [--seed 3] [--override JSON] [--json PATH]
+        [--seeds 1] [--seed 3] [--override JSON] [--twin-only] [--json PATH]
 
 Each cell and policy starts its own gateway (or, with --fleet, a redis-server,
 --gateways replicas and --engines engine nodes, each a `qosgate serve`
@@ -40,6 +40,10 @@ of the lower tiers' work moves by a request or two either way. One rule is out o
 reach of a client: the tiers' longest served queue wait against their stated
 bound (the client sees TTFT, not the gateway's queue), so it is not evaluated
 here and the output says so.
+
+--twin-only runs the simulator twin alone (no gateway, seconds instead of
+minutes) and judges its table: what a run would show, or how the figures on
+this short a run move with the seed, --duration and --warmup.
 
 --override is an experiment on B3's policy: its tiers, tenants and scheduler
 are in the modelled GPU's time, stretched for the gateway like the rest, and
@@ -347,7 +351,7 @@ def run_table(base: Scenario, loads: tuple[float, ...], policies: tuple[str, ...
                 rate = load * capacity
                 cell = sweep.Cell(args.mix, ARRIVALS, load)
                 runs = {}
-                for policy in policies:
+                for policy in () if args.twin_only else policies:
                     began = time.monotonic()
                     runs[policy] = run_cell(base, policy, rate, args, tmp, seed)
                     print(f"  {cell} seed {seed} {policy}: {rate:.2f} req/s offered, "
@@ -431,7 +435,7 @@ def tier_counts(table: dict, twins: dict, speed: float) -> str:
     return "\n".join(lines)
 
 
-def judge(table: dict) -> tuple[int, list]:
+def judge(table: dict, unseen: str = f"not evaluated over HTTP: {UNSEEN_RULE}") -> tuple[int, list]:
     """b3_sweep's rules on the table ({cell: {seed: entry}}): (exit status,
     checks), printing each failure, and each rule that cannot be evaluated on
     what was run (a subset of loads or policies) as an error: exit status 2
@@ -447,7 +451,7 @@ def judge(table: dict) -> tuple[int, list]:
         print(sweep.format_check(check))
     for error in errors:
         print(f"ERROR  {error}")
-    print(f"not evaluated over HTTP: {UNSEEN_RULE}")
+    print(unseen)
     print(f"{len(checks) - len(failed)} of {len(checks)} checks pass, {len(failed)} FAIL"
           + (f", {len(errors)} not evaluated" if errors else ""))
     return (2 if errors else 1 if failed else 0), checks
@@ -488,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int,
                         help="the first arrival seed (default: B3's); with --seeds N, "
                         "this one and the next N - 1")
+    parser.add_argument("--twin-only", action="store_true",
+                        help="the simulator twin alone on the same requests, judged by the "
+                        "same rules: no gateway is started")
     parser.add_argument("--json", dest="json_path", help="write the per-cell figures and checks")
     args = parser.parse_args(argv)
     try:
@@ -509,6 +516,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"engine capacity on the {args.mix} mix at speed {args.speed:g}: "
           f"{capacity:.2f} req/s; "
           f"load average {os.getloadavg()[0]:.2f}")
+    if args.twin_only:
+        twin_rows = sweep.summarise(twins)
+        print("the simulator on the requests the bench would send (no gateway run):")
+        print(sweep.format_rows(twin_rows))
+        print()
+        status, checks = judge(twins, f"not evaluated, as over HTTP: {UNSEEN_RULE}")
+        if args.json_path:
+            write_json(args, base, capacity, {"simulator_cells": twin_rows}, twins, checks)
+        return status
     print(tier_counts(table, twins, args.speed))
     print()
     rows = sweep.summarise(table)
@@ -520,23 +536,30 @@ def main(argv: list[str] | None = None) -> int:
     print()
     status, checks = judge(table)
     if args.json_path:
-        payload = {"mix": args.mix, "speed": args.speed, "duration_s": args.duration,
-                   "warmup_s": args.warmup,
-                   "timeout_s": args.timeout, "fleet": args.fleet and {
-                       "gateways": args.gateways, "engines": args.engines},
-                   "override": args.override, "capacity_rps": capacity,
-                   "load_average": os.getloadavg(), "cells": rows,
-                   "simulator_cells": twin_rows,
-                   "seeds": list(range(base.seed, base.seed + args.seeds)),
-                   "runs": {f"{cell} seed {seed}": {
-                       policy: {key: report.get(key) for key in ("tiers", "totals", "gateway")}
-                       for policy, report in entry["policies"].items()}
-                       for cell, runs in table.items() for seed, entry in runs.items()},
-                   "checks": [{"cell": str(c.cell), "rule": c.rule, "value": c.value,
-                               "threshold": c.threshold, "passed": c.passed} for c in checks]}
-        Path(args.json_path).write_text(json.dumps(payload, indent=1))
-        print(f"wrote {args.json_path}")
+        write_json(args, base, capacity, {"cells": rows, "simulator_cells": twin_rows},
+                   table, checks)
     return status
+
+
+def write_json(args: argparse.Namespace, base: Scenario, capacity: float, rows: dict,
+               table: dict, checks: list) -> None:  # fmt: skip
+    """The per-cell figures (`rows`), each run's reports in `table` and the
+    checks, with the settings they were measured under."""
+    payload = {"mix": args.mix, "speed": args.speed, "duration_s": args.duration,
+               "warmup_s": args.warmup, "timeout_s": args.timeout,
+               "fleet": args.fleet and {"gateways": args.gateways, "engines": args.engines},
+               "twin_only": args.twin_only,
+               "override": args.override, "capacity_rps": capacity,
+               "load_average": os.getloadavg(), **rows,
+               "seeds": list(range(base.seed, base.seed + args.seeds)),
+               "runs": {f"{cell} seed {seed}": {
+                   policy: {key: report.get(key) for key in ("tiers", "totals", "gateway")}
+                   for policy, report in entry["policies"].items()}
+                   for cell, runs in table.items() for seed, entry in runs.items()},
+               "checks": [{"cell": str(c.cell), "rule": c.rule, "value": c.value,
+                           "threshold": c.threshold, "passed": c.passed} for c in checks]}
+    Path(args.json_path).write_text(json.dumps(payload, indent=1))
+    print(f"wrote {args.json_path}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -178,6 +179,28 @@ def test_seeds_count_from_the_first_one_given():
     # The bench draws a different run on another seed.
     assert (http.bench_scenario(BASE, 4.0, args, 5)["seed"]
             != http.bench_scenario(BASE, 4.0, args, BASE.seed)["seed"])
+
+
+def test_twin_only_runs_no_gateway_and_judges_the_simulators_table(monkeypatch, tmp_path, capsys):
+    def no_gateway(*args, **kwargs):
+        raise AssertionError("--twin-only started a gateway run")
+
+    monkeypatch.setattr(http, "run_cell", no_gateway)
+    out = tmp_path / "twin.json"
+    status = http.main(["--twin-only", "--loads", "1,2", "--duration", "20", "--warmup", "5",
+                        "--seeds", "2", "--seed", "4", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert status in (0, 1), printed  # every policy ran: each rule can be judged
+    assert "no gateway run" in printed and "checks pass" in printed
+    doc = json.loads(out.read_text())
+    assert doc["twin_only"] is True and doc["seeds"] == [4, 5]
+    assert [row["load"] for row in doc["simulator_cells"]] == [1.0, 2.0]
+    assert "cells" not in doc
+    # Every policy's twin report, on each seed, is what the rules judged.
+    assert set(doc["runs"]) == {f"{sweep.Cell(http.MIX, http.ARRIVALS, load)} seed {seed}"
+                                for load in (1.0, 2.0) for seed in (4, 5)}
+    assert all(set(run) == set(sweep.POLICIES) for run in doc["runs"].values())
+    assert len(doc["checks"]) > 0
 
 
 def test_a_bad_override_is_refused_naming_the_field(capsys):
