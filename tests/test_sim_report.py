@@ -126,18 +126,38 @@ def test_tiers_without_ttft_slo():
     assert result["tiers"]["interactive"]["ttft_slo_attainment"] is None
 
 
-def test_throughput_counts_completions_inside_the_window():
+def test_throughput_counts_completed_requests_tokens_when_they_were_delivered():
     requests = [
-        done("a", 10.0, ttft=0.1, e2e=1.0, prompt=100, output=50),
-        done("a", -3.0, ttft=0.1, e2e=5.0, prompt=300, output=100),  # arrived before, ended inside
-        done("a", 99.0, ttft=0.1, e2e=5.0, prompt=1000, output=1000),  # ends after the window
+        done("a", 10.0, ttft=0.1, e2e=1.0, prompt=100, output=50),  # all inside
+        # Arrived before: its prompt went in before the window, and 2.0 of its
+        # 4.9 s of output fall inside.
+        done("a", -3.0, ttft=0.1, e2e=5.0, prompt=300, output=100),
+        # Ends after the window: its prompt and 0.9 of its 4.9 s of output are inside.
+        done("a", 99.0, ttft=0.1, e2e=5.0, prompt=1000, output=1000),
         req("a", 20.0, outcome=Outcome.CANCELLED, dispatched=20.0, first=20.5, finished=21.0),
     ]
     totals = report(requests)["totals"]
-    assert totals["throughput_tokens_per_s"] == pytest.approx((150 + 400) / 100)
-    assert totals["output_tokens_per_s"] == pytest.approx(150 / 100)
+    output = 50 + 100 * 2.0 / 4.9 + 1000 * 0.9 / 4.9
+    assert totals["output_tokens_per_s"] == pytest.approx(output / 100)
+    assert totals["throughput_tokens_per_s"] == pytest.approx((100 + 1000 + output) / 100)
     assert totals["requests"] == 3
     assert totals["completed"] == 2
+
+
+def test_throughput_does_not_depend_on_the_order_of_completions():
+    # The same work, one long request and ten short ones streaming their
+    # output, finished in two orders inside a window that ends before the last
+    # one finishes: counted as delivered, both orders did the same work in it.
+    def run(long_first: bool) -> float:
+        t, requests = 0.0, []
+        lengths = [8000] + [400] * 10 if long_first else [400] * 10 + [8000]
+        for output in lengths:
+            took = output / 1000
+            requests.append(done("a", t, ttft=1e-6, e2e=took, prompt=100, output=output))
+            t += took
+        return report(requests, window=(0.0, 12.0))["totals"]["throughput_tokens_per_s"]
+
+    assert run(long_first=True) == pytest.approx(run(long_first=False), rel=1e-3)
 
 
 def test_lost_counts_requests_without_outcome_anywhere():
