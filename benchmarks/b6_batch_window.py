@@ -16,7 +16,7 @@ to 1.2x capacity (Poisson arrivals), on three backends:
   call asks.
 
 Per backend and window: throughput (prompt and output tokens/s of the
-requests completed inside the measurement window) and p95 TTFT at each
+completed requests, delivered inside the measurement window) and p95 TTFT at each
 load, and the knee: the highest throughput reached with p95 TTFT within
 KNEE_FACTOR x the window-0 run's at the lowest load. A table goes to stdout
 and the JSON, the curves to the PNG.

@@ -8,6 +8,7 @@ from qosgate.config.models import PolicyConfig
 from qosgate.config.scheduling import scheduling_policy
 from qosgate.core.admission import DrainRateEstimator
 from qosgate.core.fairness import ahead_at_door, fits_place, gives_place
+from qosgate.core.ordering import PROMPT_CLASSES
 from qosgate.core.request import Outcome, Request, RequestState
 from qosgate.core.scheduler import BackendCapacity, Scheduler
 
@@ -264,7 +265,23 @@ def test_client_lowered_priority_goes_after_its_tier_peers():
     sched.submit(low, 0.0)
     sched.submit(normal, 0.1)
     assert sched.schedule(0.1, BackendCapacity(2, 10**9, 10**9)).dispatch == [normal, low]
-    assert sched.engine_priority(low) == 4
+    # Three levels below its peers in the engine too.
+    assert sched.engine_priority(low) == sched.engine_priority(normal) + 3 * PROMPT_CLASSES
+
+
+@pytest.mark.parametrize("kind", ["strict", "qos"])
+def test_in_the_engine_a_level_goes_first_then_shorter_prompts(kind):
+    sched = Scheduler(scheduling_policy(policy(scheduler={"policy": kind})),
+                      drain_rate_hint=10**6)  # fmt: skip
+    engine = {(tier, prompt): sched.engine_priority(req(tier, prompt=prompt))
+              for tier in ("interactive", "standard") for prompt in (1, 300, 500, 4096, 10**7)}
+    # Within a level, by powers of two: 300 and 500 tokens are one class, in
+    # arrival order; 4096 goes after them.
+    assert (engine["interactive", 1] < engine["interactive", 300]
+            == engine["interactive", 500] < engine["interactive", 4096]
+            < engine["interactive", 10**7])
+    # Levels never mix: interactive's longest prompt before standard's shortest.
+    assert engine["interactive", 10**7] < engine["standard", 1]
 
 
 # -- capacity ----------------------------------------------------------------

@@ -32,6 +32,7 @@ from http_support import (
 
 from qosgate.backends import build_backend
 from qosgate.backends.base import BackendUnavailable, Chunk, GenerationJob
+from qosgate.core.ordering import engine_priority
 from qosgate.core.request import Outcome
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -306,7 +307,10 @@ async def test_priority_lowers_never_raises() -> None:
             )
         assert bad.value.param == "priority"
         await client.close()
-    assert [job.priority for job in backend.jobs] == [2, 5, 1002]
+    # The level (2, lowered by 3 and by the most a client may, 1,000), then the
+    # prompt's size class.
+    assert [job.priority for job in backend.jobs] == [
+        engine_priority(level, job.prompt_tokens) for level, job in zip((2, 5, 1002), backend.jobs)]
     assert all("priority" not in job.body for job in backend.jobs)
 
 
@@ -318,7 +322,7 @@ async def test_trusted_header_identity() -> None:
         async with http.post(live.url + "/v1/completions", json=body, headers=headers) as r:
             assert r.status == 200
         assert backend.jobs[-1].tenant == "bob"
-        assert backend.jobs[-1].priority == 2
+        assert backend.jobs[-1].priority == engine_priority(2, backend.jobs[-1].prompt_tokens)
 
 
 # --------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The openai backend's room per upstream, learned from the engine's metrics
-(vLLM's running and waiting requests, KV usage), and the tier's priority
+(vLLM's running and waiting requests, KV usage), and the engine priority
 forwarded as `priority`: against stub upstreams on loopback ports
 (upstream_support.EngineUpstream serves /metrics as vLLM does)."""
 
@@ -20,6 +20,7 @@ from upstream_support import EngineUpstream, FakeUpstream
 from qosgate.backends.base import BackendRejected, BackendUnavailable, GenerationJob
 from qosgate.backends.openai import OpenAIBackend, _engine_report, _Room
 from qosgate.config.models import OpenAIBackendConfig
+from qosgate.core.ordering import PROMPT_CLASSES
 
 # A guard against a hang, never a wait: every await below ends on an event.
 LIMIT_S = 10.0
@@ -204,11 +205,12 @@ async def test_the_backlog_waits_in_the_gateway_and_interactive_overtakes_batch(
     else:
         assert engine.max_waiting == 16
         assert order.index("interactive") == 20
-    # The batch tier's priority went with its requests (the stub takes it);
-    # interactive's is 0, vLLM's default, and is not sent.
+    # Each request's priority went with it (the stub takes it): its tier's
+    # level (interactive 0, batch 2), then its prompt's size class.
     priorities = {body["prompt"]: body.get("priority") for body in engine.started}
-    assert priorities["interactive"] is None
-    assert {priorities[f"batch {i}"] for i in range(20)} == {2}
+    assert 0 < priorities["interactive"] < PROMPT_CLASSES
+    assert all(2 * PROMPT_CLASSES < priorities[f"batch {i}"] < 3 * PROMPT_CLASSES
+               for i in range(20))
 
 
 @contextlib.asynccontextmanager

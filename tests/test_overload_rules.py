@@ -13,7 +13,9 @@ import sys
 from pathlib import Path
 
 from qosgate.sim.commands import Simulation
+from qosgate.sim.runner import run_policy
 from qosgate.sim.scenario import Scenario
+from qosgate.sim.workload import Arrival
 
 ROOT = Path(__file__).resolve().parent.parent
 _SPEC = importlib.util.spec_from_file_location("b3_sweep", ROOT / "benchmarks" / "b3_sweep.py")
@@ -162,3 +164,21 @@ def test_in_bursts_beside_long_prompts_the_defaults_serve_interactive_as_strict_
         strict.append(attainment(policies["strict"], "interactive"))
     assert sweep.Paired.of(qos, strict).upper >= 0.0
     assert sum(qos) / len(qos) >= 0.95
+
+
+def test_in_the_engine_a_burst_of_short_prompts_goes_before_a_long_one_of_its_tier():
+    # The engine is busy decoding batch work when a long interactive prompt
+    # and then eight short ones arrive, all within a step: the engine's own
+    # queue takes the short ones first (docs/SCHEDULING.md, "The engine's own
+    # queue"), so each gets its first token before the long one does. In
+    # arrival order the long one's 4,000 tokens went first, two steps ahead
+    # of every short one.
+    base = sweep.load_scenario(sweep.SCENARIO)
+    arrivals = [Arrival(f"b{i}", 0.0, "nightly-eval", "batch", 50, 500, 500) for i in range(64)]
+    arrivals.append(Arrival("long", 1.0, "chat-app", "interactive", 4000, 10, 10))
+    arrivals += [Arrival(f"short{i}", 1.0 + 0.0001 * (i + 1), "copilot", "interactive", 200, 10, 10)
+                 for i in range(8)]
+    run_ = run_policy(base.policy, base.engine, arrivals, drain_until=120.0)
+    first = {r.id: r.first_token_at for r in run_.requests}
+    assert None not in first.values()
+    assert max(first[f"short{i}"] for i in range(8)) < first["long"]

@@ -136,12 +136,16 @@ def test_throughput_counts_completed_requests_tokens_when_they_were_delivered():
         done("a", 99.0, ttft=0.1, e2e=5.0, prompt=1000, output=1000),
         req("a", 20.0, outcome=Outcome.CANCELLED, dispatched=20.0, first=20.5, finished=21.0),
     ]
+    # No first token seen (a client that read nothing before the end): at its end.
+    unseen = req("a", 30.0, dispatched=30.0, finished=31.0, prompt=7)
+    unseen.output_tokens = 3
+    requests.append(unseen)
     totals = report(requests)["totals"]
-    output = 50 + 100 * 2.0 / 4.9 + 1000 * 0.9 / 4.9
+    output = 50 + 100 * 2.0 / 4.9 + 1000 * 0.9 / 4.9 + 3
     assert totals["output_tokens_per_s"] == pytest.approx(output / 100)
-    assert totals["throughput_tokens_per_s"] == pytest.approx((100 + 1000 + output) / 100)
-    assert totals["requests"] == 3
-    assert totals["completed"] == 2
+    assert totals["throughput_tokens_per_s"] == pytest.approx((100 + 1000 + 7 + output) / 100)
+    assert totals["requests"] == 4
+    assert totals["completed"] == 3
 
 
 def test_throughput_does_not_depend_on_the_order_of_completions():

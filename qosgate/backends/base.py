@@ -59,7 +59,8 @@ class GenerationJob:
     prompt_tokens: int
     max_tokens: int
     priority: int
-    """Engine priority (lower runs first): the tier's, possibly lowered by the client."""
+    """Engine priority (lower runs first): the tier's level, possibly lowered by
+    the client, then the prompt's size class (core.ordering.engine_priority)."""
     tenant: str = ""
     tier: str = ""
     session: str | None = None

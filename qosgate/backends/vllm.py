@@ -4,8 +4,8 @@ qosgate owns the queue; the engine owns the batch. The dispatcher hands the
 engine only what it can run now (free sequence slots and free KV tokens), so
 the backlog waits in the tier queues, where it can be reordered, aged, expired
 or refused, and the engine's own waiting queue stays short. Each request
-carries its engine priority (the tier's, as lowered by the client) as vLLM's
-`priority`, for `scheduling_policy: priority`.
+carries its engine priority (the tier's level as lowered by the client, then
+its prompt's size class) as vLLM's `priority`, for `scheduling_policy: priority`.
 
 Prompts are rendered here once, by the engine's own renderer (chat requests
 through the model's chat template, content parts as vLLM's server renders
@@ -109,6 +109,8 @@ class VllmBackend(Backend):
         # tokenizer: the path or hub name loaded, which served_model_name hides.
         self.model_roots = {self.models[0]: cfg.model}
         self.support = support.VLLM
+        # An engine told to go first come, first served refuses any priority.
+        self._takes_priority = self.engine_args()["scheduling_policy"] == "priority"
         self.max_model_len: int | None = None
         """The engine's context, once it is up."""
         self.engine: Any = None
@@ -490,7 +492,8 @@ class VllmBackend(Backend):
         prompt_tokens = run.prompt_tokens
         top = _top_logprobs(job)
         try:
-            outputs = engine.generate(engine_input, params, request_id, priority=job.priority)
+            outputs = engine.generate(engine_input, params, request_id,
+                                      priority=job.priority if self._takes_priority else 0)
             try:
                 async for out in outputs:
                     self._progress_at = asyncio.get_running_loop().time()

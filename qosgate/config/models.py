@@ -595,9 +595,9 @@ class UpstreamConfig(StrictModel):
     """KV-cache usage (0-1) at or above which its room is held at what it runs
     (`learn_room`): an engine that runs out of KV cache preempts."""
     priority: Literal["auto", "on", "off"] = "auto"
-    """Forward each request's engine priority (the tier's, lower first) as the
-    request's `priority` field, as vLLM started with `--scheduling-policy
-    priority` takes it. auto: send it until the upstream refuses a request
+    """Forward each request's engine priority (its level, then its prompt's size
+    class; lower first) as the request's `priority` field, as vLLM started with
+    `--scheduling-policy priority` takes it. auto: send it until the upstream refuses a request
     for it once (which is retried at once without it), then not to that
     upstream; on: always; off: never. Priority 0 is vLLM's default and is
     not sent."""

@@ -105,6 +105,23 @@ def open_slots(level: int, top_level: int, free_slots: int, reserve_slots: int) 
     return free_slots if level <= top_level else max(0, free_slots - reserve_slots)
 
 
+# Prompt size classes per priority level in the engine's priority (powers of
+# two: class k holds prompts of 2**(k-1) to 2**k - 1 tokens).
+PROMPT_CLASSES = 32
+
+
+def engine_priority(level: int, prompt_tokens: int) -> int:
+    """The priority a backend orders its own queue by (lower runs first): the
+    request's level, then its prompt's size class, so that inside the engine a
+    long prompt does not hold up the shorter ones of its level that arrive
+    while it waits (the engine still takes equal classes in arrival order).
+    In a burst of a tier's prompts this is what lets the most of them meet a
+    first-token objective: the engine's prefill takes a short prompt in a step
+    or two, a long one in many. Levels never mix: a level's longest prompt
+    runs before the next level's shortest."""
+    return level * PROMPT_CLASSES + min(max(prompt_tokens, 0).bit_length(), PROMPT_CLASSES - 1)
+
+
 def prefill_full(prefilling: int, prompt: int, limit: int | None) -> bool:
     """Whether a prompt of `prompt` tokens would take a backend's prefill
     queue (`prefilling`: prompt tokens sent in that have no first token yet)

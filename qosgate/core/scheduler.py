@@ -25,6 +25,7 @@ from qosgate.core.admission import (
 )
 from qosgate.core.fairness import CountedFifoOrder, FairnessOrder, FifoOrder, VtcOrder, service
 from qosgate.core.ordering import (
+    engine_priority as ordering_engine_priority,
     has_reserve,
     may_preempt,
     pick_tier,
@@ -196,8 +197,12 @@ class Scheduler:
         return list(self._queue_list)
 
     def engine_priority(self, req: Request) -> int:
-        """The priority handed to the backend (lower runs first)."""
-        return self._queues[req.tier].priority + req.priority_offset
+        """The priority handed to the backend (lower runs first): the tier's
+        level as lowered by the client, then the prompt's size class
+        (ordering.engine_priority). `fcfs` is one first-come queue, in the
+        engine too."""
+        level = self._queues[req.tier].priority + req.priority_offset
+        return ordering_engine_priority(level, req.prompt_tokens) if self.policy.tiered else level
 
     # -- admission -----------------------------------------------------------
 

@@ -276,11 +276,19 @@ def build_policy_report(
     # window short beside a request's length (8k-token prompts in a minute)
     # measures the order of completions: a policy that finishes short requests
     # first looks slower until the long ones land, past the window's end.
+    # A completion whose first token nobody saw (a client that read no content
+    # before the end) counts whole at its end.
     delivered = _ServiceLedger(start, end, length)
     for request in requests:
-        if request.outcome is Outcome.COMPLETED:
-            delivered.add(request, 1.0, 0.0, 1.0, key="prompt")
-            delivered.add(request, 0.0, 1.0, 1.0, key="output")
+        if request.outcome is not Outcome.COMPLETED:
+            continue
+        if request.first_token_at is None:
+            if request.finished_at is not None and start <= request.finished_at < end:
+                delivered.total["prompt"] += request.prompt_tokens
+                delivered.total["output"] += request.output_tokens
+            continue
+        delivered.add(request, 1.0, 0.0, 1.0, key="prompt")
+        delivered.add(request, 0.0, 1.0, 1.0, key="output")
     prompt_done = delivered.total["prompt"]
     output_done = delivered.total["output"]
     totals = {

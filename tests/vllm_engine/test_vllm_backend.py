@@ -3,7 +3,8 @@
 Over the HTTP API with the official `openai` client: chat and completions,
 streamed and not. A client that leaves is aborted inside the engine. The
 engine never holds more requests than its sequence slots while qosgate's
-queues hold the rest. The tier's priority reaches the engine.
+queues hold the rest. The engine priority (the tier's level, then the
+prompt's size class) reaches the engine.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 import pytest_asyncio
 
 from qosgate.backends.vllm import VllmBackend
+from qosgate.core.ordering import engine_priority
 from tests.http_support import live_app, make_policy
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -245,16 +247,18 @@ async def test_the_tiers_priority_reaches_the_engine(live):
     watch = live.watch
     gold, bronze = client(live, "gold"), client(live, "bronze")
     await gold.completions.create(model="tiny", prompt="a", max_tokens=2)
-    gold_id = live.gateway.streams[-1].request.id
+    gold_req = live.gateway.streams[-1].request
     await bronze.completions.create(model="tiny", prompt="b", max_tokens=2)
-    bronze_id = live.gateway.streams[-1].request.id
+    bronze_req = live.gateway.streams[-1].request
     # The client may lower its priority, never raise it.
     await bronze.completions.create(model="tiny", prompt="c", max_tokens=2,
                                     extra_body={"priority": 1})
-    lowered_id = live.gateway.streams[-1].request.id
-    assert watch.priorities[gold_id] == 0
-    assert watch.priorities[bronze_id] == 2
-    assert watch.priorities[lowered_id] == 3
+    lowered_req = live.gateway.streams[-1].request
+    # Its level (gold 0, bronze 2, lowered 3), then its prompt's size class.
+    for req, level in ((gold_req, 0), (bronze_req, 2), (lowered_req, 3)):
+        assert watch.priorities[req.id] == engine_priority(level, req.prompt_tokens)
+    assert (watch.priorities[gold_req.id] < watch.priorities[bronze_req.id]
+            < watch.priorities[lowered_req.id])
     await gold.close()
     await bronze.close()
 
