@@ -133,7 +133,8 @@ def serve_policy(base: Scenario, policy: str, speed: float) -> dict[str, Any]:
     engine slowed to `speed` and its durations stretched to match."""
     doc = base.policy.model_dump(mode="json", exclude_unset=True)
     # With their defaults: a default duration (drain_rate_tau_s) is stretched too.
-    full = base.policy.model_dump(mode="json", exclude_none=True)
+    # Nulls stay: `prefill_budget_tokens: null` says "no budget", not "the default".
+    full = base.policy.model_dump(mode="json")
     doc["tiers"] = dilated(full["tiers"], speed)
     doc["scheduler"] = {**dilated(full["scheduler"], speed), "policy": policy}
     doc["tenants"] = [

@@ -172,6 +172,20 @@ def test_an_override_reaches_the_gateway_and_the_simulator_twin_alike():
     assert twin.engine.max_num_seqs is None
 
 
+def test_an_override_to_null_reaches_the_gateway_as_null():
+    # Dropped, the gateway's default ("auto") would stand in for "no budget".
+    override = {"scheduler": {"prefill_budget_tokens": None, "delay_prefill_tokens": None}}
+    base = http.with_modelled_override(BASE, override)
+    served = PolicyConfig.model_validate(
+        sweep.merged(http.serve_policy(base, "qos", 0.1), http.gateway_only(override)))
+    assert served.scheduler.prefill_budget_tokens is None
+    assert served.scheduler.delay_prefill_tokens is None
+    assert http.twin_scenario(base, ARGS).policy.scheduler.prefill_budget_tokens is None
+    # Without the override both keep their default.
+    default = PolicyConfig.model_validate(http.serve_policy(BASE, "qos", 0.1))
+    assert default.scheduler.prefill_budget_tokens == "auto"
+
+
 def test_seeds_count_from_the_first_one_given():
     assert http.b3_scenario({}).seed == BASE.seed
     assert http.b3_scenario({}, 5).seed == 5
