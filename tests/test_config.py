@@ -388,9 +388,9 @@ def test_validate_good_file_prints_summary(capsys: pytest.CaptureFixture[str]) -
 
 @pytest.mark.parametrize(("backend", "says"), [
     ({"kind": "sim", "max_num_batched_tokens": 512},
-     "prefill budget auto (1024 tokens: 2 steps of 512)"),
+     "prefill budget auto (2048 tokens: 4 steps of 512)"),
     ({"kind": "vllm", "model": "m"},
-     "prefill budget auto (2 steps of the engine's max_num_batched_tokens, read once it is up)"),
+     "prefill budget auto (4 steps of the engine's max_num_batched_tokens, read once it is up)"),
     ({"kind": "openai", "upstreams": [{"url": "http://u:8000"}]},
      "prefill budget auto (off: the engine's tokens per step are not known here)"),
 ])  # fmt: skip
@@ -627,7 +627,7 @@ def test_a_fleet_of_openai_upstreams_must_list_its_models() -> None:
     assert load_policy_text(listed).fleet is not None
 
 
-def test_the_automatic_prefill_budget_is_two_of_the_engines_steps():
+def test_the_automatic_prefill_budget_is_four_of_the_engines_steps():
     from qosgate.config.scheduling import backend_step_tokens, scheduling_policy
 
     def policy(scheduler: dict, backend: dict | None = None) -> PolicyConfig:
@@ -636,13 +636,13 @@ def test_the_automatic_prefill_budget_is_two_of_the_engines_steps():
             **({"backend": backend} if backend else {})})
 
     assert policy({}).scheduler.prefill_budget_tokens == "auto"  # where the step is known
-    # Delay tiers go in at two steps' pace by default.
-    assert scheduling_policy(policy({}), step_tokens=2048).delay_prefill_tokens == 4096
+    # Delay tiers go in at four steps' pace by default.
+    assert scheduling_policy(policy({}), step_tokens=2048).delay_prefill_tokens == 8192
     assert scheduling_policy(policy({})).delay_prefill_tokens is None
     assert scheduling_policy(policy({"delay_prefill_tokens": None}),
                              step_tokens=2048).delay_prefill_tokens is None
     auto = policy({"prefill_budget_tokens": "auto"})
-    assert scheduling_policy(auto, step_tokens=2048).prefill_budget_tokens == 4096
+    assert scheduling_policy(auto, step_tokens=2048).prefill_budget_tokens == 8192
     # Where the engine's step is not known (an upstream server), none.
     assert scheduling_policy(auto).prefill_budget_tokens is None
     assert scheduling_policy(policy({"prefill_budget_tokens": 1000}),

@@ -761,7 +761,7 @@ def test_a_later_delay_tier_does_not_overtake_one_held_at_the_pace_of_prefill():
     rules = scheduling_policy(policy(
         tiers=tiers, tenants=[*(t.model_dump() for t in base.tenants),
                               {"id": "k1", "tier": "bulk"}],
-        scheduler={"prefill_budget_tokens": None}), step_tokens=512)
+        scheduler={"prefill_budget_tokens": None}), step_tokens=256)
     assert rules.prefill_budget_tokens is None and rules.delay_prefill_tokens == 1024
     sched = Scheduler(rules, drain_rate_hint=10**6)
     first, long_batch = req("batch", at=0.0, prompt=600), req("batch", at=0.0, prompt=900)
@@ -776,8 +776,8 @@ def test_a_later_delay_tier_does_not_overtake_one_held_at_the_pace_of_prefill():
 
 
 def test_a_delay_tier_goes_in_at_the_pace_of_prefill_and_the_latency_tiers_do_not_wait():
-    # Two steps of 512 tokens: the automatic pace is 1,024 prompt tokens.
-    rules = scheduling_policy(policy(scheduler={"prefill_budget_tokens": None}), step_tokens=512)
+    # Four steps of 256 tokens: the automatic pace is 1,024 prompt tokens.
+    rules = scheduling_policy(policy(scheduler={"prefill_budget_tokens": None}), step_tokens=256)
     assert rules.delay_prefill_tokens == 1024 and rules.prefill_budget_tokens is None
     sched = Scheduler(rules, drain_rate_hint=10**6)
     batch = [req("batch", at=0.0, prompt=600) for _ in range(3)]

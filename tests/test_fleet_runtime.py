@@ -356,7 +356,7 @@ async def test_an_engine_node_counts_its_prefill_budget_in_its_own_engines_steps
                       backend)  # fmt: skip
     try:
         assert node._prefill() == Prefill(0, None, None)
-        backend.step = 512
+        backend.step = 256
         want = (1024, 1024) if policy_kind == "qos" else (None, None)
         assert (node._prefill().budget, node._prefill().pace) == want
     finally:

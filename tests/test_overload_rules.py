@@ -182,3 +182,31 @@ def test_in_the_engine_a_burst_of_short_prompts_goes_before_a_long_one_of_its_ti
     first = {r.id: r.first_token_at for r in run_.requests}
     assert None not in first.values()
     assert max(first[f"short{i}"] for i in range(8)) < first["long"]
+
+
+def test_the_automatic_prefill_budget_keeps_the_engine_fed_when_releases_reach_it_late(
+        tmp_path):  # fmt: skip
+    # A prompt counts against the budget until its first token is heard, and
+    # what the gateway releases then reaches the engine later still (a
+    # remote engine's HTTP hop here, modelled as one step; an engine's own
+    # loop plans its next step before its first tokens are heard). A budget
+    # that covers only the steps ahead of a top-level prompt leaves the
+    # engine idling through that gap: two steps' worth took half as long
+    # again as no budget at all to prefill this backlog.
+    profile = (ROOT / "qosgate" / "sim_profiles" / "h100-llama3-8b.yaml").read_text()
+    (tmp_path / "remote.yaml").write_text(
+        profile.replace("name: h100-llama3-8b", "name: remote") + "request_overhead_ms: 60\n")
+    base = sweep.load_scenario(sweep.SCENARIO)
+    engine = base.engine.model_copy(update={"profile": str(tmp_path / "remote.yaml")})
+    arrivals = [Arrival(f"b{i}", 0.001 * i, "nightly-eval", "batch", 3000, 1, 1)
+                for i in range(150)]
+
+    def last_first_token(budget: str | None) -> float:
+        scheduler = base.policy.scheduler.model_copy(
+            update={"prefill_budget_tokens": budget, "delay_prefill_tokens": budget})
+        policy = base.policy.model_copy(update={"scheduler": scheduler})
+        run_ = run_policy(policy, engine, arrivals, drain_until=600.0)
+        assert all(r.first_token_at is not None for r in run_.requests)
+        return max(r.first_token_at for r in run_.requests)
+
+    assert last_first_token("auto") <= 1.05 * last_first_token(None)

@@ -757,7 +757,7 @@ async def test_an_engine_that_learns_its_step_once_up_gets_its_automatic_prefill
     gw = await started_gateway(backend)
     try:
         assert gw.scheduler.policy.prefill_budget_tokens is None
-        backend.step = 512
+        backend.step = 256
         backend._notify()  # the engine is up: capacity may have grown
         stream = submit(gw, "silver")
         consumer = Consumer(stream)
@@ -788,7 +788,7 @@ async def test_vllm_backend_without_vllm_says_how_to_install_it() -> None:
 
 
 async def test_the_gateway_counts_an_automatic_prefill_budget_in_its_engines_steps() -> None:
-    sim = SimBackend(SimBackendConfig(speed=1000, max_num_batched_tokens=512))
+    sim = SimBackend(SimBackendConfig(speed=1000, max_num_batched_tokens=256))
     auto = make_policy(prefill_budget_tokens="auto")
     assert Gateway(auto, sim).scheduler.policy.prefill_budget_tokens == 1024
     # A backend whose step is not known gets none; auto is the default; null sets none.

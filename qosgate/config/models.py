@@ -416,17 +416,20 @@ class SchedulerConfig(StrictModel):
     """Prompt tokens handed to the backend and not yet past their prefill beyond
     which tiers without a latency objective (delay tiers) are held back, so
     that their long prompts, released into a lull, do not queue up in the
-    engine ahead of what comes next (qos and strict). auto (the default): two
-    of the engine's steps (2 x max_num_batched_tokens) where qosgate knows
+    engine ahead of what comes next (qos and strict). auto (the default): four
+    of the engine's steps (4 x max_num_batched_tokens) where qosgate knows
     them (the sim; a vllm backend whose engine_args set it), else no limit;
     null: no limit."""
     prefill_budget_tokens: Count | Literal["auto"] | None = "auto"
     """Prompt tokens handed to the backend and not yet past their prefill (no
     first token) beyond which work below the top priority is held back, so a
     top-priority prompt never queues behind more prefill than this inside the
-    engine (qos and strict). auto (the default): two of the engine's steps
-    (2 x max_num_batched_tokens) where qosgate knows them (the sim; a vllm
-    backend whose engine_args set it), else no limit; null: no limit."""
+    engine (qos and strict). A prompt counts until its first token is heard,
+    and what is released then reaches the engine a step later at best, so
+    part of the budget is always in transit or already prefilled. auto (the
+    default): four of the engine's steps (4 x max_num_batched_tokens) where
+    qosgate knows them (the sim; a vllm backend whose engine_args set it),
+    else no limit; null: no limit."""
 
 
 class RateLimit(StrictModel):
