@@ -19,7 +19,7 @@ from qosgate.profiles import PROFILES, CostProfile
 from qosgate.sim.runner import measure_capacity, run_policy
 from qosgate.sim.workload import Arrival
 
-from http_support import make_policy
+from http_support import POLICY_YAML, make_policy
 
 FLAT = CostProfile(
     name="flat", description="test", t0_ms=10.0, c_p=0.0, c_q=0.0, c_d=0.0, c_kv=0.0,
@@ -152,3 +152,21 @@ def test_a_run_cut_by_its_horizon_counts_the_engine_only_up_to_it(tmp_path: Path
     assert run.engine_busy_s == pytest.approx(1.005)
     assert run.engine_saturated_s == pytest.approx(1.005)
     assert run.saturated_s_samples[-1] == (1.005, run.engine_saturated_s)
+
+
+def test_what_a_first_token_frees_reaches_the_engine_a_step_later(tmp_path: Path) -> None:
+    # 10 ms steps. bob's second prompt is held for the prefill budget until
+    # the first one's first token, at the end of step 1 (10 ms). The engine
+    # planned step 2 before the scheduler heard of that token, as vLLM's
+    # engine loop and the live backend do, so the held prompt's prefill is
+    # step 3's: its first token comes at 30 ms, not 20.
+    cfg = SimBackendConfig(profile=profile_file(tmp_path, max_num_seqs=4))
+    policy = make_policy(POLICY_YAML + "scheduler:\n  prefill_budget_tokens: 100\n")
+    arrivals = [Arrival("c", 0.0, "alice", "interactive", 10, 100, 100),
+                Arrival("b1", 0.0, "bob", "batch", 80, 3, 3),
+                Arrival("b2", 0.001, "bob", "batch", 80, 3, 3)]
+    run = run_policy(policy, cfg, arrivals, drain_until=60)
+    by_id = {r.id: r for r in run.requests}
+    assert by_id["b1"].first_token_at == pytest.approx(0.010)
+    assert by_id["b2"].dispatched_at == pytest.approx(0.010)
+    assert by_id["b2"].first_token_at == pytest.approx(0.030)

@@ -88,6 +88,9 @@ def run_policy(
     next_progress = 0
 
     overhead = engine.request_overhead_s
+    # Sent back while the step in flight ran: what that step produced for them
+    # is nobody's (the live backend drops it the same way).
+    sent_back: set[str] = set()
 
     def up_to(t: float, seconds: float, counts_step: bool) -> float:
         """The engine's `seconds` (step or saturated seconds) up to `t`: a step
@@ -107,6 +110,7 @@ def run_policy(
                        scheduler.engine_priority(req), ready_at=now + overhead if overhead else None)
         for req in plan.preempt:
             engine.abort(req.id)
+            sent_back.add(req.id)
             run.gateway_preemptions += 1
         for _, size, _ in plan.batches:
             if size:
@@ -129,10 +133,21 @@ def run_policy(
         if now == step_end:
             result = step
             step_end = _INF
+            gone, sent_back = sent_back, set()
+            # The engine plans its next step before the gateway hears of this
+            # one's tokens (vLLM's engine loop does, and the live simulated
+            # GPU), so what the scheduler releases in answer waits in the
+            # engine's queue for the step after.
+            if engine.has_work():
+                step = engine.step()
+                run.steps += 1
+                step_end = now + step.duration
             for seq_id in result.first_token:
-                scheduler.on_first_token(seq_id, now)
+                if seq_id not in gone:
+                    scheduler.on_first_token(seq_id, now)
             for seq_id in result.finished:
-                scheduler.finish(seq_id, now, Outcome.COMPLETED, true_output[seq_id])
+                if seq_id not in gone:
+                    scheduler.finish(seq_id, now, Outcome.COMPLETED, true_output[seq_id])
             run.engine_preemptions += len(result.preempted)
         elif now == t_arrival:
             # Every arrival at this instant is submitted before one schedule.
@@ -197,7 +212,8 @@ def measure_capacity(
     now = 0.0
     finishes: list[tuple[float, int]] = []
     total = len(workload)
-    while len(finishes) < total:
+
+    def feed() -> None:
         cap = engine.capacity()
         free_slots, free_kv = cap.free_slots, cap.free_kv_tokens
         while pending and free_slots > 0:
@@ -210,14 +226,23 @@ def measure_capacity(
                        ready_at=now + overhead if overhead else None)
             free_slots -= 1
             free_kv -= need
+
+    while len(finishes) < total:
         engine.take_ready(now)
         if not engine.has_work():
-            ready = engine.next_ready_at()
-            if ready is None:
-                raise RuntimeError("capacity measurement stalled: a request does not fit the engine")
-            now = ready
-            continue
+            feed()
+            engine.take_ready(now)
+            if not engine.has_work():
+                ready = engine.next_ready_at()
+                if ready is None:
+                    raise RuntimeError(
+                        "capacity measurement stalled: a request does not fit the engine")
+                now = ready
+                continue
         result = engine.step()
+        # As in run_policy: the engine planned this step before the dispatcher
+        # heard of the last one's finishes, so what it sends now waits for the next.
+        feed()
         now += result.duration
         for seq_id in result.finished:
             finishes.append((now, sizes[seq_id]))

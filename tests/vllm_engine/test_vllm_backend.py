@@ -18,6 +18,7 @@ import pytest
 import pytest_asyncio
 
 from qosgate.backends.vllm import VllmBackend
+from qosgate.config.scheduling import PREFILL_BUDGET_STEPS
 from qosgate.core.ordering import engine_priority
 from tests.http_support import live_app, make_policy
 
@@ -131,13 +132,13 @@ async def test_ready_once_the_engine_is_up(live):
 
 async def test_an_automatic_prefill_budget_counts_the_engines_own_step(live):
     """engine_args set no max_num_batched_tokens: the prefill budget (`auto`)
-    is two of the steps the engine took, learned once it is up."""
+    is PREFILL_BUDGET_STEPS of the steps the engine took, learned once it is up."""
     step = live.gateway.backend.engine.vllm_config.scheduler_config.max_num_batched_tokens
     assert live.gateway.backend.step_tokens == step > 0
     # Served after the engine came up: the dispatcher has run since.
     await client(live).chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-    assert live.gateway.scheduler.policy.prefill_budget_tokens == 2 * step
+    assert live.gateway.scheduler.policy.prefill_budget_tokens == PREFILL_BUDGET_STEPS * step
 
 
 async def test_the_openai_client_chat_and_completions_streamed_and_not(live):
