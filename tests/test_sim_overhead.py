@@ -170,3 +170,27 @@ def test_what_a_first_token_frees_reaches_the_engine_a_step_later(tmp_path: Path
     assert by_id["b1"].first_token_at == pytest.approx(0.010)
     assert by_id["b2"].dispatched_at == pytest.approx(0.010)
     assert by_id["b2"].first_token_at == pytest.approx(0.030)
+
+
+def test_a_run_sent_back_while_its_last_step_ran_is_not_finished_by_that_step(
+        tmp_path: Path) -> None:  # fmt: skip
+    # Two slots. bob's one-token run finishes in step 1, which the engine
+    # planned at 0; the room it reports already has that slot free. At 5 ms
+    # two interactive requests arrive: one takes the slot, and for the other
+    # the scheduler sends bob's run back (as far as it has heard, it still
+    # runs). Step 1's finish of it, heard at 10 ms, is nobody's: bob's
+    # request is queued again and runs anew.
+    cfg = SimBackendConfig(profile=profile_file(tmp_path))
+    policy = make_policy(
+        POLICY_YAML.replace("  batch:\n    priority: 2\n",
+                            "  batch:\n    priority: 2\n    preemptible: true\n")
+        + "scheduler:\n  preemption: true\n")
+    arrivals = [Arrival("c", 0.0, "alice", "interactive", 10, 100, 100),
+                Arrival("b", 0.0, "bob", "batch", 10, 1, 1),
+                Arrival("a1", 0.005, "alice", "interactive", 10, 3, 3),
+                Arrival("a2", 0.005, "alice", "interactive", 10, 3, 3)]
+    run = run_policy(policy, cfg, arrivals, drain_until=60)
+    assert run.gateway_preemptions == 1
+    by_id = {r.id: r for r in run.requests}
+    assert all(r.outcome.value == "completed" for r in run.requests)
+    assert by_id["b"].preemptions == 1 and by_id["b"].finished_at > 0.010

@@ -212,8 +212,7 @@ def measure_capacity(
     now = 0.0
     finishes: list[tuple[float, int]] = []
     total = len(workload)
-
-    def feed() -> None:
+    while len(finishes) < total:
         cap = engine.capacity()
         free_slots, free_kv = cap.free_slots, cap.free_kv_tokens
         while pending and free_slots > 0:
@@ -226,23 +225,14 @@ def measure_capacity(
                        ready_at=now + overhead if overhead else None)
             free_slots -= 1
             free_kv -= need
-
-    while len(finishes) < total:
         engine.take_ready(now)
         if not engine.has_work():
-            feed()
-            engine.take_ready(now)
-            if not engine.has_work():
-                ready = engine.next_ready_at()
-                if ready is None:
-                    raise RuntimeError(
-                        "capacity measurement stalled: a request does not fit the engine")
-                now = ready
-                continue
+            ready = engine.next_ready_at()
+            if ready is None:
+                raise RuntimeError("capacity measurement stalled: a request does not fit the engine")
+            now = ready
+            continue
         result = engine.step()
-        # As in run_policy: the engine planned this step before the dispatcher
-        # heard of the last one's finishes, so what it sends now waits for the next.
-        feed()
         now += result.duration
         for seq_id in result.finished:
             finishes.append((now, sizes[seq_id]))
