@@ -3,7 +3,7 @@ pass rules that can fail.
 
     .venv/bin/python benchmarks/b3_sweep.py [--loads 1,2,4] [--arrivals poisson]
         [--mix b3] [--policies qos,strict,fcfs] [--seed S] [--seeds 5] [--jobs $(nproc)]
-        [--prefill-budget TOKENS] [--json PATH]
+        [--prefill-budget TOKENS] [--override JSON] [--engine JSON] [--json PATH]
 
 Every cell (mix x arrivals x load) runs each policy on the same arrivals through
 the simulator's own API (qosgate.sim.commands.Simulation), once per seed: S,
@@ -14,7 +14,9 @@ default). The B3 scenario file gives the policy, the engine and the b3 mix; the
 arrivals (the acceptance run of B3 is 600 s): the 144 runs of the whole sweep on
 one seed take about 4 minutes on one core, five seeds five times that;
 `--jobs J` runs J units (a mix and arrival process on one seed, every load) at
-a time in worker processes, with the same figures.
+a time in worker processes, with the same figures. `--engine` runs B3's tiers
+on another simulated engine (a profile, fewer sequence slots): the load unit,
+interactive's demand and its run alone are that engine's.
 
 The rules judge each cell over its seeds. The simulator is chaotic: any
 reordering of the lower tiers' work moves the tiers above by a request or
@@ -47,6 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import fmean, stdev
 from typing import Any, Callable, Iterable
+
+from pydantic import ValidationError
 
 from qosgate.sim.commands import Simulation
 from qosgate.sim.report import build_policy_report
@@ -254,6 +258,17 @@ def with_override(base: Scenario, override: dict[str, Any]) -> Scenario:
         return base
     data = base.model_dump()
     data["policy"] = merged(data["policy"], override)
+    return Scenario.model_validate(data)
+
+
+def with_engine(base: Scenario, engine: dict[str, Any]) -> Scenario:
+    """`base` on another simulated engine: `engine` merged into its engine
+    section (profile, max_num_seqs, ...), validated again. The load unit,
+    interactive's demand and its run alone follow the engine."""
+    if not engine:
+        return base
+    data = base.model_dump()
+    data["engine"] = merged(data["engine"], engine)
     return Scenario.model_validate(data)
 
 
@@ -673,6 +688,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="JSON object merged into the scenario's policy, e.g. "
                         "'{\"tiers\": {\"batch\": {\"min_share\": 0}}}' (an experiment, "
                         "not B3: the report is not comparable with RESULTS.md's)")
+    parser.add_argument("--engine", type=json.loads, default={},
+                        help="JSON object merged into the scenario's simulated engine, e.g. "
+                        "'{\"max_num_seqs\": 64}' or '{\"profile\": \"a100-llama3-8b\"}' "
+                        "(B3's tiers on another engine: the report is not comparable with "
+                        "RESULTS.md's B3 sweep)")
     parser.add_argument("--json", dest="json_path",
                         help="write the per-cell figures (the means over the seeds, each "
                         "seed's, and qos - strict paired by seed) and the checks")
@@ -688,7 +708,11 @@ def main(argv: list[str] | None = None) -> int:
     override = args.override
     if args.prefill_budget is not _UNSET:
         override = merged({"scheduler": {"prefill_budget_tokens": args.prefill_budget}}, override)
-    base = with_override(load_scenario(SCENARIO), override)
+    try:
+        base = with_engine(with_override(load_scenario(SCENARIO), override), args.engine)
+    except ValidationError as exc:
+        print(f"b3_sweep: --override or --engine: {exc}", file=sys.stderr)
+        return 2
     seed = base.seed if args.seed is None else args.seed
     seeds = tuple(range(seed, seed + args.seeds))
     table = run_sweep(base, mixes, arrivals, loads, policies, seeds, args.jobs)
@@ -709,6 +733,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(checks) - len(failed)} of {len(checks)} checks pass, {len(failed)} FAIL")
     if args.json_path:
         payload = {"duration_s": DURATION_S, "warmup_s": WARMUP_S, "seed": seed,
+                   "engine": base.engine.model_dump(mode="json"), "override": override,
                    "seeds": list(seeds), "cells": rows,
                    "qos_below_strict_on_a_single_seed": {
                        tier: {"pairs": n, "of": of} for tier, (n, of) in below.items()},

@@ -305,3 +305,16 @@ def test_the_prefill_budget_option_takes_tokens_auto_or_null():
     assert sweep._budget("null") is None
     with pytest.raises(argparse.ArgumentTypeError, match="lots"):
         sweep._budget("lots")
+
+
+def test_the_engine_option_puts_b3_on_another_engine(capsys):
+    base = sweep.load_scenario(sweep.SCENARIO)
+    small = sweep.with_engine(base, {"max_num_seqs": 64, "profile": "a100-llama3-8b"})
+    assert (small.engine.max_num_seqs, small.engine.profile) == (64, "a100-llama3-8b")
+    assert small.policy == base.policy and small.classes == base.classes
+    assert sweep.with_engine(base, {}) is base
+    # A cell's scenario keeps the engine (its capacity and interactive's run alone use it).
+    assert sweep.cell_scenario(small, "long", "gamma2").engine == small.engine
+    # A mistyped engine setting names the field and exits 2, without a traceback.
+    assert sweep.main(["--engine", '{"max_num_seq": 64}']) == 2
+    assert "max_num_seq" in capsys.readouterr().err
