@@ -252,24 +252,24 @@ def merged(doc: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def with_override(base: Scenario, override: dict[str, Any]) -> Scenario:
-    """`base` with `override` merged into its policy, validated again."""
+def _with_section(base: Scenario, section: str, override: dict[str, Any]) -> Scenario:
     if not override:
         return base
     data = base.model_dump()
-    data["policy"] = merged(data["policy"], override)
+    data[section] = merged(data[section], override)
     return Scenario.model_validate(data)
+
+
+def with_override(base: Scenario, override: dict[str, Any]) -> Scenario:
+    """`base` with `override` merged into its policy, validated again."""
+    return _with_section(base, "policy", override)
 
 
 def with_engine(base: Scenario, engine: dict[str, Any]) -> Scenario:
     """`base` on another simulated engine: `engine` merged into its engine
     section (profile, max_num_seqs, ...), validated again. The load unit,
     interactive's demand and its run alone follow the engine."""
-    if not engine:
-        return base
-    data = base.model_dump()
-    data["engine"] = merged(data["engine"], engine)
-    return Scenario.model_validate(data)
+    return _with_section(base, "engine", engine)
 
 
 def common_seeds(table: Table) -> tuple[int, ...]:

@@ -103,6 +103,13 @@ def run_policy(
     def saturated_by(t: float) -> float:
         return up_to(t, engine.saturated_seconds, step is not None and step.saturated)
 
+    def start_step() -> None:
+        nonlocal step, step_end
+        if engine.has_work():
+            step = engine.step()
+            run.steps += 1
+            step_end = now + step.duration
+
     def carry_out(plan: SchedulePlan) -> None:
         nonlocal wakeup
         for req in plan.dispatch:
@@ -138,10 +145,7 @@ def run_policy(
             # one's tokens (vLLM's engine loop does, and the live simulated
             # GPU), so what the scheduler releases in answer waits in the
             # engine's queue for the step after.
-            if engine.has_work():
-                step = engine.step()
-                run.steps += 1
-                step_end = now + step.duration
+            start_step()
             for seq_id in result.first_token:
                 if seq_id not in gone:
                     scheduler.on_first_token(seq_id, now)
@@ -167,10 +171,8 @@ def run_policy(
             if not plan.preempt:
                 break
 
-        if step_end == _INF and engine.has_work():
-            step = engine.step()
-            run.steps += 1
-            step_end = now + step.duration
+        if step_end == _INF:
+            start_step()
         if next_arrival >= n and scheduler.queued_count == 0 and scheduler.running_count == 0:
             break
 
