@@ -575,3 +575,33 @@ async def test_a_completions_token_with_no_text_yet_is_a_token() -> None:
     assert record[6] == COMPLETED
     assert record[10] == len(texts)  # output tokens: the chunks that carry one
     assert record[3] is not None and len(record[11]) == len(texts) - 1
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_tokens_per_second_count_the_prompt_as_the_server_counted_it(stream: bool) -> None:
+    # The client asks for prompts of about 4 characters a token; a model whose
+    # tokenizer cuts them finer or coarser works on what it counted, which its
+    # usage says (the fake upstream: 3 prompt tokens, whatever was sent).
+    asked = 400
+    cfg = {"urls": [], "endpoint": "chat", "model": "m", "stream": stream, "timeout_s": 30,
+           "extra_body": {}, "keys": [None], "priority": [None]}  # fmt: skip
+    async with Upstream(("ok",)) as upstream:
+        cfg["urls"] = [upstream.url]
+        async with aiohttp.ClientSession() as session:
+            job = Job(cfg, session, "words")
+            start = asyncio.get_running_loop().time()
+            raw = [await job.one((rid, 0.0, 0, asked, 4), start, 0.0) for rid in range(3)]
+    records = [Record(*row) for row in raw]
+    assert all(r.outcome == COMPLETED for r in records)
+    assert [(r.prompt_tokens, r.prompt_counted, r.prompt_served) for r in records] == [
+        (asked, 3, 3)] * 3
+    output = records[0].output_tokens
+    assert output == (2 if stream else 3)
+    scenario = BenchScenario.model_validate(open_scenario())
+    end = max(r.end for r in records) + 1.0
+    totals = build_bench_report(records, scenario, window=(0.0, end), planned=3)["totals"]
+    assert totals["throughput_tokens_per_s"] * end == pytest.approx(3 * (3 + output))
+    # A server that says nothing of the prompt: what was asked is what counts.
+    silent = [Record(*row[:-1]) for row in raw]
+    totals = build_bench_report(silent, scenario, window=(0.0, end), planned=3)["totals"]
+    assert totals["throughput_tokens_per_s"] * end == pytest.approx(3 * (asked + output))

@@ -109,7 +109,8 @@ class VllmBackend(Backend):
         # tokenizer: the path or hub name loaded, which served_model_name hides.
         self.model_roots = {self.models[0]: cfg.model}
         self.support = support.VLLM
-        # An engine told to go first come, first served refuses any priority.
+        # A priority means nothing to an engine told to go first come, first
+        # served, and vLLM documents one there as an error.
         self._takes_priority = self.engine_args()["scheduling_policy"] == "priority"
         self.max_model_len: int | None = None
         """The engine's context, once it is up."""

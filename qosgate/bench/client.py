@@ -15,7 +15,10 @@ process loads.
 
 Record fields (a tuple, see `RECORD_FIELDS`): times are seconds after the
 job's start instant; `first` is the first content chunk (streaming) or the
-whole response (not streaming); `itl` the gaps between content chunks.
+whole response (not streaming); `itl` the gaps between content chunks;
+`prompt_tokens` the prompt's length as asked (about 4 characters a token),
+`prompt_counted` as the server counted it (its `usage`; None when it said
+nothing), which differs wherever the model's tokenizer does.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import aiohttp
 
 RECORD_FIELDS = (
     "rid", "cls", "sent", "first", "end", "status", "outcome", "error_type", "error_code",
-    "prompt_tokens", "output_tokens", "itl", "lag",
+    "prompt_tokens", "output_tokens", "itl", "lag", "prompt_counted",
 )  # fmt: skip
 
 COMPLETED = "completed"
@@ -157,6 +160,7 @@ class Job:
         error_type: str | None = None
         error_code: str | None = None
         output = 0
+        counted: int | None = None
         itl: list[float] | None = None
         try:
             async with self.session.post(
@@ -174,12 +178,13 @@ class Job:
                     error_type = f"http_{status}"
                 elif self.stream and response.content_type == "text/event-stream":
                     itl = []
-                    first, output, error_type, error_code = await self._read_stream(response, itl)
+                    first, output, counted, error_type, error_code = await self._read_stream(
+                        response, itl)
                     outcome = COMPLETED if error_type is None else ERROR
                 else:
                     raw = await response.read()
                     first = loop.time()
-                    output, error_type = self._read_body(raw)
+                    output, counted, error_type = self._read_body(raw)
                     outcome = COMPLETED if error_type is None else ERROR
         except asyncio.CancelledError:
             raise
@@ -201,18 +206,19 @@ class Job:
         return (
             rid, cls, sent - start, None if first is None else first - start, end - start,
             status, outcome, error_type, error_code, prompt_tokens, output,
-            tuple(itl) if itl else None, lag,
+            tuple(itl) if itl else None, lag, counted,
         )  # fmt: skip
 
     async def _read_stream(
         self, response: aiohttp.ClientResponse, itl: list[float]
-    ) -> tuple[float | None, int, str | None, str | None]:
+    ) -> tuple[float | None, int, int | None, str | None, str | None]:
         loop = asyncio.get_running_loop()
         chat = self.chat
         first: float | None = None
         last = 0.0
         chunks = 0
         reported: int | None = None
+        counted: int | None = None
         done = False
         async for line in response.content:
             if not line.startswith(b"data:"):
@@ -224,16 +230,21 @@ class Job:
             try:
                 event = json.loads(data)
             except ValueError:
-                return first, reported if reported is not None else chunks, "protocol", None
+                output = reported if reported is not None else chunks
+                return first, output, counted, "protocol", None
             if not isinstance(event, dict):
-                return first, chunks, "protocol", None
+                return first, chunks, counted, "protocol", None
             error = event.get("error")
             if error:
                 code = error.get("code") if isinstance(error, dict) else None
-                return first, chunks, "stream_error", None if code is None else str(code)[:100]
+                return first, chunks, counted, "stream_error", (
+                    None if code is None else str(code)[:100])
             usage = event.get("usage")
-            if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-                reported = usage["completion_tokens"]
+            if isinstance(usage, dict):
+                if isinstance(usage.get("completion_tokens"), int):
+                    reported = usage["completion_tokens"]
+                if isinstance(usage.get("prompt_tokens"), int):
+                    counted = usage["prompt_tokens"]
             for choice in event.get("choices") or ():
                 if chat:
                     delta = choice.get("delta") or {}
@@ -255,7 +266,7 @@ class Job:
                     chunks += 1
         output = reported if reported is not None else chunks
         if not done:
-            return first, output, "incomplete_stream", None
+            return first, output, counted, "incomplete_stream", None
         # Read on to the body's end, as OpenAI's own client does: a response
         # released with its body unread closes its connection, and a server
         # whose body ends a moment after [DONE] would pay for a new connection
@@ -265,19 +276,21 @@ class Job:
                 pass
         except aiohttp.ClientPayloadError:
             pass  # the answer came whole; only the connection is not reused
-        return first, output, None, None
+        return first, output, counted, None, None
 
-    def _read_body(self, raw: bytes) -> tuple[int, str | None]:
+    def _read_body(self, raw: bytes) -> tuple[int, int | None, str | None]:
         try:
             payload = json.loads(raw)
             usage = payload.get("usage") or {}
+            counted = usage.get("prompt_tokens")
+            counted = counted if isinstance(counted, int) else None
             if isinstance(usage.get("completion_tokens"), int):
-                return usage["completion_tokens"], None
+                return usage["completion_tokens"], counted, None
             choice = payload["choices"][0]
             text = choice["message"]["content"] if self.chat else choice["text"]
-            return -(-len(text or "") // 4), None
+            return -(-len(text or "") // 4), counted, None
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-            return 0, "protocol"
+            return 0, None, "protocol"
 
 
 async def run_open(job: Job, specs: list[tuple], start: float) -> list[tuple]:
@@ -343,7 +356,7 @@ async def _settle(tasks: list[asyncio.Task[tuple]], specs: list[tuple], start: f
             now = loop.time() - start
             result = (
                 spec[0], spec[2], spec[1], None, now, 0, ERROR,
-                f"exception:{type(result).__name__}", None, spec[3], 0, None, 0.0,
+                f"exception:{type(result).__name__}", None, spec[3], 0, None, 0.0, None,
             )  # fmt: skip
         records.append(result)
     return records

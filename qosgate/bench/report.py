@@ -54,10 +54,19 @@ class Record:
     error_type: str | None
     error_code: str | None
     prompt_tokens: int
+    """The prompt's length as asked (what a replay sends again)."""
     output_tokens: int
     itl: tuple[float, ...] | None
     lag: float
     """How late the client sent it against its planned time (open loop)."""
+    prompt_counted: int | None = None
+    """The prompt's length as the server counted it (its `usage`), where it said."""
+
+    @property
+    def prompt_served(self) -> int:
+        """The prompt tokens the server worked on: its own count where it gave
+        one, what was asked otherwise."""
+        return self.prompt_tokens if self.prompt_counted is None else self.prompt_counted
 
     @property
     def ttft(self) -> float | None:
@@ -82,7 +91,7 @@ class Record:
 
 
 def records_from(raw: Iterable[tuple]) -> list[Record]:
-    assert len(RECORD_FIELDS) == 13
+    assert len(RECORD_FIELDS) == 14
     return [Record(*row) for row in raw]
 
 
@@ -103,7 +112,7 @@ def bench_policy(scenario: BenchScenario) -> PolicyConfig:
 def _as_request(record: Record, scenario: BenchScenario) -> Request:
     cls_ = scenario.classes[record.cls]
     request = Request(
-        str(record.rid), cls_.tenant_id, cls_.tier, max(1, record.prompt_tokens),
+        str(record.rid), cls_.tenant_id, cls_.tier, max(1, record.prompt_served),
         max(1, record.output_tokens), record.sent,
     )  # fmt: skip
     request.state = RequestState.FINISHED
