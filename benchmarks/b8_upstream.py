@@ -173,7 +173,7 @@ def main() -> int:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2, default=str))
     print(f"\nwrote {args.json}")
-    return 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

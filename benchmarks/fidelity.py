@@ -379,7 +379,7 @@ def main() -> int:
         "benchmark": "fidelity",
         "command": " ".join(shlex.quote(a) for a in
                             [".venv-vllm/bin/python", "benchmarks/fidelity.py", *sys.argv[1:]]),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+        "machine": {"cpus": os.cpu_count(), "cpu": cpu_model(), "python": platform.python_version(),
                     "load_average_at_start": load_avg, "load_average_at_end": os.getloadavg()},
         "engine_args": ENGINE, "capacity_rps": capacity, "wall_s": time.monotonic() - started,
         "profile": profile_text, "targets": TARGETS, "passed": passed, "loads": results,
@@ -388,6 +388,19 @@ def main() -> int:
     Path(args.json).write_text(json.dumps(out, indent=2))
     print(f"\nwrote {args.json}")
     return 0 if passed else 1
+
+
+def cpu_model() -> str:
+    """The host's CPU and whether it has AVX-512, which vLLM's CPU kernels
+    use where they find it: the engine's own costs differ by an order of
+    magnitude between hosts, so a run's figures say which it was."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                 if line.startswith("model name")), "unknown CPU")
+    return f"{name}, {'with' if ' avx512f' in info else 'without'} AVX-512"
 
 
 def start_engine(model: str, tmp: Path) -> tuple[subprocess.Popen, str]:
@@ -467,7 +480,7 @@ def run_gateway(policy_path: Path, tmp: Path, duration: float, live: dict[str, A
 
 
 def report(results: dict, capacity: float, profile: str, load_avg: tuple) -> None:
-    print(f"\nFidelity: qosgate simulate against vLLM ({os.cpu_count()} CPUs, load average "
+    print(f"\nFidelity: qosgate simulate against vLLM ({os.cpu_count()} CPUs, {cpu_model()}, load average "
           f"{load_avg[0]:.2f} at start); capacity {capacity:.2f} req/s\n")
     table(results, "tiers")
     print("\nThe same with the profile's request_overhead_ms set to what each live run "
