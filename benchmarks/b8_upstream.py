@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 from b8_vllm import (  # noqa: E402
-    _ms, bench, free_port, model_folder, print_tiers, start_gateway, stop, summary,
+    _ms, bench, cpu_model, free_port, model_folder, print_tiers, start_gateway, stop, summary,
     wait_until_ready,
 )
 
@@ -109,7 +109,8 @@ def served_rps(result: dict[str, Any]) -> float:
     return totals["completed"] / totals["wall_s"]
 
 
-def run_seqs(model: str, seqs: int, tmp: Path, reserve: int = 0) -> dict[str, Any]:
+def run_seqs(model: str, seqs: int, tmp: Path, reserve: int = 0,
+             output_sigma: float = 0.0) -> dict[str, Any]:
     print(f"B8 upstream: vllm serve, max_num_seqs {seqs}", file=sys.stderr, flush=True)
     proc, url, server_cmd = start_server(model, seqs, tmp)
     try:
@@ -118,7 +119,9 @@ def run_seqs(model: str, seqs: int, tmp: Path, reserve: int = 0) -> dict[str, An
                    tmp / f"direct-tp-{seqs}.json", "direct")  # fmt: skip
         row = tp["sweep"][0]
         rate = round(2.0 * row["throughput_rps"], 3)
-        overload = scenario(tmp, "overload", arrivals__rate_rps=rate, duration_s=OVERLOAD_S)
+        answers = {"median": 64, "sigma": output_sigma, "max": 256}
+        overload = scenario(tmp, "overload", arrivals__rate_rps=rate, duration_s=OVERLOAD_S,
+                            lengths__output=answers)
         direct = bench(url, overload, tmp / f"direct-ov-{seqs}.json", "direct")
         served = served_rps(direct)
         if rate < MIN_OVERLOAD * served:
@@ -130,7 +133,8 @@ def run_seqs(model: str, seqs: int, tmp: Path, reserve: int = 0) -> dict[str, An
                   f"sent, not 2x its capacity: again at {2 * served:.2f} req/s",
                   file=sys.stderr, flush=True)
             rate = round(2.0 * served, 3)
-            overload = scenario(tmp, "overload", arrivals__rate_rps=rate, duration_s=OVERLOAD_S)
+            overload = scenario(tmp, "overload", arrivals__rate_rps=rate, duration_s=OVERLOAD_S,
+                                lengths__output=answers)
             direct = bench(url, overload, tmp / f"direct-ov-{seqs}.json", "direct")
             served = served_rps(direct)
         print(f"B8 upstream: qosgate in front of it ({rate} req/s)", file=sys.stderr, flush=True)
@@ -147,7 +151,8 @@ def run_seqs(model: str, seqs: int, tmp: Path, reserve: int = 0) -> dict[str, An
     q = summary({"throughput": row, "overload": gated, "rate_rps": rate})
     ratio = (q["interactive_ttft_p99_s"] / d["interactive_ttft_p99_s"]
              if q["interactive_ttft_p99_s"] and d["interactive_ttft_p99_s"] else None)  # fmt: skip
-    return {"max_num_seqs": seqs, "reserve_slots": reserve, "server": server_cmd,
+    return {"max_num_seqs": seqs, "reserve_slots": reserve, "output_sigma": output_sigma,
+            "server": server_cmd,
             "served_alone_rps": served, "direct": d, "qosgate": q,
             "interactive_ttft_p99_ratio": ratio, "gateway_log": log_lines,
             "raw": {"direct": direct, "qosgate": gated}}  # fmt: skip
@@ -160,10 +165,15 @@ def main() -> int:
     parser.add_argument("--reserve", type=int, default=0, metavar="SLOTS",
                         help="the gateway's scheduler.reserve.slots (default: none, as "
                              "B8's policy): slots of each learned room kept for interactive")
+    parser.add_argument("--output-sigma", type=float, default=0.0, metavar="SIGMA",
+                        help="the answers' lengths: log-normal about 64 tokens with this "
+                             "sigma, up to 256 (default 0: every answer 64 tokens, as B8)")
     parser.add_argument("--json", default=str(HERE / "results" / "b8_upstream.json"))
     args = parser.parse_args()
     if args.reserve < 0:
         parser.error("--reserve must be 0 or more")
+    if not 0.0 <= args.output_sigma <= 2.0:
+        parser.error("--output-sigma must be from 0 to 2")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     started = time.monotonic()
     runs = []
@@ -171,9 +181,9 @@ def main() -> int:
         tmp = Path(tmp_name)
         model = model_folder(args.model, tmp)
         for seqs in args.seqs:
-            runs.append(run_seqs(model, seqs, tmp, args.reserve))
+            runs.append(run_seqs(model, seqs, tmp, args.reserve, args.output_sigma))
     print("\nB8 upstream: qosgate in front of vllm serve "
-          f"(CPU build, tiny model; {os.cpu_count()} CPUs)\n")
+          f"(CPU build, tiny model; {os.cpu_count()} CPUs, {cpu_model()})\n")
     ok = True
     for run in runs:
         d, q, ratio = run["direct"], run["qosgate"], run["interactive_ttft_p99_ratio"]
@@ -193,7 +203,8 @@ def main() -> int:
         "benchmark": "B8 upstream",
         "command": " ".join(shlex.quote(a) for a in
                             [".venv-vllm/bin/python", "benchmarks/b8_upstream.py", *sys.argv[1:]]),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": {"cpus": os.cpu_count(), "cpu": cpu_model(),
+                    "python": platform.python_version()},
         "engine_args": ENGINE,
         "overload_s": OVERLOAD_S,
         "wall_s": time.monotonic() - started,

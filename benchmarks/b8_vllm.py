@@ -171,6 +171,19 @@ def run_target(name: str, url: str, tmp: Path, rate: float | None) -> dict[str, 
     return {"throughput": row, "overload": overload, "rate_rps": rate}
 
 
+def cpu_model() -> str:
+    """The host's CPU and whether it has AVX-512, which vLLM's CPU kernels
+    use where they find it: the engine's own costs differ by an order of
+    magnitude between hosts, so a run's figures say which it was."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                 if line.startswith("model name")), "unknown CPU")
+    return f"{name}, {'with' if ' avx512f' in info else 'without'} AVX-512"
+
+
 def summary(result: dict[str, Any]) -> dict[str, Any]:
     row = result["throughput"]
     tiers = result["overload"]["tiers"]

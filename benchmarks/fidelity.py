@@ -54,7 +54,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from b8_vllm import bench, model_folder, start_gateway, start_server, stop  # noqa: E402
+from b8_vllm import bench, cpu_model, model_folder, start_gateway, start_server, stop  # noqa: E402
 
 from qosgate.observability.stats import percentile  # noqa: E402
 
@@ -388,19 +388,6 @@ def main() -> int:
     Path(args.json).write_text(json.dumps(out, indent=2))
     print(f"\nwrote {args.json}")
     return 0 if passed else 1
-
-
-def cpu_model() -> str:
-    """The host's CPU and whether it has AVX-512, which vLLM's CPU kernels
-    use where they find it: the engine's own costs differ by an order of
-    magnitude between hosts, so a run's figures say which it was."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or "unknown CPU"
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
-                 if line.startswith("model name")), "unknown CPU")
-    return f"{name}, {'with' if ' avx512f' in info else 'without'} AVX-512"
 
 
 def start_engine(model: str, tmp: Path) -> tuple[subprocess.Popen, str]:
