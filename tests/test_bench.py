@@ -120,8 +120,9 @@ async def test_open_loop_against_the_gateway_counts_every_request(tmp_path: Path
 
 class Upstream:
     """Answers request n (in arrival order) by `script[n % len(script)]`:
-    ok, 429, 503, cut (a stream that breaks off), error_event or long_tail
-    (a long body after [DONE])."""
+    ok, 429, 503, cut (a stream that breaks off), error_event, long_tail
+    (a long body after [DONE]) or bad_usage (ok, but its usage counts are
+    JSON's true and a negative number)."""
 
     def __init__(self, script: tuple[str, ...]) -> None:
         self.script = script
@@ -173,11 +174,14 @@ class Upstream:
                                "code": "queue_full" if action == "429" else "overloaded"}},
                     status=int(action), headers={"Retry-After": "1"},
                 )
+            usage: dict[str, Any] = {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+            if action == "bad_usage":
+                usage = {"prompt_tokens": True, "completion_tokens": -1, "total_tokens": 0}
             if not body.get("stream"):
                 return web.json_response({
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": "a b c"},
                                  "finish_reason": "stop"}],
-                    "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6},
+                    "usage": usage,
                 })
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
@@ -193,7 +197,8 @@ class Upstream:
                 await response.write_eof()
                 return response
             final = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
-                     "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+                     "usage": usage if action == "bad_usage" else
+                     {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
             await response.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
             if action == "long_tail":
                 # A megabyte of SSE comments after [DONE] (any client skips
@@ -577,20 +582,26 @@ async def test_a_completions_token_with_no_text_yet_is_a_token() -> None:
     assert record[3] is not None and len(record[11]) == len(texts) - 1
 
 
+async def _sent_to(script: tuple[str, ...], *, stream: bool, asked: int, count: int) -> list[tuple]:
+    """The records of `count` requests of `asked` prompt tokens (4 output),
+    sent one after another by the bench client to an Upstream playing `script`."""
+    cfg = {"urls": [], "endpoint": "chat", "model": "m", "stream": stream, "timeout_s": 30,
+           "extra_body": {}, "keys": [None], "priority": [None]}  # fmt: skip
+    async with Upstream(script) as upstream:
+        cfg["urls"] = [upstream.url]
+        async with aiohttp.ClientSession() as session:
+            job = Job(cfg, session, "words")
+            start = asyncio.get_running_loop().time()
+            return [await job.one((rid, 0.0, 0, asked, 4), start, 0.0) for rid in range(count)]
+
+
 @pytest.mark.parametrize("stream", [True, False])
 async def test_tokens_per_second_count_the_prompt_as_the_server_counted_it(stream: bool) -> None:
     # The client asks for prompts of about 4 characters a token; a model whose
     # tokenizer cuts them finer or coarser works on what it counted, which its
     # usage says (the fake upstream: 3 prompt tokens, whatever was sent).
     asked = 400
-    cfg = {"urls": [], "endpoint": "chat", "model": "m", "stream": stream, "timeout_s": 30,
-           "extra_body": {}, "keys": [None], "priority": [None]}  # fmt: skip
-    async with Upstream(("ok",)) as upstream:
-        cfg["urls"] = [upstream.url]
-        async with aiohttp.ClientSession() as session:
-            job = Job(cfg, session, "words")
-            start = asyncio.get_running_loop().time()
-            raw = [await job.one((rid, 0.0, 0, asked, 4), start, 0.0) for rid in range(3)]
+    raw = await _sent_to(("ok",), stream=stream, asked=asked, count=3)
     records = [Record(*row) for row in raw]
     assert all(r.outcome == COMPLETED for r in records)
     assert [(r.prompt_tokens, r.prompt_counted, r.prompt_served) for r in records] == [
@@ -605,3 +616,16 @@ async def test_tokens_per_second_count_the_prompt_as_the_server_counted_it(strea
     silent = [Record(*row[:-1]) for row in raw]
     totals = build_bench_report(silent, scenario, window=(0.0, end), planned=3)["totals"]
     assert totals["throughput_tokens_per_s"] * end == pytest.approx(3 * (asked + output))
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_usage_counts_that_are_not_whole_numbers_are_not_taken(stream: bool) -> None:
+    # JSON's true is a Python int; a count of true (1) or -1 tokens is a
+    # broken server's, and the client's own count stands instead.
+    record = Record(*(await _sent_to(("bad_usage",), stream=stream, asked=400, count=1))[0])
+    assert record.outcome == COMPLETED
+    assert record.prompt_counted is None
+    assert record.prompt_served == 400
+    # Streamed: the two tokens counted as they came; whole: "a b c" at about
+    # 4 characters a token.
+    assert record.output_tokens == 2

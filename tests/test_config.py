@@ -437,7 +437,7 @@ def test_validate_warns_that_a_reject_tiers_share_has_no_effect(
     ("backend: {kind: openai, upstreams: [{url: 'http://a/v1', max_concurrency: 4},"
      " {url: 'http://b/v1', max_concurrency: 4}]}\n", 8),
 ])  # fmt: skip
-def test_validate_warns_when_the_reserve_holds_every_slot(
+def test_validate_warns_when_the_reserve_holds_every_slot_or_half_of_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], backend: str, slots: int
 ) -> None:
     path = tmp_path / "reserve.yaml"
@@ -447,6 +447,16 @@ def test_validate_warns_when_the_reserve_holds_every_slot(
             "scheduler:\n", f"scheduler:\n  reserve: {{slots: {reserve}}}\n"))
         assert main(["validate", str(path)]) == 0
         assert (warning in capsys.readouterr().out) is warned, reserve
+    # Half of them or more: a warning of its own (not both).
+    half = "holds at least half of the backend's"
+    for reserve, warned in ((slots // 2 - 1, False), (slots // 2, True), (slots - 1, True),
+                            (slots, False)):
+        path.write_text(backend + GOOD.replace(
+            "scheduler:\n", f"scheduler:\n  reserve: {{slots: {reserve}}}\n"))
+        assert main(["validate", str(path)]) == 0
+        out = capsys.readouterr().out
+        assert (half in out) is warned, reserve
+        assert f"runs on at most {slots - reserve}," in out or not warned
     # An upstream's room is learned as it runs, and the engine's default is vLLM's.
     for unknown in ("backend: {kind: openai, upstreams: [{url: 'http://a/v1'}]}\n",
                     "backend: {kind: vllm, model: /m}\n"):

@@ -241,10 +241,8 @@ class Job:
                     None if code is None else str(code)[:100])
             usage = event.get("usage")
             if isinstance(usage, dict):
-                if isinstance(usage.get("completion_tokens"), int):
-                    reported = usage["completion_tokens"]
-                if isinstance(usage.get("prompt_tokens"), int):
-                    counted = usage["prompt_tokens"]
+                reported = _count(usage.get("completion_tokens"), reported)
+                counted = _count(usage.get("prompt_tokens"), counted)
             for choice in event.get("choices") or ():
                 if chat:
                     delta = choice.get("delta") or {}
@@ -282,15 +280,23 @@ class Job:
         try:
             payload = json.loads(raw)
             usage = payload.get("usage") or {}
-            counted = usage.get("prompt_tokens")
-            counted = counted if isinstance(counted, int) else None
-            if isinstance(usage.get("completion_tokens"), int):
-                return usage["completion_tokens"], counted, None
+            counted = _count(usage.get("prompt_tokens"))
+            reported = _count(usage.get("completion_tokens"))
+            if reported is not None:
+                return reported, counted, None
             choice = payload["choices"][0]
             text = choice["message"]["content"] if self.chat else choice["text"]
             return -(-len(text or "") // 4), counted, None
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             return 0, None, "protocol"
+
+
+def _count(value: object, otherwise: int | None = None) -> int | None:
+    """A token count from a server's `usage`: a whole number of at least 0
+    (JSON's true is not one, though Python's bool is an int), else `otherwise`."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return otherwise
 
 
 async def run_open(job: Job, specs: list[tuple], start: float) -> list[tuple]:

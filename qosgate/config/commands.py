@@ -112,6 +112,15 @@ def policy_warnings(policy: PolicyConfig) -> list[str]:
             f"scheduler.reserve.slots ({scheduler.reserve.slots}) holds all {slots} of the "
             "backend's sequence slots for the top priority level: nothing below it ever runs"
         )
+    elif (scheduler.policy != "fcfs" and slots is not None
+          and 2 * scheduler.reserve.slots >= slots > 0):
+        # Reserved slots stay free whenever no top-level work waits: on a
+        # small engine a large reserve is mostly idle capacity.
+        warnings.append(
+            f"scheduler.reserve.slots ({scheduler.reserve.slots}) holds at least half of the "
+            f"backend's {slots} sequence slots for the top priority level: work below it runs "
+            f"on at most {slots - scheduler.reserve.slots}, even when the top level sends nothing"
+        )
     preemptible = [name for name, tier in policy.tiers.items() if tier.preemptible]
     if scheduler.preemption and not preemptible:
         warnings.append("scheduler.preemption is on but no tier is preemptible")
