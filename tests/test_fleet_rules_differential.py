@@ -36,6 +36,7 @@ import random
 import uuid
 from types import SimpleNamespace
 
+import pytest
 
 from qosgate.core import admission, ordering
 from qosgate.core.admission import ArrivalRate
@@ -86,6 +87,7 @@ class CoreModel:
         self.credits: dict[str, float] = {}
         self.share_turns = 0  # claims a share credit sent out of priority order
         self.reserve_stops = 0  # claims that stopped at the node's reserved slots
+        self.arrival_stops = 0  # of those, stops for the slots kept for arrivals alone
         self.latency_holds = 0  # claims where a share owed waited for latency work
         self.at_reserve = False  # the last claim stopped there
         self.prefill_held: set[str] = set()  # nodes whose last claim held for the budget
@@ -209,7 +211,8 @@ class CoreModel:
         return ("placed", taken) if taken is not None else None
 
     def claim(
-        self, node: str, max_items: int, now: float, lease_s: float, rate: float, prefill: Prefill
+        self, node: str, max_items: int, now: float, lease_s: float, rate: float, prefill: Prefill,
+        held_for_arrivals: int = 0,
     ) -> list:
         expired = sorted((exp, i) for i, (_, _, _, exp) in self.held.items() if exp <= now)
         for _, item_id in expired:
@@ -232,8 +235,11 @@ class CoreModel:
             self.latency_holds += (any(owed for _, _, owed in heads)
                                    and any(has_latency_objective(t) for t, _, _ in heads))
             if ordering.reserve_holds(chosen[1], self.tiers.top_level, max_items - len(taken),
-                                      self.tiers.reserve_slots):
+                                      self.tiers.reserve_slots + held_for_arrivals):
                 self.reserve_stops += 1
+                self.arrival_stops += not ordering.reserve_holds(
+                    chosen[1], self.tiers.top_level, max_items - len(taken),
+                    self.tiers.reserve_slots)
                 self.at_reserve = True
                 break
             tier = chosen[0].name
@@ -366,7 +372,12 @@ async def _answer(call) -> object:
     return ("placed", taken.id) if taken is not None else None
 
 
-async def test_core_memory_and_lua_decide_alike(redis_server):
+@pytest.mark.parametrize("arrivals", [False, True], ids=["reserve", "kept-for-arrivals"])
+async def test_core_memory_and_lua_decide_alike(redis_server, arrivals: bool):
+    """With `arrivals`, each claim also keeps slots for the top level's
+    expected arrivals (0, 1 or 3): the stops it makes crowd out some of the
+    rarer paths, so that run checks agreement and its own stops, and the run
+    without it covers the rest."""
     rng = random.Random(21)
     core = CoreModel(TIERS)
     memory = MemoryWorkQueue(TIERS)
@@ -410,10 +421,12 @@ async def test_core_memory_and_lua_decide_alike(redis_server):
                 lease_s, rate = rng.choice([0.5, 1.0, 2.5]), rng.choice(RATES)
                 prefill = Prefill(rng.choice([0, 0, 100, 900, 3000]),
                                   rng.choice([None, None, 2048]), rng.choice([None, 256, 4096]))
-                want = core.claim(node, n, now, lease_s, rate, prefill)
+                # Slots the node keeps for the top level's expected arrivals.
+                kept = rng.choices([0, 1, 3], [8, 1, 1])[0] if arrivals else 0
+                want = core.claim(node, n, now, lease_s, rate, prefill, kept)
                 for store in stores:
                     claim = await store.claim(node, n, now, lease_s, drain_rate=rate,
-                                              prefill=prefill)
+                                              prefill=prefill, held_for_arrivals=kept)
                     got = [(lease.item.id, lease.token) for lease in claim.leases]
                     assert got == want, (step, store.name, got, want)
                     assert claim.at_reserve == core.at_reserve, (step, store.name)
@@ -468,6 +481,10 @@ async def test_core_memory_and_lua_decide_alike(redis_server):
         # Every rule was exercised, not only the easy paths.
         seen["share turns"] = core.share_turns
         seen["reserve stops"] = core.reserve_stops
+        if arrivals:
+            assert core.arrival_stops > 20, core.arrival_stops
+            return
+        assert core.arrival_stops == 0
         seen["shares held for latency work"] = core.latency_holds
         seen["held for the prefill budget"] = core.waited["budget"]
         seen["held for the pace"] = core.waited["pace"]

@@ -462,12 +462,14 @@ class OpenAIBackend(Backend):
         self._held = slots
 
     def capacity(self) -> BackendCapacity:
-        free = 0
+        free = slots = 0
         for upstream in self._upstreams:
             if upstream.healthy:
                 free += max(0, upstream.limit - upstream.in_flight)
+                slots += upstream.limit
         return BackendCapacity(
-            free_slots=free, free_kv_tokens=UNKNOWN_KV_TOKENS, kv_capacity_tokens=None
+            free_slots=free, free_kv_tokens=UNKNOWN_KV_TOKENS, kv_capacity_tokens=None,
+            slots=slots,
         )
 
     def _notify(self) -> None:

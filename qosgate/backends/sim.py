@@ -259,6 +259,7 @@ class SimEngine:
             free_slots=max(0, self.max_num_seqs - running - waiting),
             free_kv_tokens=max(0, self.kv_capacity_tokens - reserved),
             kv_capacity_tokens=self.kv_capacity_tokens,
+            slots=self.max_num_seqs,
             running=running,
             waiting=waiting,
         )

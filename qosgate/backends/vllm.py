@@ -278,6 +278,7 @@ class VllmBackend(Backend):
             max(0, self._max_seqs - len(self._runs)),
             max(0, self._kv_tokens - held),
             self._kv_tokens,
+            self._max_seqs,
         )
 
     def gone(self) -> BackendUnavailable | None:

@@ -388,6 +388,12 @@ class ReserveConfig(StrictModel):
     """Sequence slots only top-level work may take."""
     kv_tokens: CountOrZero = 0
     """KV-cache tokens only top-level work may take."""
+    arrivals: _number(float, ge=0, le=1) = 0.5  # type: ignore[valid-type]
+    """qos only: the most of the backend's sequence slots also kept free for
+    the top priority's expected arrivals, when the running requests are not
+    expected to free slots for them within its queue budget (requests of one
+    length that started together end together, then none for a while); 0:
+    none. Where completions come evenly nothing is kept."""
 
 
 class SchedulerConfig(StrictModel):

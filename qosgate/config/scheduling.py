@@ -80,6 +80,7 @@ def scheduling_policy(
         preemption_on=sched.preemption,
         reserve_slots=sched.reserve.slots,
         reserve_kv_tokens=sched.reserve.kv_tokens,
+        reserve_arrivals=sched.reserve.arrivals,
         w_in=sched.vtc.w_in,
         w_out=sched.vtc.w_out,
         drain_rate_tau_s=sched.drain_rate_tau_s,

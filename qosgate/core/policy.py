@@ -86,6 +86,9 @@ class SchedulingPolicy:
     preemption_on: bool = False
     reserve_slots: int = 0
     reserve_kv_tokens: int = 0
+    reserve_arrivals: float = 0.5
+    """The most of the backend's slots kept for the top level's expected
+    arrivals (core.arrivals_hold; qos only: arrivals_share)."""
     w_in: float = 1.0
     w_out: float = 2.0
     drain_rate_tau_s: float = 10.0
@@ -116,6 +119,12 @@ class SchedulingPolicy:
     def held_slots(self) -> int:
         """Free slots kept for top-level work: the reserve, under `qos` and `strict`."""
         return self.reserve_slots if self.tiered else 0
+
+    @property
+    def arrivals_share(self) -> float:
+        """The share of slots kept for the top level's expected arrivals, under
+        `qos`; none under `strict` and `fcfs`."""
+        return self.reserve_arrivals if self.kind == "qos" else 0.0
 
     @property
     def held_kv_tokens(self) -> int:

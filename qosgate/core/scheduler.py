@@ -23,6 +23,7 @@ from qosgate.core.admission import (
     predicted_wait,
     saturated,
 )
+from qosgate.core.arrivals_hold import ArrivalsHold
 from qosgate.core.fairness import CountedFifoOrder, FairnessOrder, FifoOrder, VtcOrder, service
 from qosgate.core.ordering import (
     engine_priority as ordering_engine_priority,
@@ -62,6 +63,8 @@ class BackendCapacity:
     """KV-cache tokens not yet spoken for."""
     kv_capacity_tokens: int | None = None
     """Total KV-cache tokens (None: unknown); a prompt larger can never run."""
+    slots: int | None = None
+    """Sequence slots in all, the ones in use included (None: unknown)."""
 
 
 class SchedulePlan:
@@ -128,6 +131,12 @@ class Scheduler:
         # instant) starts as soon as it is released, so it is not backlog.
         self._room_slots = 0
         self._room_kv = 0
+        share = policy.arrivals_share
+        self._arrivals_hold = ArrivalsHold(share) if share > 0.0 else None
+        # Free slots the last round kept for the top level's expected
+        # arrivals: what it would keep, and what it left free of that.
+        self._held_for_arrivals = 0
+        self._kept_for_arrivals = 0
 
     # -- configuration -------------------------------------------------------
 
@@ -172,6 +181,12 @@ class Scheduler:
             {id(q): q for q in self._queues.values()}.values(), key=lambda q: (q.priority, q.name)
         )
         self._top_level = min(self._queues[name].priority for name in policy.tiers)
+        # What an arrival at the top level may wait for a slot (core.arrivals_hold).
+        self._top_budget = min(
+            (q.budget_s for q in self._queue_list
+             if q.priority == self._top_level and has_latency_objective(q) and q.budget_s),
+            default=None,
+        )
         self._shares = any(q.min_share > 0.0 for q in self._queue_list)
 
     def _order(self, tier: TierParams, weights: dict[str, float]) -> FairnessOrder:
@@ -230,6 +245,8 @@ class Scheduler:
             raise ValueError(f"duplicate request id {req.id!r}")
         queue = self.queue(req.tier)
         self._advance(now)
+        if self._arrivals_hold is not None and queue.priority == self._top_level:
+            self._arrivals_hold.arrived(now)
         estimate = self._output_estimate
         output = req.max_tokens if req.max_tokens < estimate else int(estimate)
         req.work = req.prompt_tokens + output
@@ -247,7 +264,8 @@ class Scheduler:
         if self._admission and has_latency_objective(queue):
             # On a saturated backend the newcomer also waits for a slot of its
             # own, unless capacity is held in reserve for its level.
-            reserved = has_reserve(queue.priority, self._top_level, self._reserve_slots)
+            reserved = has_reserve(queue.priority, self._top_level,
+                                   self._reserve_slots + self._kept_for_arrivals)
             # Below the top level, while the prefill budget holds work back, the
             # free room does not take a newcomer at once.
             held = self._held_for_prefill and queue.priority > self._top_level
@@ -358,6 +376,8 @@ class Scheduler:
         wakeup: float | None = None
         blocked: TierQueue | None = None
         budget = self._prefill_budget
+        self._held_for_arrivals = self._arrivals_held(now, capacity)
+        reserve_slots = self._reserve_slots + self._held_for_arrivals
         held: list[TierQueue] = []  # tiers held back this round for the prefill budget
         paced: list[TierQueue] = []  # delay tiers held back for theirs
 
@@ -381,7 +401,7 @@ class Scheduler:
                 break
             best, level = chosen
             below_top = level > top_level
-            if reserve_holds(level, top_level, free_slots, self._reserve_slots):
+            if reserve_holds(level, top_level, free_slots, reserve_slots):
                 # What is left is held for top-level work.
                 blocked = best
                 break
@@ -447,6 +467,7 @@ class Scheduler:
         # slot: the backend still has room for top-level work.
         self._held_for_prefill = bool(held)
         self._paced = bool(paced)
+        self._kept_for_arrivals = min(free_slots, self._held_for_arrivals)
         self._saturated = saturated(free_slots, blocked is not None)
         self._room_slots = 0 if self._saturated else free_slots
         self._room_kv = 0 if self._saturated else free_kv
@@ -459,6 +480,17 @@ class Scheduler:
                 wakeup = deadline
         plan.wakeup_at = wakeup
         return plan
+
+    def _arrivals_held(self, now: float, capacity: BackendCapacity) -> int:
+        """Free slots to keep for the top level's expected arrivals this round
+        (core.arrivals_hold), on top of the reserve."""
+        hold = self._arrivals_hold
+        if hold is None or self._top_budget is None or not self._running:
+            return 0
+        starts = [now if r.dispatched_at is None else r.dispatched_at
+                  for r in self._running.values()]  # in dispatch order
+        return hold.slots(now, starts, self._top_budget, free_slots=capacity.free_slots,
+                          backend_slots=capacity.slots)
 
     def _dispatch(self, queue: TierQueue, req: Request, now: float) -> None:
         del self._queued[req.id]
@@ -561,6 +593,9 @@ class Scheduler:
         actual = service(self._w_in, self._w_out, req.prompt_tokens, output_tokens)
         queue.order.on_settle(req, actual - req.charged_service)
         req.charged_service = actual
+        if (outcome is Outcome.COMPLETED and self._arrivals_hold is not None
+                and req.dispatched_at is not None):
+            self._arrivals_hold.ended(now, req.dispatched_at)
         if outcome is Outcome.COMPLETED:
             self.drain.completed(req.prompt_tokens, output_tokens, now,
                                  prefilled=req.first_token_at is not None)

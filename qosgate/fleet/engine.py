@@ -53,7 +53,9 @@ from qosgate.backends.base import Backend, BackendError, BackendUnavailable, Chu
 from qosgate.config.models import FleetConfig, PolicyConfig
 from qosgate.config.scheduling import scheduling_policy
 from qosgate.core.admission import DEFAULT_DRAIN_RATE, DrainRateEstimator, saturated
+from qosgate.core.arrivals_hold import ArrivalsHold
 from qosgate.core.ordering import may_preempt, preemption_victim
+from qosgate.core.policy import has_latency_objective
 from qosgate.observability.otel import Tracing
 from qosgate.quotas import QuotaStore, QuotaStoreError, build_store
 from qosgate.runtime.errors import WorkQueueError
@@ -120,6 +122,18 @@ class EngineNode:
         rules = scheduling_policy(policy)
         backend.hold_room(rules.held_slots)
         self._meter = ServiceMeter(rules) if rules.fair else None
+        # Slots this node keeps for the top level's expected arrivals, over
+        # its own runs, as one node's scheduler does over its backend's.
+        share = rules.arrivals_share
+        self._arrivals_hold = ArrivalsHold(share) if share > 0.0 else None
+        self._top_level = min(t.priority for t in rules.tiers.values())
+        self._top_budget = min(
+            (t.budget_s for t in rules.tiers.values()
+             if t.priority == self._top_level and has_latency_objective(t) and t.budget_s),
+            default=None,
+        )
+        self._started: dict[str, float] = {}
+        """When each run began (loop time), in the order they began."""
         # What this node completes while full, as one node measures its
         # backend: its share of the fleet's drain rate, which the gateways'
         # admission sums over the live nodes.
@@ -334,7 +348,7 @@ class EngineNode:
                 try:
                     claim = await self.store.claim(
                         self.node, room, now, self.lease_s, drain_rate=self.drain.rate,
-                        prefill=self._prefill(),
+                        prefill=self._prefill(), held_for_arrivals=self._held_for_arrivals(),
                     )
                 except WorkQueueError as exc:
                     log.error("claim failed: %s", exc)
@@ -343,6 +357,10 @@ class EngineNode:
                 self._at_reserve = claim.at_reserve
                 self._waits_for_prefill = claim.held_for_prefill or claim.paced
                 for lease in claim.leases:
+                    tier = self._tiers.get(lease.item.tier)
+                    if (self._arrivals_hold is not None and tier is not None
+                            and tier.priority == self._top_level):
+                        self._arrivals_hold.arrived(asyncio.get_running_loop().time())
                     if lease.item.affinity:
                         self.affinity[claim.placement(lease.item.id)] += 1
                     self._start(lease)
@@ -365,6 +383,17 @@ class EngineNode:
                         return
         finally:
             self._claiming = None
+
+    def _held_for_arrivals(self) -> int:
+        """Free slots to keep for the top level's expected arrivals
+        (core.arrivals_hold), on top of the tiers' reserve."""
+        hold = self._arrivals_hold
+        if hold is None or self._top_budget is None or not self._started:
+            return 0
+        capacity = self.backend.capacity()
+        return hold.slots(asyncio.get_running_loop().time(), self._started.values(),
+                          self._top_budget, free_slots=capacity.free_slots,
+                          backend_slots=capacity.slots)  # fmt: skip
 
     def _arm_expiry(self, at: float) -> None:
         if self._expiry_timer is not None:
@@ -458,6 +487,7 @@ class EngineNode:
             return
         self._outbox.put(reply_to, wire.started_event(item_id, lease.token))
         self._in_prefill[item_id] = job.prompt_tokens
+        self._started[item_id] = asyncio.get_running_loop().time()
         self._hold(item_id, self._run(lease, job, reply_to, gen))
 
     def _hold(self, item_id: str, work: Coroutine[Any, Any, None]) -> None:
@@ -476,6 +506,7 @@ class EngineNode:
             self._replies.pop(item_id, None)
             self._streaming.discard(item_id)
             self._in_prefill.pop(item_id, None)
+            self._started.pop(item_id, None)
             self._note_load()
             self.wake()
 
@@ -503,8 +534,11 @@ class EngineNode:
                 if chunk.finish_reason is not None:
                     if chunk.usage and "completion_tokens" in chunk.usage:
                         output = int(chunk.usage["completion_tokens"])
-                    self.drain.completed(job.prompt_tokens, output,
-                                         asyncio.get_running_loop().time(), prefilled=prefilled)
+                    ended = asyncio.get_running_loop().time()
+                    self.drain.completed(job.prompt_tokens, output, ended, prefilled=prefilled)
+                    started = self._started.get(item_id)
+                    if self._arrivals_hold is not None and started is not None:
+                        self._arrivals_hold.ended(ended, started)
                     await self._end(lease, reply_to, event, self._used(job, output))
                     return
                 self._streaming.add(item_id)

@@ -305,7 +305,7 @@ class RedisWorkQueue(WorkQueue):
 
     async def claim(
         self, node: str, max_items: int, now: float, lease_s: float, *, drain_rate: float = 0.0,
-        prefill: Prefill = NO_PREFILL_LIMIT,
+        prefill: Prefill = NO_PREFILL_LIMIT, held_for_arrivals: int = 0,
     ) -> Claim:
         expires_at = now + lease_s
         args: list[Any] = [
@@ -313,7 +313,7 @@ class RedisWorkQueue(WorkQueue):
             repr(self.tiers.interval_s), self.tiers.max_boost,
             repr(now - self.done_retention_s), repr(now - self.affinity_ttl_s), self.wake_channel,
             milli(drain_rate), prefill.tokens, _limit(prefill.budget), _limit(prefill.pace),
-            *self._tier_args,
+            held_for_arrivals, *self._tier_args,
         ]  # fmt: skip
         rows, held_until, at_reserve, held, paced = await self._run(self._claim, args)
         leases = []

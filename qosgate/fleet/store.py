@@ -169,13 +169,14 @@ class WorkQueue(ABC):
     @abstractmethod
     async def claim(
         self, node: str, max_items: int, now: float, lease_s: float, *, drain_rate: float = 0.0,
-        prefill: Prefill = NO_PREFILL_LIMIT,
+        prefill: Prefill = NO_PREFILL_LIMIT, held_for_arrivals: int = 0,
     ) -> Claim:
         """Return expired leases' items to their queues, then lease up to
         `max_items` to `node`, each from the tier `choose_tier` names at that
         moment (below the top level only while more of the node's room is
-        left than the tiers' `reserve_slots`: `Claim.at_reserve` says it
-        stopped there), until `now + lease_s`, leaving items for the live
+        left than the tiers' `reserve_slots` and the `held_for_arrivals` the
+        node keeps for the top level's expected arrivals, core.arrivals_hold:
+        `Claim.at_reserve` says it stopped there), until `now + lease_s`, leaving items for the live
         nodes their affinity keys are bound to while those have room (see
         model.py), and leaving queued what `node`'s prefill queue has no room
         for (`prefill`, by ordering.prefill_holds: `Claim.held_for_prefill`
@@ -474,7 +475,7 @@ class MemoryWorkQueue(WorkQueue):
 
     async def claim(
         self, node: str, max_items: int, now: float, lease_s: float, *, drain_rate: float = 0.0,
-        prefill: Prefill = NO_PREFILL_LIMIT,
+        prefill: Prefill = NO_PREFILL_LIMIT, held_for_arrivals: int = 0,
     ) -> Claim:
         # In the Redis store's order (by lease end, then id): under fairness,
         # each refund and lift depends on the ones before it.
@@ -514,7 +515,7 @@ class MemoryWorkQueue(WorkQueue):
                 break
             tier, level = chosen
             if ordering.reserve_holds(level, self.tiers.top_level, max_items - len(leases),
-                                      self.tiers.reserve_slots):
+                                      self.tiers.reserve_slots + held_for_arrivals):
                 at_reserve = True
                 break
             candidate = self._candidate(tier, skipped)

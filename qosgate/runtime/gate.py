@@ -477,6 +477,7 @@ class Gateway:
             max(0, cap.free_slots - len(self._reserved)),
             max(0, cap.free_kv_tokens - self._reserved_kv),
             cap.kv_capacity_tokens,
+            cap.slots,
         )
 
     def _backend_down(self) -> BackendUnavailableError | None:

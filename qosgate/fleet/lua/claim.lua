@@ -1,7 +1,8 @@
 -- ARGV: now, node, max_items, expires_at, interval_s, max_boost, done
 -- horizon, affinity horizon, wake channel, drain rate (milli), the node's
 -- prompt tokens in prefill, its prefill budget and delay tiers' pace ('' for
--- none), then the tier args. Returns {leases, held back until ('' for none),
+-- none), the slots it keeps for the top level's expected arrivals on top of
+-- the tiers' reserve (core.arrivals_hold), then the tier args. Returns {leases, held back until ('' for none),
 -- 1 if it stopped at the node's reserved slots, 1 if it held work for the
 -- prefill budget, 1 if for the pace}, one [id, tier,
 -- tenant, arrival, payload, attempt, token, affinity key, charge, where its
@@ -32,7 +33,9 @@ redis.call('ZREMRANGEBYSCORE', KEYS[K_SEEN], '-inf', ARGV[1])
 local wake = ARGV[9]
 local prefilling = tonumber(ARGV[11])
 local prefill_budget, prefill_pace = tonumber(ARGV[12]), tonumber(ARGV[13])
-tier_args(14)
+local held_slots = tonumber(ARGV[14])
+tier_args(15)
+held_slots = held_slots + T.reserve
 -- core.ordering.prefill_full
 local function prefill_full(limit, prompt)
   return limit ~= nil and prefilling > 0 and prefilling + prompt > limit
@@ -98,7 +101,7 @@ while #out < max_items do
   if best == nil then break end
   if latency_waiting then best, best_level = plain, plain_level end
   -- core.ordering.reserve_holds: the node's last free slots are for the top level
-  if best_level > T.top and max_items - #out <= T.reserve then
+  if best_level > T.top and max_items - #out <= held_slots then
     at_reserve = 1
     break
   end
