@@ -25,7 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from qosgate.backends.base import BackendRejected, Chunk, GenerationJob
 from qosgate.backends.sim_live import SimBackend, filler_text
 from qosgate.config.models import PolicyConfig
+from qosgate.core.arrivals_hold import expected_arrivals
 from qosgate.core.request import Outcome
+from qosgate.core.scheduler import BackendCapacity
 from qosgate.fleet import engine as engine_module
 from qosgate.fleet import Prefill, wire
 from qosgate.fleet.engine import EngineNode
@@ -1130,6 +1132,49 @@ async def test_a_run_cancelled_before_it_starts_lets_its_item_go(redis_server, p
     assert "x" not in node._runs and "x" not in node._leases
     assert not [w for w in caught if "never awaited" in str(w.message)]
     await node.store.close()
+
+
+@pytest.mark.parametrize("policy_kind", ["qos", "strict"])
+async def test_an_engine_node_keeps_slots_for_its_top_levels_expected_arrivals(
+    redis_server, prefix, policy_kind
+):
+    """Under qos a node keeps free, over its own runs, the slots its top-level
+    arrivals are expected to need before those runs end (core.arrivals_hold),
+    which its claims add to the reserve; strict keeps none. The backend's
+    report that a slot is free counts before the run's end reaches the node."""
+    report = {"free": 6}
+
+    class EightSlots(SimBackend):
+        def capacity(self) -> BackendCapacity:
+            return BackendCapacity(report["free"], 1 << 30, None, 8)
+
+    policy = make_policy(redis_server.url, prefix, scheduler={"policy": policy_kind},
+                         max_queue_wait_ms=300)  # fmt: skip
+    assert policy.fleet is not None
+    node = EngineNode(policy, policy.fleet.model_copy(update={"node_id": "e0", "role": "engine"}),
+                      EightSlots(policy.backend))  # fmt: skip
+    try:
+        now = asyncio.get_running_loop().time()
+        node._started.update({"a": now - 2.0, "b": now - 2.0})
+        if policy_kind == "strict":
+            assert node._arrivals_hold is None and node._held_for_arrivals() == 0
+            return
+        hold = node._arrivals_hold
+        assert hold is not None
+        assert node._held_for_arrivals() == 0  # nothing measured yet
+        for i in range(50):  # top-level work at 5 a second, each run held 6 s
+            hold.arrived(now - 10.0 + 0.2 * i)
+            hold.ended(now - 10.0 + 0.2 * i, now - 16.0 + 0.2 * i)
+        # The two runs end in 4 s: more arrivals come by then than half the
+        # node's 8 slots, the most kept by default.
+        assert expected_arrivals(5.0, 4.0 - 0.3) > 4
+        assert node._held_for_arrivals() == 4
+        # The backend says both runs' slots are free already: no end is
+        # ahead to wait for, and one slot is kept for an arrival now.
+        report["free"] = 8
+        assert node._held_for_arrivals() == 1
+    finally:
+        await node.store.close()
 
 
 @pytest.mark.parametrize(("policy_kind", "held"), [("qos", 3), ("strict", 3), ("fcfs", 0)])
