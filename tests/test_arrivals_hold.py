@@ -72,5 +72,8 @@ def test_the_estimates_and_the_cap():
     # It reports 8 free of 12: 4 of the 8 running have left it already.
     assert hold.slots(NOW, starts[4:], BUDGET, free_slots=8, backend_slots=12) == \
         hold.slots(NOW, starts, BUDGET, free_slots=8, backend_slots=12)
+    # It reports all 16 free: the 8 runs have left it, none ends ahead, and
+    # one slot is kept for an arrival now.
+    assert hold.slots(NOW, starts, BUDGET, free_slots=16, backend_slots=16) == 1
     assert ArrivalsHold(max_share=0.0).slots(NOW, starts, BUDGET, **room) == 0
     assert math.isclose(expected_arrivals(0.0, 5.0), 1.0)

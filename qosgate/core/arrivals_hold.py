@@ -21,8 +21,8 @@ and one request), the slots kept are
     hold = max over t >= now of  A(t - now) - n(t + w),   at least 0,
 
 at most `max_share` of the backend's slots. Where completions come evenly,
-`n` outruns `A` within the budget and nothing is held (B3's sweep: no cell
-changes); before a gap, the slots its arrivals need are kept as the last
+`n` outruns `A` within the budget and nothing is held (B3's sweep moves
+within the seeds' noise); before a gap, the slots its arrivals need are kept as the last
 completions ahead of it come in.
 
 Sans-I/O: every method takes `now`. One node's scheduler keeps one; in fleet
@@ -36,6 +36,7 @@ import math
 from collections.abc import Collection, Iterable
 
 from qosgate.core.admission import ArrivalRate
+from qosgate.core.policy import TierParams, has_latency_objective
 
 ARRIVALS_TAU_S = 10.0
 """Time constant of the top level's arrival rate."""
@@ -46,6 +47,16 @@ SPREAD = 2.0
 """Standard deviations of a Poisson count of arrivals kept on top of its mean."""
 MARGIN = 1.0
 """Requests kept on top of that."""
+
+
+def top_budget(tiers: Iterable[TierParams]) -> float | None:
+    """`w`: the shortest queue budget of the top level's tiers with a latency
+    objective (None: the top level has none, and nothing is kept for it)."""
+    tiers = list(tiers)
+    top = min(t.priority for t in tiers)
+    return min((t.budget_s for t in tiers
+                if t.priority == top and has_latency_objective(t) and t.budget_s),
+               default=None)  # fmt: skip
 
 
 def expected_arrivals(rate: float, seconds: float) -> float:

@@ -23,7 +23,7 @@ from qosgate.core.admission import (
     predicted_wait,
     saturated,
 )
-from qosgate.core.arrivals_hold import ArrivalsHold
+from qosgate.core.arrivals_hold import ArrivalsHold, top_budget
 from qosgate.core.fairness import CountedFifoOrder, FairnessOrder, FifoOrder, VtcOrder, service
 from qosgate.core.ordering import (
     engine_priority as ordering_engine_priority,
@@ -134,8 +134,7 @@ class Scheduler:
         share = policy.arrivals_share
         self._arrivals_hold = ArrivalsHold(share) if share > 0.0 else None
         # Free slots the last round kept for the top level's expected
-        # arrivals: what it would keep, and what it left free of that.
-        self._held_for_arrivals = 0
+        # arrivals and left free (admission counts them as reserve).
         self._kept_for_arrivals = 0
 
     # -- configuration -------------------------------------------------------
@@ -181,12 +180,7 @@ class Scheduler:
             {id(q): q for q in self._queues.values()}.values(), key=lambda q: (q.priority, q.name)
         )
         self._top_level = min(self._queues[name].priority for name in policy.tiers)
-        # What an arrival at the top level may wait for a slot (core.arrivals_hold).
-        self._top_budget = min(
-            (q.budget_s for q in self._queue_list
-             if q.priority == self._top_level and has_latency_objective(q) and q.budget_s),
-            default=None,
-        )
+        self._top_budget = top_budget(policy.tiers.values())
         self._shares = any(q.min_share > 0.0 for q in self._queue_list)
 
     def _order(self, tier: TierParams, weights: dict[str, float]) -> FairnessOrder:
@@ -376,8 +370,10 @@ class Scheduler:
         wakeup: float | None = None
         blocked: TierQueue | None = None
         budget = self._prefill_budget
-        self._held_for_arrivals = self._arrivals_held(now, capacity)
-        reserve_slots = self._reserve_slots + self._held_for_arrivals
+        # Counted at the first release below the top level a round weighs:
+        # a round with none has no use for it.
+        for_arrivals: int | None = None
+        reserve_slots = self._reserve_slots
         held: list[TierQueue] = []  # tiers held back this round for the prefill budget
         paced: list[TierQueue] = []  # delay tiers held back for theirs
 
@@ -401,6 +397,9 @@ class Scheduler:
                 break
             best, level = chosen
             below_top = level > top_level
+            if below_top and for_arrivals is None:
+                for_arrivals = self._arrivals_held(now, capacity)
+                reserve_slots += for_arrivals
             if reserve_holds(level, top_level, free_slots, reserve_slots):
                 # What is left is held for top-level work.
                 blocked = best
@@ -467,7 +466,7 @@ class Scheduler:
         # slot: the backend still has room for top-level work.
         self._held_for_prefill = bool(held)
         self._paced = bool(paced)
-        self._kept_for_arrivals = min(free_slots, self._held_for_arrivals)
+        self._kept_for_arrivals = min(free_slots, for_arrivals or 0)
         self._saturated = saturated(free_slots, blocked is not None)
         self._room_slots = 0 if self._saturated else free_slots
         self._room_kv = 0 if self._saturated else free_kv

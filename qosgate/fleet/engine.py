@@ -53,9 +53,8 @@ from qosgate.backends.base import Backend, BackendError, BackendUnavailable, Chu
 from qosgate.config.models import FleetConfig, PolicyConfig
 from qosgate.config.scheduling import scheduling_policy
 from qosgate.core.admission import DEFAULT_DRAIN_RATE, DrainRateEstimator, saturated
-from qosgate.core.arrivals_hold import ArrivalsHold
+from qosgate.core.arrivals_hold import ArrivalsHold, top_budget
 from qosgate.core.ordering import may_preempt, preemption_victim
-from qosgate.core.policy import has_latency_objective
 from qosgate.observability.otel import Tracing
 from qosgate.quotas import QuotaStore, QuotaStoreError, build_store
 from qosgate.runtime.errors import WorkQueueError
@@ -127,11 +126,7 @@ class EngineNode:
         share = rules.arrivals_share
         self._arrivals_hold = ArrivalsHold(share) if share > 0.0 else None
         self._top_level = min(t.priority for t in rules.tiers.values())
-        self._top_budget = min(
-            (t.budget_s for t in rules.tiers.values()
-             if t.priority == self._top_level and has_latency_objective(t) and t.budget_s),
-            default=None,
-        )
+        self._top_budget = top_budget(rules.tiers.values())
         self._started: dict[str, float] = {}
         """When each run began (loop time), in the order they began."""
         # What this node completes while full, as one node measures its
