@@ -2,7 +2,8 @@
 
     make test-vllm   # once: builds .venv-vllm with vLLM's CPU build
     .venv-vllm/bin/python benchmarks/b8_upstream.py [--seqs 32 128] [--reserve SLOTS]
-                                                    [--output-sigma SIGMA] [--json ...]
+                                                    [--output-sigma SIGMA] [--override JSON]
+                                                    [--upstream JSON] [--json ...]
 
 For each `max_num_seqs` the server is started with (B8 upstream in benchmarks/RESULTS.md):
 
@@ -44,6 +45,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
+from b3_sweep import merged  # noqa: E402
 from b8_vllm import (  # noqa: E402
     _ms, bench, cpu_model, free_port, model_folder, print_tiers, start_gateway, stop, summary,
     wait_until_ready,
@@ -70,12 +72,13 @@ def start_server(model: str, seqs: int, tmp: Path) -> tuple[subprocess.Popen, st
     return proc, base + "/v1", " ".join(shlex.quote(a) for a in argv[1:])
 
 
-def start_qosgate(upstream: str, tmp: Path, seqs: int,
-                  reserve: int) -> tuple[subprocess.Popen, str, Path]:  # fmt: skip
+def start_qosgate(upstream: str, tmp: Path, seqs: int, reserve: int, override: dict[str, Any],
+                  settings: dict[str, Any]) -> tuple[subprocess.Popen, str, Path]:  # fmt: skip
     policy = yaml.safe_load((HERE / "b8_policy.yaml").read_text())
-    policy["backend"] = {"kind": "openai", "upstreams": [{"url": upstream}]}
+    policy["backend"] = {"kind": "openai", "upstreams": [{**settings, "url": upstream}]}
     if reserve:
         policy["scheduler"]["reserve"] = {"slots": reserve}
+    policy = merged(policy, override)
     path = tmp / f"b8u_policy_{seqs}.yaml"
     path.write_text(yaml.safe_dump(policy, sort_keys=False))
     log = tmp / f"qosgate-{seqs}.log"
@@ -111,7 +114,8 @@ def served_rps(result: dict[str, Any]) -> float:
 
 
 def run_seqs(model: str, seqs: int, tmp: Path, reserve: int = 0,
-             output_sigma: float = 0.0) -> dict[str, Any]:
+             output_sigma: float = 0.0, override: dict[str, Any] | None = None,
+             settings: dict[str, Any] | None = None) -> dict[str, Any]:
     print(f"B8 upstream: vllm serve, max_num_seqs {seqs}", file=sys.stderr, flush=True)
     proc, url, server_cmd = start_server(model, seqs, tmp)
     try:
@@ -139,7 +143,8 @@ def run_seqs(model: str, seqs: int, tmp: Path, reserve: int = 0,
             rate = round(2.0 * served, 3)
             overload, direct, served = alone(rate)
         print(f"B8 upstream: qosgate in front of it ({rate} req/s)", file=sys.stderr, flush=True)
-        gate, gate_url, gate_log = start_qosgate(url, tmp, seqs, reserve)
+        gate, gate_url, gate_log = start_qosgate(url, tmp, seqs, reserve, override or {},
+                                                 settings or {})
         try:
             gated = bench(gate_url, overload, tmp / f"qosgate-ov-{seqs}.json", "qosgate")
         finally:
@@ -153,7 +158,7 @@ def run_seqs(model: str, seqs: int, tmp: Path, reserve: int = 0,
     ratio = (q["interactive_ttft_p99_s"] / d["interactive_ttft_p99_s"]
              if q["interactive_ttft_p99_s"] and d["interactive_ttft_p99_s"] else None)  # fmt: skip
     return {"max_num_seqs": seqs, "reserve_slots": reserve, "output_sigma": output_sigma,
-            "server": server_cmd,
+            "override": override or {}, "upstream": settings or {}, "server": server_cmd,
             "served_alone_rps": served, "direct": d, "qosgate": q,
             "interactive_ttft_p99_ratio": ratio, "gateway_log": log_lines,
             "raw": {"direct": direct, "qosgate": gated}}  # fmt: skip
@@ -169,8 +174,18 @@ def main() -> int:
     parser.add_argument("--output-sigma", type=float, default=0.0, metavar="SIGMA",
                         help="the answers' lengths: log-normal about 64 tokens with this "
                              "sigma, up to 256 (default 0: every answer 64 tokens, as B8)")
+    parser.add_argument("--override", type=json.loads, default={}, metavar="JSON",
+                        help="merged into the gateway's policy, key by key (an experiment "
+                             "on one setting, e.g. '{\"scheduler\": {\"prefill_budget_tokens\": 4096}}')")
     parser.add_argument("--json", default=str(HERE / "results" / "b8_upstream.json"))
+    parser.add_argument("--upstream", type=json.loads, default={}, metavar="JSON",
+                        help="settings of the gateway's one upstream besides its url, e.g. "
+                             "'{\"step_tokens\": 2048}' (default: none, every one at its default)")
     args = parser.parse_args()
+    if not isinstance(args.override, dict):
+        parser.error("--override must be a JSON object")
+    if not isinstance(args.upstream, dict):
+        parser.error("--upstream must be a JSON object")
     if args.reserve < 0:
         parser.error("--reserve must be 0 or more")
     if not 0.0 <= args.output_sigma <= 2.0:
@@ -182,7 +197,8 @@ def main() -> int:
         tmp = Path(tmp_name)
         model = model_folder(args.model, tmp)
         for seqs in args.seqs:
-            runs.append(run_seqs(model, seqs, tmp, args.reserve, args.output_sigma))
+            runs.append(run_seqs(model, seqs, tmp, args.reserve, args.output_sigma,
+                                 args.override, args.upstream))
     print("\nB8 upstream: qosgate in front of vllm serve "
           f"(CPU build, tiny model; {os.cpu_count()} CPUs, {cpu_model()})\n")
     ok = True

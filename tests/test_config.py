@@ -391,8 +391,13 @@ def test_validate_good_file_prints_summary(capsys: pytest.CaptureFixture[str]) -
      "prefill budget auto (2048 tokens: 4 steps of 512)"),
     ({"kind": "vllm", "model": "m"},
      "prefill budget auto (4 steps of the engine's max_num_batched_tokens, read once it is up)"),
+    ({"kind": "sim", "max_num_batched_tokens": 512, "scheduling_policy": "fcfs"},
+     "prefill budget auto (512 tokens: 1 step of 512)"),
+    ({"kind": "vllm", "model": "m", "engine_args": {"scheduling_policy": "fcfs"}},
+     "prefill budget auto (1 step of the engine's max_num_batched_tokens, read once it is up)"),
     ({"kind": "openai", "upstreams": [{"url": "http://u:8000"}]},
-     "prefill budget auto (off: the engine's tokens per step are not known here)"),
+     "prefill budget auto (1 step of the upstreams' engines, learned from their vLLM metrics; "
+     "off while none has reported a step)"),
 ])  # fmt: skip
 def test_validate_says_what_the_automatic_prefill_budget_comes_to(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], backend: dict, says: str
@@ -668,3 +673,30 @@ def test_the_automatic_prefill_budget_is_four_of_the_engines_steps():
         {"url": "http://127.0.0.1:9/v1"}]})) is None
     with pytest.raises(ValidationError, match="prefill_budget_tokens"):
         policy({"prefill_budget_tokens": "lots"})
+
+
+def test_the_automatic_prefill_budget_is_one_step_where_the_engine_takes_its_queue_in_order():
+    """A top-level prompt waits behind every prompt sent before it in an
+    engine that may take its queue first come, first served (an upstream
+    server, an fcfs engine): one step of them, not four."""
+    from qosgate.config.scheduling import backend_in_order, scheduling_policy
+
+    def policy(backend: dict | None = None, **scheduler: object) -> PolicyConfig:
+        return PolicyConfig.model_validate({
+            "tiers": {"t": {"priority": 0}}, "scheduler": scheduler,
+            **({"backend": backend} if backend else {})})
+
+    rules = scheduling_policy(policy(), step_tokens=2048, in_order=True)
+    assert (rules.prefill_budget_tokens, rules.delay_prefill_tokens) == (2048, 2048)
+    # A number is a number, and unknown is none, in any order.
+    assert scheduling_policy(policy(prefill_budget_tokens=1000), step_tokens=2048,
+                             in_order=True).prefill_budget_tokens == 1000
+    assert scheduling_policy(policy(), in_order=True).prefill_budget_tokens is None
+    # Which backends' engines may: as each backend says of itself when it runs.
+    assert backend_in_order(policy({"kind": "openai", "upstreams": [
+        {"url": "http://127.0.0.1:9/v1"}]}))
+    assert not backend_in_order(policy({"kind": "sim"}))
+    assert backend_in_order(policy({"kind": "sim", "scheduling_policy": "fcfs"}))
+    assert not backend_in_order(policy({"kind": "vllm", "model": "m"}))
+    assert backend_in_order(policy({"kind": "vllm", "model": "m", "engine_args": {
+        "scheduling_policy": "fcfs"}}))

@@ -45,16 +45,48 @@ vllm:e2e_request_latency_seconds_count{engine="0",model_name="tiny"} 1.0
 
 
 def test_a_vllm_page_reads_as_its_engines_summed():
-    assert _engine_report(VLLM_PAGE) == (32, 3, 0.5, None)
+    assert _engine_report(VLLM_PAGE) == (32, 3, 0.5, None, None)
     # vLLM before 0.10 named KV usage for the GPU; a page without it is still read.
     old = VLLM_PAGE.replace("kv_cache_usage_perc", "gpu_cache_usage_perc")
-    assert _engine_report(old) == (32, 3, 0.5, None)
+    assert _engine_report(old) == (32, 3, 0.5, None, None)
     no_kv = "\n".join(line for line in VLLM_PAGE.splitlines() if "kv_cache" not in line)
-    assert _engine_report(no_kv) == (32, 3, None, None)
+    assert _engine_report(no_kv) == (32, 3, None, None, None)
     # The server's process start time, which a restart moves.
     started = VLLM_PAGE + "# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds 1.7e+09\n"
-    assert _engine_report(started) == (32, 3, 0.5, 1.7e9)
-    assert _engine_report(started.replace("1.7e+09", "NaN")) == (32, 3, 0.5, None)
+    assert _engine_report(started) == (32, 3, 0.5, 1.7e9, None)
+    assert _engine_report(started.replace("1.7e+09", "NaN")) == (32, 3, 0.5, None, None)
+
+
+def steps_page(*engines: dict[str, float]) -> str:
+    """VLLM_PAGE with a tokens-per-step histogram per engine (cumulative
+    counts by bound), among the other histograms' buckets."""
+    lines = ["# TYPE vllm:iteration_tokens_total histogram"]
+    for engine, buckets in enumerate(engines):
+        for bound, count in buckets.items():
+            lines.append(f'vllm:iteration_tokens_total_bucket{{engine="{engine}",le="{bound}",'
+                         f'model_name="tiny"}} {count}')
+        lines.append(f'vllm:iteration_tokens_total_count{{engine="{engine}",model_name="tiny"}} '
+                     f'{buckets.get("+Inf", 0.0)}')
+    return VLLM_PAGE + "\n".join(lines) + "\n"
+
+
+def test_the_largest_step_is_read_from_the_tokens_per_step_histogram():
+    """vLLM counts the tokens of each engine step in power-of-two buckets,
+    which its step budgets (max_num_batched_tokens) are too: the smallest
+    bound that holds every step is the budget, once a step has filled it."""
+    up_to = lambda *counts: dict(zip(  # noqa: E731
+        ("1.0", "8.0", "512.0", "1024.0", "2048.0", "16384.0", "+Inf"), counts))
+    # Steps of up to 2048 tokens (one engine), and of up to 1024 (the other).
+    page = steps_page(up_to(0, 4, 9, 9, 12, 12, 12), up_to(1, 3, 5, 7, 7, 7, 7))
+    assert _engine_report(page).step == 2048
+    # Only decodes so far: steps of at most 8 tokens.
+    assert _engine_report(steps_page(up_to(2, 6, 6, 6, 6, 6, 6))).step == 8
+    # No step yet: every bucket 0, so unknown.
+    assert _engine_report(steps_page(up_to(0, 0, 0, 0, 0, 0, 0))).step is None
+    # A step past the last finite bound: how large is not known.
+    assert _engine_report(steps_page(up_to(0, 0, 1, 1, 1, 1, 2))).step is None
+    # A server that does not show the histogram.
+    assert _engine_report(VLLM_PAGE).step is None
 
 
 @pytest.mark.parametrize("page", [
@@ -568,3 +600,92 @@ async def test_a_request_handed_over_before_the_room_shrank_is_still_sent(bound)
     finally:
         await backend.close()
         await engine.stop()
+
+
+async def test_an_automatic_prefill_budget_is_one_step_of_the_upstreams_engine():
+    """An upstream's own queue may be first come, first served (vLLM's
+    default scheduling), where a top-level prompt waits behind every prompt
+    sent before it: `auto` there is one of its engine's steps, which its
+    metrics show once a step has filled it, counted as the gateway counts
+    prompts. Here the engine counts each prompt as 10 times the gateway's
+    estimate, as a model's tokenizer can an estimate made without it."""
+    engine = EngineUpstream(slots=8, models=(MODEL,))
+    engine.turns = None
+    counted = OpenAIBackend(OpenAIBackendConfig(upstreams=[{"url": "http://127.0.0.1:9/v1"}]))
+    engine.prompt_tokens = 10 * counted.count_prompt_tokens("completions", {"prompt": "hello"})
+    await engine.start()
+    backend = OpenAIBackend(OpenAIBackendConfig(
+        upstreams=[{"url": engine.url}], health_interval_s=3600.0, metrics_interval_s=3600.0,
+    ))  # fmt: skip
+    try:
+        async with asyncio.timeout(LIMIT_S), live_app(backend=backend) as live, \
+                aiohttp.ClientSession() as http:  # fmt: skip
+            rules = lambda: live.gateway.scheduler.policy  # noqa: E731 - replaced on a change
+            # No step taken yet (the histogram is empty): no budget.
+            assert backend.step_tokens is None
+            assert rules().prefill_budget_tokens is None
+            # Decodes alone so far: steps of up to 8 tokens.
+            engine.steps = {"1.0": 0.0, "8.0": 3.0, "1024.0": 3.0, "2048.0": 3.0,
+                            "16384.0": 3.0, "+Inf": 3.0}
+            await backend._read_all_metrics()
+            assert backend.step_tokens == 8
+            # A step filled the engine's budget of 2048; nothing answered yet,
+            # so the upstream's count is taken for the gateway's.
+            engine.steps = {"1.0": 0.0, "8.0": 3.0, "1024.0": 5.0, "2048.0": 9.0,
+                            "16384.0": 9.0, "+Inf": 9.0}
+            await backend._read_all_metrics()
+            assert backend.step_tokens == 2048
+            await stream(http, live.url, BOB_KEY, "hello")  # wakes the dispatcher
+            assert rules().prefill_budget_tokens == 2048
+            assert rules().delay_prefill_tokens == 2048
+            # Its usage said 10 tokens for each counted here.
+            await backend._read_all_metrics()
+            assert backend.step_tokens == 205
+            await stream(http, live.url, BOB_KEY, "hello")
+            assert rules().prefill_budget_tokens == 205
+            # A change of less than an eighth is not a new budget.
+            engine.prompt_tokens = engine.prompt_tokens * 11 // 10
+            for _ in range(5):
+                await stream(http, live.url, BOB_KEY, "hello")
+            await backend._read_all_metrics()
+            assert backend.step_tokens == 205
+            # A restarted server's step is learned again: none until it takes one.
+            engine.started_at = 1.0
+            await backend._read_all_metrics()
+            engine.started_at, engine.steps = 2.0, {}
+            await backend._read_all_metrics()
+            assert backend.step_tokens is None
+            await stream(http, live.url, BOB_KEY, "hello")
+            assert rules().prefill_budget_tokens is None
+    finally:
+        await engine.stop()
+
+
+async def test_an_upstreams_step_given_in_the_policy_is_taken_over_its_metrics():
+    """`step_tokens` states the engine's step (what its metrics give only an
+    upper bound of), in its tokenizer's count: converted to the gateway's by
+    the usage its answers carry, and summed over the healthy upstreams."""
+    engine = EngineUpstream(slots=8, models=(MODEL,))
+    engine.turns = None
+    engine.steps = {"1.0": 0.0, "8.0": 3.0, "1024.0": 5.0, "2048.0": 7.0,
+                    "16384.0": 9.0, "+Inf": 9.0}  # a step counted past 2048
+    plain = FakeUpstream("plain")
+    await engine.start()
+    await plain.start()
+    backend = OpenAIBackend(OpenAIBackendConfig(
+        upstreams=[{"url": engine.url, "step_tokens": 2048},
+                   {"url": plain.url, "step_tokens": 1024, "learn_room": False}],
+        health_interval_s=3600.0, metrics_interval_s=3600.0,
+    ))  # fmt: skip
+    try:
+        await backend.start()
+        assert backend.step_tokens == 2048 + 1024
+        engine.prompt_tokens = plain.prompt_tokens = 4 * job(0).prompt_tokens
+        for _ in range(4):
+            await run(backend, job(0))
+        await backend._read_all_metrics()
+        assert backend.step_tokens == (2048 + 1024) // 4
+    finally:
+        await backend.close()
+        await engine.stop()
+        await plain.stop()

@@ -752,8 +752,14 @@ class LearnsItsStep(FakeBackend):
         return self.step
 
 
-async def test_an_engine_that_learns_its_step_once_up_gets_its_automatic_prefill_budget() -> None:
+@pytest.mark.parametrize(("in_order", "budget"), [(False, 1024), (True, 256)])
+async def test_an_engine_that_learns_its_step_once_up_gets_its_automatic_prefill_budget(
+    in_order: bool, budget: int,
+) -> None:
+    """Four of its steps; one where its engine may take its queue in arrival
+    order (an upstream server, which learns its step from its metrics)."""
     backend = LearnsItsStep()
+    backend.arrival_order_queue = in_order
     gw = await started_gateway(backend)
     try:
         assert gw.scheduler.policy.prefill_budget_tokens is None
@@ -762,8 +768,8 @@ async def test_an_engine_that_learns_its_step_once_up_gets_its_automatic_prefill
         stream = submit(gw, "silver")
         consumer = Consumer(stream)
         assert await backend.started.get() == stream.request.id
-        assert gw.scheduler.policy.prefill_budget_tokens == 1024
-        assert gw.scheduler.policy.delay_prefill_tokens == 1024
+        assert gw.scheduler.policy.prefill_budget_tokens == budget
+        assert gw.scheduler.policy.delay_prefill_tokens == budget
         backend.finish(stream.request.id)
         await consumer.task
     finally:
@@ -796,3 +802,7 @@ async def test_the_gateway_counts_an_automatic_prefill_budget_in_its_engines_ste
     assert Gateway(make_policy(), sim).scheduler.policy.prefill_budget_tokens == 1024
     assert Gateway(make_policy(prefill_budget_tokens=None),
                    sim).scheduler.policy.prefill_budget_tokens is None
+    # A simulated engine that takes its queue first come, first served: one step.
+    fcfs = SimBackend(SimBackendConfig(speed=1000, max_num_batched_tokens=256,
+                                       scheduling_policy="fcfs"))
+    assert Gateway(auto, fcfs).scheduler.policy.prefill_budget_tokens == 256

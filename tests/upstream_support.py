@@ -46,6 +46,8 @@ class FakeUpstream:
         self.hangups = 0
         """Requests to hang up on before answering again, whatever the mode."""
         self.send_usage = True
+        self.prompt_tokens = 5
+        """The prompt tokens its usage reports."""
         self.completion_tokens: int | None = None  # None: one per delta
         self.tokens_per_delta_usage: int | None = None  # vLLM's continuous usage stats
         self.delta_extra: dict[str, Any] = {}
@@ -193,7 +195,8 @@ class FakeUpstream:
                 }
                 if self.tokens_per_delta_usage:
                     done = self.tokens_per_delta_usage * (i + 1)
-                    event["usage"] = {"prompt_tokens": 5, "completion_tokens": done}
+                    event["usage"] = {"prompt_tokens": self.prompt_tokens,
+                                      "completion_tokens": done}
                 await send(event)
                 if i == 0 and self.mode == "hold":
                     await self.release.wait()
@@ -209,7 +212,8 @@ class FakeUpstream:
                 await send({"choices": [choice("", "stop")]})
             if self.send_usage and body.get("stream_options", {}).get("include_usage"):
                 done = self.completion_tokens or len(pieces)
-                usage = {"prompt_tokens": 5, "completion_tokens": done, "total_tokens": 5 + done}
+                usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                         "total_tokens": self.prompt_tokens + done}
                 await send({"choices": [], "usage": usage})
             await send("[DONE]")
             if self.eof_gate is not None:
@@ -249,8 +253,8 @@ class FakeUpstream:
         answer: dict[str, Any] = {"object": "x", "choices": [choice]}
         if self.send_usage:
             done = self.completion_tokens or len(pieces)
-            answer["usage"] = {"prompt_tokens": 5, "completion_tokens": done,
-                               "total_tokens": 5 + done}
+            answer["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                               "total_tokens": self.prompt_tokens + done}
         return web.json_response(answer, headers=self.answer_headers)
 
 
@@ -549,6 +553,10 @@ class EngineUpstream(FakeUpstream):
         self.turns: asyncio.Semaphore | None = asyncio.Semaphore(0)
         self.started_at: float | None = None
         """Its process start time on /metrics, as vLLM's server shows it (None: not shown)."""
+        self.steps: dict[str, float] = {}
+        """Its tokens-per-step histogram on /metrics, cumulative counts by
+        bucket bound ("+Inf" the total), as vLLM's server shows it (empty:
+        no step taken yet, every bucket 0)."""
         self._moved = asyncio.Event()
 
     def metrics_page(self) -> str | None:
@@ -567,6 +575,12 @@ class EngineUpstream(FakeUpstream):
             f"vllm:kv_cache_usage_perc{labels} {self.kv}",
             "# TYPE vllm:e2e_request_latency_seconds histogram",
             'vllm:e2e_request_latency_seconds_bucket{le="+Inf",engine="0"} 3.0',
+            "# TYPE vllm:iteration_tokens_total histogram",
+            *(f'vllm:iteration_tokens_total_bucket{{engine="0",le="{bound}",model_name="m"}} '
+              f"{self.steps.get(bound, 0.0)}"
+              for bound in ("1.0", "8.0", "1024.0", "2048.0", "16384.0", "+Inf")),
+            f'vllm:iteration_tokens_total_count{{engine="0",model_name="m"}} '
+            f'{self.steps.get("+Inf", 0.0)}',
             *([] if self.started_at is None else [
                 "# TYPE process_start_time_seconds gauge",
                 f"process_start_time_seconds {self.started_at}",

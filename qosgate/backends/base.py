@@ -225,6 +225,14 @@ class Backend:
     short. False where something downstream releases it and applies them (a
     fleet replica's backend: the engine nodes' claims do)."""
 
+    arrival_order_queue: bool = False
+    """Whether its engine may take the requests waiting in its own queue in
+    the order they came, whatever priority they carry (an upstream server; a
+    vllm or simulated engine with `scheduling_policy: fcfs`). A top-level
+    prompt then waits behind every prompt sent before it, so an automatic
+    prefill budget is one of its steps instead of four
+    (config.scheduling.prefill_budget)."""
+
     def hold_room(self, slots: int) -> None:
         """The gateway keeps `slots` of the free slots `capacity` reports for
         top-level work alone (the scheduler's reserve), so that other work

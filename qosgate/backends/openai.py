@@ -89,7 +89,10 @@ _WAITING = "vllm:num_requests_waiting"
 _KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 """KV usage, 0 to 1 (the second: vLLM's name before 0.10)."""
 _STARTED = "process_start_time_seconds"
-_ROOM_METRICS = frozenset((_RUNNING, _WAITING, *_KV_USAGE, _STARTED))
+_STEP_TOKENS = "vllm:iteration_tokens_total_bucket"
+"""vLLM's histogram of the tokens each engine step took (its buckets powers
+of two up to 16384 by default, which its step budgets are too)."""
+_ROOM_METRICS = frozenset((_RUNNING, _WAITING, *_KV_USAGE, _STARTED, _STEP_TOKENS))
 
 
 class _EngineReport(NamedTuple):
@@ -98,12 +101,32 @@ class _EngineReport(NamedTuple):
     kv: float | None
     started: float | None
     """When its server's process started (None: the page does not say)."""
+    step: int | None = None
+    """The tokens its engine's steps have taken at most, to the bucket
+    (`_largest_step`; None: unknown)."""
+
+
+def _largest_step(buckets: dict[float, float]) -> int | None:
+    """From a tokens-per-step histogram's cumulative buckets (bound: count,
+    summed over engines), the smallest finite bound that holds every step
+    counted: the largest step rounded up to its bucket, which for vLLM's
+    power-of-two buckets and step budgets is the budget itself once a step
+    has filled it. None when no step is counted, or one is past the last
+    finite bound."""
+    total = buckets.get(math.inf, 0.0)
+    if total <= 0.0:
+        return None
+    for bound in sorted(b for b in buckets if math.isfinite(b)):
+        if buckets[bound] >= total:
+            return max(1, int(bound))
+    return None
 
 
 def _engine_report(text: str) -> _EngineReport | None:
     """Running and waiting requests summed over the engines a vLLM metrics
-    page reports, KV usage (the fullest) and when the server started; None if
-    it reports no running and waiting requests (not vLLM)."""
+    page reports, KV usage (the fullest), when the server started and the
+    largest step its engines took; None if it reports no running and waiting
+    requests (not vLLM)."""
     # Only the lines of the few samples read are parsed: a vLLM page holds
     # hundreds of histogram buckets, read several times a second.
     wanted = "\n".join(
@@ -111,9 +134,15 @@ def _engine_report(text: str) -> _EngineReport | None:
         if line.split("{", 1)[0].split(" ", 1)[0] in _ROOM_METRICS
     )  # fmt: skip
     values: dict[str, list[float]] = {}
+    steps: dict[float, float] = {}
     try:
         for family in text_string_to_metric_families(wanted + "\n"):
             for sample in family.samples:
+                if sample.name == _STEP_TOKENS:
+                    bound = float(sample.labels.get("le", "nan"))
+                    if not math.isnan(bound) and math.isfinite(sample.value):
+                        steps[bound] = steps.get(bound, 0.0) + sample.value
+                    continue
                 values.setdefault(sample.name, []).append(sample.value)
     except ValueError:
         return None
@@ -125,7 +154,7 @@ def _engine_report(text: str) -> _EngineReport | None:
         return None
     started = values.get(_STARTED, [math.nan])[0]
     return _EngineReport(int(running), int(waiting), kv,
-                         started if math.isfinite(started) else None)
+                         started if math.isfinite(started) else None, _largest_step(steps))
 
 
 class _Room:
@@ -187,7 +216,7 @@ class _Room:
 class _Upstream:
     __slots__ = ("cfg", "headers", "healthy", "in_flight", "index", "metrics_failing",
                  "metrics_url", "priority_ok", "reports", "room", "said_held", "started",
-                 "url", "weight")  # fmt: skip
+                 "step", "url", "weight")  # fmt: skip
 
     def __init__(self, cfg: UpstreamConfig, index: int) -> None:
         self.cfg = cfg
@@ -210,10 +239,13 @@ class _Upstream:
         """Whether its last metrics read failed (and the log has said so)."""
         self.started: float | None = None
         """When its server's process started, as its metrics last said."""
+        self.step: int | None = None
+        """The tokens its engine takes per step, as its metrics last said (None: unknown)."""
 
     def learn_again(self) -> None:
         """It may be another server now (restarted, other settings): whether
-        it reports, and its room, are learned from the start."""
+        it reports, its room and its step are learned from the start."""
+        self.step = None
         if self.cfg.learn_room:
             self.reports = None
             self.room = _Room(self.room.bound, self.room.high_water)
@@ -386,6 +418,11 @@ class OpenAIBackend(Backend):
         self._whole_timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
         self._health_timeout = aiohttp.ClientTimeout(total=min(cfg.timeout_s, _HEALTH_TIMEOUT_S))
         self._count: Callable[[str, dict[str, Any]], int] = estimate_prompt_tokens
+        # Prompt tokens as counted here and as the upstreams counted them
+        # (usage), decayed sums: the unit an upstream's step is converted to.
+        self._counted_prompts = 0.0
+        self._reported_prompts = 0.0
+        self._step_tokens: int | None = None
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -478,6 +515,50 @@ class OpenAIBackend(Backend):
         except Exception:
             # A failing listener must not turn a finished request into a failed one.
             log.exception("capacity listener failed")
+
+    # An upstream's queue may be taken first come, first served (vLLM's
+    # default scheduling takes a `priority` and ignores it), so what it was
+    # sent before a top-level prompt is prefilled before it.
+    arrival_order_queue = True
+
+    @property
+    def step_tokens(self) -> int | None:
+        """The healthy upstreams' engine steps summed (each its `step_tokens`,
+        or else learned from its vLLM metrics as an upper bound,
+        `_largest_step`), in this gateway's count of prompt tokens: converted
+        by how the upstreams counted the prompts they were sent (usage)
+        against how they were counted here, which for an estimate without the
+        model's tokenizer can be several times apart. None while no upstream
+        has one."""
+        return self._step_tokens
+
+    def _saw_usage(self, job: GenerationJob, usage: dict[str, int]) -> None:
+        reported = usage.get("prompt_tokens")
+        if not isinstance(reported, int) or reported <= 0 or job.prompt_tokens <= 0:
+            return
+        # Recent prompts weigh most: the mix of prompts can change.
+        self._counted_prompts = _USAGE_DECAY * self._counted_prompts + job.prompt_tokens
+        self._reported_prompts = _USAGE_DECAY * self._reported_prompts + reported
+
+    def _learn_step(self) -> None:
+        """Resolves `step_tokens` again after a round of metrics; a change of
+        less than an eighth is kept out, so that a budget counted in it is
+        not recomputed at every report. The listener hears of a change: the
+        gateway resolves an automatic prefill budget again then."""
+        steps = [u.cfg.step_tokens or u.step for u in self._upstreams
+                 if u.healthy and (u.cfg.step_tokens or u.step)]  # fmt: skip
+        step: int | None = None
+        if steps:
+            scale = (self._counted_prompts / self._reported_prompts
+                     if self._reported_prompts > 0.0 else 1.0)  # fmt: skip
+            step = max(1, round(sum(steps) * scale))
+        current = self._step_tokens
+        if step == current or (step is not None and current is not None
+                               and abs(step - current) * 8 <= current):  # fmt: skip
+            return
+        self._step_tokens = step
+        log.info("upstream engines' step: %s prompt tokens as counted here", step)
+        self._notify()
 
     # -- tokens ------------------------------------------------------------
 
@@ -635,6 +716,8 @@ class OpenAIBackend(Backend):
                 )
                 # Read to its end: the connection can go back to the pool.
                 finished = True
+                if whole.usage is not None:
+                    self._saw_usage(job, whole.usage)
                 yield whole
                 return
             # Whatever has arrived is parsed in one go rather than awaited line
@@ -655,7 +738,10 @@ class OpenAIBackend(Backend):
             # and every request would pay for a new one.
             finished = events.error is None and await _read_to_eof(content)
             while events.ready:
-                yield events.ready.popleft()
+                chunk = events.ready.popleft()
+                if chunk.usage is not None:
+                    self._saw_usage(job, chunk.usage)
+                yield chunk
             if events.error is not None:
                 raise events.error
         except Exception as exc:
@@ -840,6 +926,7 @@ class OpenAIBackend(Backend):
         try:
             await asyncio.gather(*(self._read_metrics(u) for u in self._upstreams
                                    if u.healthy and u.reports is not False))  # fmt: skip
+            self._learn_step()
         except Exception:
             log.exception("metrics round failed")
         finally:
@@ -905,6 +992,7 @@ class OpenAIBackend(Backend):
         if not upstream.reports:
             upstream.reports = True
             log.info("upstream %s: room learned from %s", upstream.url, upstream.metrics_url)
+        upstream.step = report.step
         before = upstream.limit
         # Counted when the page came: what was sent while it was on its way
         # is not in it, and is not taken for another client's.
@@ -922,6 +1010,9 @@ class OpenAIBackend(Backend):
         if upstream.limit > before and upstream.in_flight < upstream.limit:
             self._notify()
 
+
+_USAGE_DECAY = 0.99
+"""Weight each prompt's count keeps per prompt counted after it (`_saw_usage`)."""
 
 _IDLE_CONNECTION_S = 4.0
 """How long an idle connection to an upstream is kept for the next request."""

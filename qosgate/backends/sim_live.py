@@ -134,6 +134,10 @@ class SimBackend(Backend):
     def step_tokens(self) -> int:
         return self.engine.max_num_batched_tokens
 
+    @property
+    def arrival_order_queue(self) -> bool:  # type: ignore[override]
+        return self.engine.scheduling_policy == "fcfs"
+
     # -- lifecycle -----------------------------------------------------------
 
     async def start(self) -> None:

@@ -156,6 +156,10 @@ class VllmBackend(Backend):
     def step_tokens(self) -> int | None:
         return self._step_tokens
 
+    @property
+    def arrival_order_queue(self) -> bool:  # type: ignore[override]
+        return not self._takes_priority
+
     def engine_args(self) -> dict[str, Any]:
         """The engine arguments: the policy's, over qosgate's defaults."""
         return {**ENGINE_DEFAULTS, **self.cfg.engine_args, "model": self.cfg.model}

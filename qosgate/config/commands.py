@@ -17,7 +17,13 @@ from qosgate.config.models import (
     TierConfig,
     VllmBackendConfig,
 )
-from qosgate.config.scheduling import PREFILL_BUDGET_STEPS, backend_step_tokens, prefill_budget
+from qosgate.config.scheduling import (
+    PREFILL_BUDGET_STEPS,
+    PREFILL_BUDGET_STEPS_IN_ORDER,
+    backend_in_order,
+    backend_step_tokens,
+    prefill_budget,
+)
 from qosgate.core.policy import has_latency_objective
 
 EXIT_OK = 0
@@ -68,14 +74,19 @@ def _prefill_budget(policy: PolicyConfig, setting: int | str | None) -> str:
         return "off"
     if setting != "auto":
         return f"{setting} tokens"
+    in_order = backend_in_order(policy)
+    steps = PREFILL_BUDGET_STEPS_IN_ORDER if in_order else PREFILL_BUDGET_STEPS
+    what = f"{steps} step{'s' if steps > 1 else ''}"
+    if isinstance(policy.backend, OpenAIBackendConfig):
+        return (f"auto ({what} of the upstreams' engines, learned from their vLLM metrics; "
+                "off while none has reported a step)")
     step = backend_step_tokens(policy)
-    budget = prefill_budget(setting, step)
+    budget = prefill_budget(setting, step, in_order=in_order)
     if budget is None and isinstance(policy.backend, VllmBackendConfig):
-        return (f"auto ({PREFILL_BUDGET_STEPS} steps of the engine's max_num_batched_tokens, "
-                "read once it is up)")
+        return f"auto ({what} of the engine's max_num_batched_tokens, read once it is up)"
     if budget is None:
         return "auto (off: the engine's tokens per step are not known here)"
-    return f"auto ({budget} tokens: {PREFILL_BUDGET_STEPS} steps of {step})"
+    return f"auto ({budget} tokens: {what} of {step})"
 
 
 def policy_warnings(policy: PolicyConfig) -> list[str]:

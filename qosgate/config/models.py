@@ -422,10 +422,8 @@ class SchedulerConfig(StrictModel):
     """Prompt tokens handed to the backend and not yet past their prefill beyond
     which tiers without a latency objective (delay tiers) are held back, so
     that their long prompts, released into a lull, do not queue up in the
-    engine ahead of what comes next (qos and strict). auto (the default): four
-    of the engine's steps (4 x max_num_batched_tokens) where qosgate knows
-    them (the sim; a vllm backend whose engine_args set it), else no limit;
-    null: no limit."""
+    engine ahead of what comes next (qos and strict). auto (the default): as
+    for prefill_budget_tokens; null: no limit."""
     prefill_budget_tokens: Count | Literal["auto"] | None = "auto"
     """Prompt tokens handed to the backend and not yet past their prefill (no
     first token) beyond which work below the top priority is held back, so a
@@ -433,9 +431,11 @@ class SchedulerConfig(StrictModel):
     engine (qos and strict). A prompt counts until its first token is heard,
     and what is released then reaches the engine a step later at best, so
     part of the budget is always in transit or already prefilled. auto (the
-    default): four of the engine's steps (4 x max_num_batched_tokens) where
-    qosgate knows them (the sim; a vllm backend whose engine_args set it),
-    else no limit; null: no limit."""
+    default): four of the engine's steps (4 x max_num_batched_tokens), or one
+    where the engine may take its queue first come, first served (upstream
+    servers; scheduling_policy fcfs), where qosgate knows the step (the sim's;
+    a vllm engine's, once it is up; each upstream's step_tokens, or else what
+    its vLLM metrics show), else no limit; null: no limit."""
 
 
 class RateLimit(StrictModel):
@@ -610,6 +610,15 @@ class UpstreamConfig(StrictModel):
     for it once (which is retried at once without it), then not to that
     upstream; on: always; off: never. Priority 0 is vLLM's default and is
     not sent."""
+    step_tokens: Count | None = None
+    """Tokens its engine takes per step (vLLM's `--max-num-batched-tokens`:
+    by default 2048 for its OpenAI server on CPUs and most GPUs, 8192 on
+    H100/H200, 16384 on B200-class), counted by its tokenizer: the unit of an
+    automatic prefill budget in front of it. Unset: learned from its vLLM
+    metrics (the tokens-per-step histogram), which give an upper bound: a
+    prompt's prefill counts whole in the step it ends, so up to about twice
+    the step with prompts shorter than one, and the longest prompt beside
+    longer ones."""
 
 
 class OpenAIBackendConfig(StrictModel):

@@ -17,6 +17,16 @@ steps of earlier prompts, and the engine always has a step's prefill
 waiting. Two steps in all left it idling through that gap: on B3's mix
 through HTTP, 0.94x fcfs's tokens/s at 1x."""
 
+PREFILL_BUDGET_STEPS_IN_ORDER = 1
+"""The same in front of an engine that may take its queue in arrival order
+(Backend.arrival_order_queue: an upstream server, whose vLLM schedules first
+come first served by default), where a top-level prompt waits behind every
+prompt sent before it, not only behind those already in prefill: one step
+of them. In front of a 128-sequence vLLM server on 2 CPU cores at 2x its
+capacity (B8 upstream), interactive's TTFT attainment was 0.91 with one
+step, 0.68 with two and 0.53 to 0.60 with none, at the same or more
+requests/s."""
+
 
 def _tier(name: str, tier: TierConfig) -> TierParams:
     return TierParams(
@@ -46,24 +56,43 @@ def backend_step_tokens(policy: PolicyConfig) -> int | None:
     return None
 
 
-def prefill_budget(setting: int | Literal["auto"] | None, step_tokens: int | None) -> int | None:
+def backend_in_order(policy: PolicyConfig) -> bool:
+    """Whether the policy's backend may take its engine's queue in arrival
+    order (Backend.arrival_order_queue, as the running backend says it): an
+    upstream server, or an engine with `scheduling_policy: fcfs`."""
+    backend = policy.backend
+    if isinstance(backend, SimBackendConfig):
+        return backend.scheduling_policy == "fcfs"
+    if isinstance(backend, VllmBackendConfig):
+        return backend.engine_args.get("scheduling_policy", "priority") != "priority"
+    return True
+
+
+def prefill_budget(
+    setting: int | Literal["auto"] | None, step_tokens: int | None, *, in_order: bool = False
+) -> int | None:
     """A prefill budget setting (prefill_budget_tokens, delay_prefill_tokens)
     in tokens, `auto` resolved against an engine that takes `step_tokens` per
-    step (None: unknown, so no budget)."""
+    step (None: unknown, so no budget): four of its steps, or one where it may
+    take its queue in arrival order (`in_order`)."""
     if setting != "auto":
         return setting
-    return PREFILL_BUDGET_STEPS * step_tokens if step_tokens else None
+    steps = PREFILL_BUDGET_STEPS_IN_ORDER if in_order else PREFILL_BUDGET_STEPS
+    return steps * step_tokens if step_tokens else None
 
 
 def scheduling_policy(
-    policy: PolicyConfig, *, step_tokens: int | None = None, prefill_limits: bool = True
+    policy: PolicyConfig, *, step_tokens: int | None = None, prefill_limits: bool = True,
+    in_order: bool = False,
 ) -> SchedulingPolicy:
     """The core's parameters. `step_tokens`: the tokens per step of the
     engine the scheduler releases into (Backend.step_tokens; the simulator's
     engine), which an automatic prefill budget is counted in; None: unknown,
-    so `auto` sets none. Without `prefill_limits` (Backend.releases_prefill
-    False) neither the prefill budget nor the pace is set, whatever the policy
-    says: they act where work enters the engine."""
+    so `auto` sets none. `in_order`: that engine may take its own queue in
+    arrival order (Backend.arrival_order_queue), so `auto` is one step, not
+    four. Without `prefill_limits` (Backend.releases_prefill False) neither
+    the prefill budget nor the pace is set, whatever the policy says: they
+    act where work enters the engine."""
     sched = policy.scheduler
     if not prefill_limits:
         step_tokens = None
@@ -85,6 +114,8 @@ def scheduling_policy(
         w_out=sched.vtc.w_out,
         drain_rate_tau_s=sched.drain_rate_tau_s,
         initial_drain_rate=sched.initial_drain_rate,
-        prefill_budget_tokens=prefill_budget(sched.prefill_budget_tokens, step_tokens),
-        delay_prefill_tokens=prefill_budget(sched.delay_prefill_tokens, step_tokens),
+        prefill_budget_tokens=prefill_budget(sched.prefill_budget_tokens, step_tokens,
+                                             in_order=in_order),
+        delay_prefill_tokens=prefill_budget(sched.delay_prefill_tokens, step_tokens,
+                                            in_order=in_order),
     )

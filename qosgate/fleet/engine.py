@@ -297,7 +297,8 @@ class EngineNode:
         tokens per step, which a vllm engine knows once it is up; fcfs has
         neither)."""
         self._step_tokens = self.backend.step_tokens
-        rules = scheduling_policy(self._policy, step_tokens=self._step_tokens)
+        rules = scheduling_policy(self._policy, step_tokens=self._step_tokens,
+                                  in_order=self.backend.arrival_order_queue)
         self._prefill_limits = ((rules.prefill_budget_tokens, rules.delay_prefill_tokens)
                                 if rules.tiered else (None, None))  # fmt: skip
 

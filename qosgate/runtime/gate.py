@@ -99,7 +99,8 @@ class Gateway:
         backend.set_start_listener(self.observer.metrics.fleet_started)
         self._step_tokens = backend.step_tokens
         rules = scheduling_policy(policy, step_tokens=self._step_tokens,
-                                  prefill_limits=backend.releases_prefill)
+                                  prefill_limits=backend.releases_prefill,
+                                  in_order=backend.arrival_order_queue)
         self._scheduler = Scheduler(rules, drain_rate_hint=drain_rate_hint)
         backend.hold_room(rules.held_slots)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -195,7 +196,8 @@ class Gateway:
         backend = self._backend
         self._step_tokens = backend.step_tokens
         self._scheduler.reconfigure(scheduling_policy(
-            self._policy, step_tokens=self._step_tokens, prefill_limits=backend.releases_prefill))
+            self._policy, step_tokens=self._step_tokens, prefill_limits=backend.releases_prefill,
+            in_order=backend.arrival_order_queue))
 
     # -- views ---------------------------------------------------------------
 

@@ -73,7 +73,8 @@ def run_policy(
     whatever is still queued or running is cancelled (and counted as such).
     """
     engine = SimEngine.from_config(engine_cfg)
-    scheduler = Scheduler(scheduling_policy(policy, step_tokens=engine.max_num_batched_tokens),
+    scheduler = Scheduler(scheduling_policy(policy, step_tokens=engine.max_num_batched_tokens,
+                                            in_order=engine.scheduling_policy == "fcfs"),
                           drain_rate_hint=drain_rate_hint)
     by_id: dict[str, Request] = {}
     true_output: dict[str, int] = {}
