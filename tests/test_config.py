@@ -396,8 +396,12 @@ def test_validate_good_file_prints_summary(capsys: pytest.CaptureFixture[str]) -
     ({"kind": "vllm", "model": "m", "engine_args": {"scheduling_policy": "fcfs"}},
      "prefill budget auto (1 step of the engine's max_num_batched_tokens, read once it is up)"),
     ({"kind": "openai", "upstreams": [{"url": "http://u:8000"}]},
-     "prefill budget auto (1 step of the upstreams' engines, learned from their vLLM metrics; "
-     "off while none has reported a step)"),
+     "prefill budget auto (1 step of the upstreams' engines: their step_tokens, or else learned "
+     "from their vLLM metrics; off while none has one)"),
+    ({"kind": "openai", "upstreams": [{"url": "http://u:8000", "step_tokens": 2048},
+                                      {"url": "http://v:8000", "step_tokens": 8192}]},
+     "prefill budget auto (1 step of the upstreams' engines: 10240 tokens as they count them, "
+     "converted to the gateway's count by their usage)"),
 ])  # fmt: skip
 def test_validate_says_what_the_automatic_prefill_budget_comes_to(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], backend: dict, says: str

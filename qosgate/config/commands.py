@@ -78,8 +78,12 @@ def _prefill_budget(policy: PolicyConfig, setting: int | str | None) -> str:
     steps = PREFILL_BUDGET_STEPS_IN_ORDER if in_order else PREFILL_BUDGET_STEPS
     what = f"{steps} step{'s' if steps > 1 else ''}"
     if isinstance(policy.backend, OpenAIBackendConfig):
-        return (f"auto ({what} of the upstreams' engines, learned from their vLLM metrics; "
-                "off while none has reported a step)")
+        given = [u.step_tokens for u in policy.backend.upstreams if u.step_tokens]
+        if len(given) == len(policy.backend.upstreams):
+            return (f"auto ({what} of the upstreams' engines: {sum(given)} tokens as they count "
+                    "them, converted to the gateway's count by their usage)")
+        return (f"auto ({what} of the upstreams' engines: their step_tokens, or else learned "
+                "from their vLLM metrics; off while none has one)")
     step = backend_step_tokens(policy)
     budget = prefill_budget(setting, step, in_order=in_order)
     if budget is None and isinstance(policy.backend, VllmBackendConfig):

@@ -23,9 +23,10 @@ PREFILL_BUDGET_STEPS_IN_ORDER = 1
 come first served by default), where a top-level prompt waits behind every
 prompt sent before it, not only behind those already in prefill: one step
 of them. In front of a 128-sequence vLLM server on 2 CPU cores at 2x its
-capacity (B8 upstream), interactive's TTFT attainment was 0.91 with one
-step, 0.68 with two and 0.53 to 0.60 with none, at the same or more
-requests/s."""
+capacity (B8 upstream), interactive's TTFT attainment was 0.87 with one
+step, 0.68 with two and 0.54 with none; on the simulated H100 taking its
+queue in arrival order, one step costs 7% of fcfs's tokens/s at 1x and 2%
+at 4x (docs/SCHEDULING.md, "Capacity")."""
 
 
 def _tier(name: str, tier: TierConfig) -> TierParams:
