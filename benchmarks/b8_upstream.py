@@ -176,7 +176,8 @@ def main() -> int:
                              "sigma, up to 256 (default 0: every answer 64 tokens, as B8)")
     parser.add_argument("--override", type=json.loads, default={}, metavar="JSON",
                         help="merged into the gateway's policy, key by key (an experiment "
-                             "on one setting, e.g. '{\"scheduler\": {\"prefill_budget_tokens\": 4096}}')")
+                             "on one setting), e.g. "
+                             "'{\"scheduler\": {\"prefill_budget_tokens\": 4096}}'")
     parser.add_argument("--json", default=str(HERE / "results" / "b8_upstream.json"))
     parser.add_argument("--upstream", type=json.loads, default={}, metavar="JSON",
                         help="settings of the gateway's one upstream besides its url, e.g. "

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from qosgate.cli import main
 from qosgate.profiles import load_profile_file
-from tests.vllm_engine.vllm_server import SERVED, VllmServer
+from tests.vllm_engine.vllm_server import SERVED, VllmServer, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -44,13 +44,8 @@ factor either way."""
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server(tiny_model) -> AsyncIterator[VllmServer]:
-    server = VllmServer(tiny_model, max_num_seqs=MAX_SEQS, max_model_len=CONTEXT)
-    await server.start()
-    try:
-        await server.ready()
+    async with serving(tiny_model, max_num_seqs=MAX_SEQS, max_model_len=CONTEXT) as server:
         yield server
-    finally:
-        await server.stop()
 
 
 async def engine_itl(http: aiohttp.ClientSession, url: str) -> tuple[float, float]:

@@ -14,7 +14,7 @@ import pytest_asyncio
 from qosgate.backends.base import GenerationJob
 from qosgate.backends.openai import OpenAIBackend
 from qosgate.config.models import OpenAIBackendConfig
-from tests.vllm_engine.vllm_server import SERVED, VllmServer
+from tests.vllm_engine.vllm_server import SERVED, VllmServer, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -27,13 +27,8 @@ LIMIT_S = 60.0
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server(tiny_model) -> AsyncIterator[VllmServer]:
-    server = VllmServer(tiny_model, max_num_seqs=16, max_model_len=512)
-    await server.start()
-    try:
-        await server.ready()
+    async with serving(tiny_model, max_num_seqs=16, max_model_len=512) as server:
         yield server
-    finally:
-        await server.stop()
 
 
 async def run(backend: OpenAIBackend, i: int, prompt: list[int] | str) -> None:

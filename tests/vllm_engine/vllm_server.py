@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -107,3 +108,17 @@ class VllmServer:
             os.killpg(proc.pid, signal.SIGKILL)
         if self._reader is not None:
             await self._reader
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    model: str, *, max_num_seqs: int, max_model_len: int
+) -> AsyncIterator[VllmServer]:
+    """A `VllmServer` started and ready (/health answers), stopped on the way out."""
+    server = VllmServer(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    await server.start()
+    try:
+        await server.ready()
+        yield server
+    finally:
+        await server.stop()
