@@ -57,9 +57,14 @@ class Harness:
     all_requests: list[Request] = field(default_factory=list)
     plans: list[SchedulePlan] = field(default_factory=list)
     wakeup: float | None = None
+    step_tokens: int | None = None
+    """The engine's tokens per step, for an automatic prefill budget."""
+    in_order: bool = False
+    """The engine takes its queue in arrival order (Backend.arrival_order_queue)."""
 
     def __post_init__(self) -> None:
-        self.scheduler = Scheduler(scheduling_policy(self.policy), drain_rate_hint=self.drain_rate_hint)
+        rules = scheduling_policy(self.policy, step_tokens=self.step_tokens, in_order=self.in_order)
+        self.scheduler = Scheduler(rules, drain_rate_hint=self.drain_rate_hint)
         self.backend = SlotBackend(self.slots)
 
     def submit(self, req: Request):

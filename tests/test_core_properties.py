@@ -23,7 +23,7 @@ TIERS = ["interactive", "standard", "batch"]
 
 
 def make_policy(kind: str, fairness: str, preemption: bool, window_ms: float,
-                prefill_budget: int | None = None) -> PolicyConfig:
+                prefill_budget: int | str | None = None) -> PolicyConfig:
     return PolicyConfig.model_validate({
         "tiers": {
             "interactive": {"priority": 0, "max_queue_wait_ms": 400, "max_queue_len": 8,
@@ -55,15 +55,19 @@ op = st.one_of(
     preemption=st.booleans(),
     window_ms=st.sampled_from([0.0, 20.0]),
     slots=st.integers(1, 4),
-    prefill_budget=st.sampled_from([None, 300]),
+    # auto: four of the 256-token steps, or one where the engine takes its
+    # queue in arrival order.
+    prefill_budget=st.sampled_from([None, 300, "auto"]),
+    in_order=st.booleans(),
     ops=st.lists(op, min_size=1, max_size=120),
 )
 def test_every_request_ends_once_nothing_lost_capacity_held(kind, fairness, preemption,
                                                              window_ms, slots, prefill_budget,
-                                                             ops):
+                                                             in_order, ops):
     h = Harness(make_policy(kind, fairness, preemption, window_ms, prefill_budget), slots=slots,
                 service=lambda r: 0.05 + r.prompt_tokens / 1000.0,
-                output_tokens=lambda r: max(1, r.max_tokens // 2), drain_rate_hint=2000.0)
+                output_tokens=lambda r: max(1, r.max_tokens // 2), drain_rate_hint=2000.0,
+                step_tokens=256, in_order=in_order)
     seen_outcome: dict[str, Outcome] = {}
     counter = 0
 
