@@ -4,7 +4,7 @@ simulated GPU, judged by the sweep's own rules.
 
     .venv/bin/python benchmarks/b3_http.py [--loads 1,2,4] [--policies qos,strict,fcfs]
         [--mix b3|long] [--speed 1] [--duration 60] [--warmup 20] [--timeout 90] [--fleet]
-        [--seeds 1] [--seed 3] [--override JSON] [--twin-only] [--json PATH]
+        [--seeds 1] [--seed 3] [--override JSON] [--engine JSON] [--twin-only] [--json PATH]
 
 Each cell and policy starts its own gateway (or, with --fleet, a redis-server,
 --gateways replicas and --engines engine nodes, each a `qosgate serve`
@@ -301,10 +301,16 @@ def with_modelled_override(base: Scenario, override: dict[str, Any]) -> Scenario
         base, {key: value for key, value in override.items() if key in MODELLED_SECTIONS})
 
 
-def b3_scenario(override: dict[str, Any], seed: int | None = None) -> Scenario:
+def b3_scenario(override: dict[str, Any], seed: int | None = None,
+                engine: dict[str, Any] | None = None) -> Scenario:
     """B3's scenario as a run sends it: with the modelled part of `override`
-    (with_modelled_override), its seeds counted from `seed` (None: B3's)."""
+    (with_modelled_override), on `engine` merged into its engine section
+    (sweep.with_engine: the served gateway's backend and the twin's engine
+    alike, and the load unit follows it), its seeds counted from `seed`
+    (None: B3's). Raises ValueError naming the bad field."""
     base = with_modelled_override(load_scenario(sweep.SCENARIO), override)
+    if engine:
+        base = sweep.with_engine(base, engine)
     return base if seed is None else base.model_copy(update={"seed": seed})
 
 
@@ -487,6 +493,10 @@ def main(argv: list[str] | None = None) -> int:
                         "not B3: the report is not comparable with RESULTS.md's); "
                         "tiers, tenants and scheduler in the modelled GPU's time, and the "
                         "simulator twin runs with them too")
+    parser.add_argument("--engine", type=json.loads, default={},
+                        help="JSON object merged into B3's simulated engine for the gateway "
+                        "and the twin, e.g. '{\"scheduling_policy\": \"fcfs\"}' or "
+                        "'{\"max_num_seqs\": 64}' (not B3: the load unit is that engine's)")
     parser.add_argument("--seeds", type=sweep._positive, default=1,
                         help="arrival seeds per cell, from --seed on (default 1); on several, "
                         "qos against strict is judged by the paired difference over them")
@@ -505,9 +515,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"b3_http: {exc}", file=sys.stderr)
         return 2
     try:
-        base = b3_scenario(args.override, args.seed)
+        base = with_modelled_override(load_scenario(sweep.SCENARIO), args.override)
     except ValueError as exc:
         print(f"b3_http: --override: {exc}", file=sys.stderr)
+        return 2
+    try:
+        base = b3_scenario(args.override, args.seed, args.engine)
+    except ValueError as exc:
+        print(f"b3_http: --engine: {exc}", file=sys.stderr)
         return 2
     try:
         table, twins, capacity = run_table(base, loads, policies, args)

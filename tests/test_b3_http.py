@@ -172,6 +172,23 @@ def test_an_override_reaches_the_gateway_and_the_simulator_twin_alike():
     assert twin.engine.max_num_seqs is None
 
 
+def test_an_engine_reaches_the_gateway_the_simulator_twin_and_the_load_unit_alike():
+    base = http.b3_scenario({}, engine={"scheduling_policy": "fcfs", "max_num_seqs": 64})
+    served = PolicyConfig.model_validate(http.serve_policy(base, "qos", 0.1))
+    assert served.backend.scheduling_policy == "fcfs" and served.backend.max_num_seqs == 64
+    assert served.backend.speed == 0.1
+    twin = http.twin_scenario(base, ARGS)
+    assert (twin.engine.scheduling_policy, twin.engine.max_num_seqs) == ("fcfs", 64)
+    # B3's own engine is left as it is.
+    assert BASE.engine.scheduling_policy == "priority" and BASE.engine.max_num_seqs is None
+
+
+def test_a_bad_engine_is_refused_naming_the_field(capsys):
+    assert http.main(["--engine", '{"max_num_sqs": 64}', "--loads", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--engine" in err and "max_num_sqs" in err
+
+
 def test_an_override_to_null_reaches_the_gateway_as_null():
     # Dropped, the gateway's default ("auto") would stand in for "no budget".
     override = {"scheduler": {"prefill_budget_tokens": None, "delay_prefill_tokens": None}}
