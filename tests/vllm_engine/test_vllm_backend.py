@@ -122,6 +122,9 @@ def client(live, tier: str = "gold") -> openai.AsyncOpenAI:
 
 
 async def test_ready_once_the_engine_is_up(live):
+    # Warmed up first: its logprobs path is built at its first use, which
+    # would otherwise be a client's wait.
+    assert live.gateway.backend.warm_ups == 1 and live.gateway.backend.warm_up_s is not None
     async with aiohttp.ClientSession() as http:
         async with http.get(live.url + "/readyz") as r:
             assert r.status == 200

@@ -124,6 +124,7 @@ async def test_a_killed_engine_is_fenced_and_restarted(live):
     backend = live.gateway.backend
     async with aiohttp.ClientSession() as http:
         assert await _restarts(http, live) == 0
+        assert backend.warm_ups == 1 and backend.warm_up_s is not None
         streamed, whole = await _start_two(http, live)
         started = time.monotonic()
         for child in psutil.Process().children(recursive=True):
@@ -132,6 +133,8 @@ async def test_a_killed_engine_is_fenced_and_restarted(live):
         assert await _ready(http, live) == 503
         served = await _fenced_then_back(http, live, streamed, [whole], started)
         assert await _restarts(http, live) == 1
+        # The new engine was warmed up too before it served.
+        assert backend.warm_ups == 2 and backend.warm_up_s is not None
     outcomes = [s.request.outcome.value for s in live.gateway.streams[:2]]
     assert outcomes == ["backend_error", "backend_error"]
     # Neither request the engine died under keeps anything of the tenant's

@@ -72,10 +72,11 @@ async def live(tiny_model, tmp_path_factory):
 
 
 async def warm_up(url: str) -> None:
-    """One request of each path the engine builds at its first use: the first
-    with logprobs took 2.7 s on the CI kind's 2 cores (30 ms after), and under
-    load past schemathesis' 10 s read timeout. What is checked here is the
-    answers, not an engine's cold start."""
+    """One request with logprobs on each endpoint, whose paths are built at
+    their first use: the first with logprobs took 2.7 s on the CI kind's 2
+    cores (30 ms after), under load past schemathesis' 10 s read timeout. The
+    backend's own warm-up covers the engine's; this covers each endpoint's
+    rendering too. What is checked here is the answers, not a cold start."""
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {ALICE_KEY}"}) as http:
         for path, body in (
             ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": 2}),
