@@ -322,6 +322,30 @@ async def test_a_node_holding_for_its_prefill_budget_has_no_room_below_the_top(p
     assert (await queue.load(T0 + 2)).held_rooms == ()
 
 
+async def test_a_node_stopped_at_the_slots_it_keeps_for_arrivals_has_no_room_below_the_top(
+    prefill_store,
+):
+    """The slots a node keeps for the top level's expected arrivals are the
+    top level's, at the door as at the claim: one node's scheduler, stopped
+    there, is full to the levels below (admission.saturated)."""
+    queue = prefill_store
+    for n in range(3):
+        await queue.enqueue(item(f"s{n}", "std", T0, prompt=100, work=1000))
+    # Four free, three kept for gold's expected arrivals: one std goes.
+    claim = await queue.claim("n1", 4, T0 + 1, LEASE, drain_rate=1000.0, held_for_arrivals=3)
+    assert [lease.item.id for lease in claim.leases] == ["s0"] and claim.at_reserve
+    load = await queue.load(T0 + 1)
+    assert (load.rooms, load.held_rooms) == ((), (3,))
+    # std's newcomer waits for the queued std work and its own slot, as on a
+    # full node; gold's starts at once in a kept slot.
+    assert predicted_wait(PREFILL, "std", 100, load, T0 + 1) == (2000 + 100) / 1000.0
+    assert predicted_wait(PREFILL, "gold", 100, load, T0 + 1) == 0.0
+    # Kept nothing on its next claim, the node takes std again, and has room.
+    claim = await queue.claim("n1", 4, T0 + 2, LEASE, drain_rate=1000.0)
+    assert [lease.item.id for lease in claim.leases] == ["s1", "s2"] and not claim.at_reserve
+    assert (await queue.load(T0 + 2)).rooms == (2,)
+
+
 async def test_the_tier_is_picked_again_for_every_item_of_a_claim(queue):
     await queue.enqueue(item("b-old", "bronze", T0))
     await queue.enqueue(item("b-new", "bronze", T0 + 10))

@@ -10,7 +10,7 @@ admission's inflow correction reads it back) and the VTC lift to the floor
 fair latency tier's door reads. Its admissions, and the place a refused
 newcomer takes at such a door, are the core's rules over what it reads from
 Redis, so they check its stored load and sums too. This test
-runs one random sequence of 10,000 operations through three implementations
+runs one random sequence of 20,000 operations through three implementations
 and requires the same decision at every step (which items a claim takes and
 in what order, admissions and refusals with their predicted wait, whose
 place a newcomer takes, whether a preemption is still needed, and every
@@ -48,7 +48,7 @@ from qosgate.fleet.redis_store import RedisWorkQueue
 from qosgate.fleet.store import milli
 from qosgate.runtime.errors import WorkQueueFull, WorkQueueOverloaded
 
-OPERATIONS = 10_000
+OPERATIONS = 20_000
 T0 = 1_700_000_000.0
 TENANTS = ["a", "b", "c", "d"]
 NODES = ["n1", "n2", "n3"]
@@ -90,7 +90,7 @@ class CoreModel:
         self.arrival_stops = 0  # of those, stops for the slots kept for arrivals alone
         self.latency_holds = 0  # claims where a share owed waited for latency work
         self.at_reserve = False  # the last claim stopped there
-        self.prefill_held: set[str] = set()  # nodes whose last claim held for the budget
+        self.top_only: set[str] = set()  # nodes whose last claim held work below the top back
         self.waited = {"budget": 0, "pace": 0}  # claims that held work for a first token
         self.held_for_prefill = self.paced = False  # the last claim did
         self.tokens = 0
@@ -132,9 +132,10 @@ class CoreModel:
 
     def _live(self, now: float, priority: int) -> tuple[float, int]:
         """The live nodes' drain, and the free slots work at `priority` may
-        take: below the top level none of a node holding work for its prefill
-        budget (the core's scheduler leaves a held level no room)."""
-        live = [(rate, room, node in self.prefill_held)
+        take: below the top level none of a node holding work back for its
+        prefill budget or at its reserved slots (the core's scheduler leaves
+        a held or blocked level no room)."""
+        live = [(rate, room, node in self.top_only)
                 for node, (room, until, rate) in self.nodes.items() if until > now]
         below_top = priority > self.tiers.top_level
         room = sum(ordering.open_slots(priority, self.tiers.top_level, free,
@@ -218,7 +219,7 @@ class CoreModel:
         for _, item_id in expired:
             self._requeue(item_id)
         self.nodes = {n: v for n, v in self.nodes.items() if v[1] > now}
-        self.prefill_held &= set(self.nodes)
+        self.top_only &= set(self.nodes)
         taken = []
         self.at_reserve = False
         prefilling, held, paced = prefill.tokens, False, False
@@ -272,7 +273,7 @@ class CoreModel:
             self.held[item.id] = (item, node, self.tokens, now + lease_s)
             taken.append((item.id, self.tokens))
         self.nodes[node] = (max_items - len(taken), now + lease_s, milli(rate))
-        (self.prefill_held.add if held else self.prefill_held.discard)(node)
+        (self.top_only.add if held or self.at_reserve else self.top_only.discard)(node)
         self.held_for_prefill, self.paced = held, paced
         self.waited["budget"] += held
         self.waited["pace"] += paced

@@ -322,13 +322,15 @@ class FleetLoad:
     """Tokens/s the live engine nodes complete, summed (0: none reports)."""
     rooms: tuple[int, ...]
     """Free sequence slots of each live engine node whose last claim held
-    nothing back for its prefill budget, fewest first."""
+    nothing back below the top level (`held_rooms`), fewest first."""
     oldest: Mapping[str, float] = dataclasses.field(default_factory=dict)
     """Tier -> arrival of its oldest queued item (non-empty tiers)."""
     held_rooms: tuple[int, ...] = ()
     """Free sequence slots of each live node whose last claim held work below
-    the top level for its prefill budget (Claim.held_for_prefill): room for
-    top-level work only, as one node's held backend is."""
+    the top level back, for its prefill budget (Claim.held_for_prefill) or at
+    its reserved slots, the slots it keeps for the top level's expected
+    arrivals included (Claim.at_reserve): room for top-level work only, as
+    one node's backend is while a level below the top is held or blocked."""
 
     @property
     def room(self) -> int:
@@ -368,8 +370,9 @@ def predicted_wait(
     ]  # fmt: skip
     priority = tiers.tier(tier).priority
     reserved = ordering.has_reserve(priority, tiers.top_level, tiers.reserve_slots)
-    # Below the top level a node holding work for its prefill budget does not
-    # take a newcomer at once, whatever its free slots (as on one node).
+    # Below the top level a node holding work back (for its prefill budget, or
+    # at the slots it keeps for the top level) does not take a newcomer at
+    # once, whatever its free slots (as on one node).
     rooms = load.rooms + load.held_rooms if priority <= tiers.top_level else load.rooms
     room = sum(ordering.open_slots(priority, tiers.top_level, free, tiers.reserve_slots)
                for free in rooms)  # fmt: skip

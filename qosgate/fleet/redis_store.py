@@ -37,8 +37,10 @@ which the scripts need since they touch every tier):
   credit    hash, tier -> its guaranteed share's credit (%.17g), for tiers
             with work queued
   prompt    hash, item id -> its prompt's tokens
-  pheld     hash, node -> 1 while its last claim held work for its prefill
-            budget (Claim.held_for_prefill)
+  pheld     hash, node -> 1 while its last claim held work below the top
+            level back, for its prefill budget (Claim.held_for_prefill) or
+            at its reserved slots (Claim.at_reserve): its room is the top
+            level's only
 Arrivals and lease ends go in and out as Python's `repr` of the float, never
 through a Lua number: Redis writes Lua numbers with 14 significant digits,
 which would move a wall-clock time by up to a tenth of a millisecond and make

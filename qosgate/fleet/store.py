@@ -183,7 +183,9 @@ class WorkQueue(ABC):
         and `Claim.paced` say it did). Binds a taken item's key to `node`
         unless a live node has it, and records `node` as live until `now +
         lease_s` with the room it has left (`max_items` less what it took),
-        whether it held work for its prefill budget, and the tokens/s it
+        whether it held work below the top level back (for its prefill
+        budget, or at its reserved slots: room for the top level only, as
+        one node's scheduler leaves a blocked level none), and the tokens/s it
         drains when full (`drain_rate`; 0: unknown), which admission sums
         over the live nodes."""
 
@@ -299,8 +301,10 @@ class MemoryWorkQueue(WorkQueue):
         # affinity key -> (node, when bound).
         self._nodes: dict[str, tuple[int, float, int]] = {}
         self._bound: dict[str, tuple[str, float]] = {}
-        # Nodes whose last claim held work for their prefill budget.
-        self._prefill_held: set[str] = set()
+        # Nodes whose last claim held work below the top level back (for
+        # their prefill budget, or at their reserved slots): their room is
+        # the top level's only.
+        self._top_only: set[str] = set()
         # Fair tiers: tier -> tenant -> its queued items (only backlogged
         # tenants have a lane), tier -> tenant -> counter, tier -> the
         # counter last served.
@@ -370,7 +374,7 @@ class MemoryWorkQueue(WorkQueue):
         for node, (node_room, until, rate) in self._nodes.items():
             if until > now:
                 drain += rate
-                (held if node in self._prefill_held else rooms).append(node_room)
+                (held if node in self._top_only else rooms).append(node_room)
         return FleetLoad(
             queued_work=dict(self._work),
             inflow={name: rate.rate(now) for name, rate in self._inflow.items()},
@@ -493,7 +497,7 @@ class MemoryWorkQueue(WorkQueue):
             del self._bound[key]
         for other in [n for n, (_, until, _) in self._nodes.items() if until <= now]:
             del self._nodes[other]
-            self._prefill_held.discard(other)
+            self._top_only.discard(other)
         # How many more items each other live node has room for, and so may
         # still have held back for it.
         reserve = {n: room for n, (room, _, _) in self._nodes.items() if n != node and room > 0}
@@ -558,10 +562,10 @@ class MemoryWorkQueue(WorkQueue):
             self._held[item.id] = lease = Lease(item, node, next(self._tokens), expires_at)
             leases.append(lease)
         self._set_room(node, max_items - len(leases), expires_at, milli(drain_rate))
-        if held:
-            self._prefill_held.add(node)
+        if held or at_reserve:
+            self._top_only.add(node)
         else:
-            self._prefill_held.discard(node)
+            self._top_only.discard(node)
         return Claim(leases, held_back_until, frozenset(home), frozenset(away), at_reserve,
                      held, paced)  # fmt: skip
 
@@ -583,7 +587,7 @@ class MemoryWorkQueue(WorkQueue):
 
     async def leave(self, node: str) -> None:
         room, _, _ = self._nodes.pop(node, (0, 0.0, 0))
-        self._prefill_held.discard(node)
+        self._top_only.discard(node)
         self._wake_if_full(room, 0)
 
     async def bound_node(self, key: str) -> str | None:

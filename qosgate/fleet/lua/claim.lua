@@ -184,7 +184,9 @@ while #out < max_items do
   end
 end
 set_room(node, max_items - #out, expires_at, ARGV[10], wake)
-if held == 1 then
+-- Held back below the top level, for the prefill budget or at the reserved
+-- slots: the node's room is the top level's only (MemoryWorkQueue._top_only).
+if held == 1 or at_reserve == 1 then
   redis.call('HSET', KEYS[K_PHELD], node, 1)
 else
   redis.call('HDEL', KEYS[K_PHELD], node)
