@@ -3,7 +3,8 @@
     make test-vllm   # once: builds .venv-vllm with vLLM's CPU build
     .venv-vllm/bin/python benchmarks/b8_upstream.py [--seqs 32 128] [--reserve SLOTS]
                                                     [--output-sigma SIGMA] [--override JSON]
-                                                    [--upstream JSON] [--json ...]
+                                                    [--upstream JSON] [--without-avx512]
+                                                    [--json ...]
 
 For each `max_num_seqs` the server is started with (B8 upstream in benchmarks/RESULTS.md):
 
@@ -26,6 +27,7 @@ the server's alone, whatever `max_num_seqs`.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 import os
@@ -35,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +57,24 @@ from b8_vllm import (  # noqa: E402
 ENGINE = {"max_model_len": 512, "dtype": "bfloat16"}
 TARGET_TTFT_RATIO = 0.05
 OVERLOAD_S = 30
+def _load_module(path: Path) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The server's environment on top of this process's (--without-avx512).
+SERVER_ENV: dict[str, str] = {}
+WITHOUT_AVX512 = {
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE / "without_avx512"),
+                                                os.environ.get("PYTHONPATH")])),
+    "QOSGATE_BENCH_WITHOUT_AVX512": "1",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+}
+WITHOUT_AVX512_MARK = _load_module(HERE / "without_avx512" / "sitecustomize.py").MARK
 MIN_OVERLOAD = 1.8
 """The least overload, sent over what the server alone then served, that is
 taken for 2x; below it the overload runs again at twice that."""
@@ -66,9 +87,13 @@ def start_server(model: str, seqs: int, tmp: Path) -> tuple[subprocess.Popen, st
             "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
             "--max-model-len", str(ENGINE["max_model_len"]), "--max-num-seqs", str(seqs),
             "--dtype", ENGINE["dtype"], "--enforce-eager", "--disable-uvicorn-access-log"]
-    proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT)
+    proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,
+                            env={**os.environ, **SERVER_ENV})
     base = f"http://127.0.0.1:{port}"
     wait_until_ready(base + "/health", proc, log)
+    if SERVER_ENV and WITHOUT_AVX512_MARK not in log.read_text(errors="replace"):
+        stop(proc)
+        raise SystemExit(f"--without-avx512 did not take in the server (see {log})")
     return proc, base + "/v1", " ".join(shlex.quote(a) for a in argv[1:])
 
 
@@ -179,6 +204,10 @@ def main() -> int:
                              "on one setting), e.g. "
                              "'{\"scheduler\": {\"prefill_budget_tokens\": 4096}}'")
     parser.add_argument("--json", default=str(HERE / "results" / "b8_upstream.json"))
+    parser.add_argument("--without-avx512", action="store_true",
+                        help="run the server's engine as on a host without AVX-512: vLLM's "
+                             "AVX2 kernels, torch and oneDNN capped at AVX2 "
+                             "(benchmarks/without_avx512; the CPU is otherwise this one)")
     parser.add_argument("--upstream", type=json.loads, default={}, metavar="JSON",
                         help="settings of the gateway's one upstream besides its url, e.g. "
                              "'{\"step_tokens\": 2048}' (default: none, every one at its default)")
@@ -192,6 +221,8 @@ def main() -> int:
     if not 0.0 <= args.output_sigma <= 2.0:
         parser.error("--output-sigma must be from 0 to 2")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.without_avx512:
+        SERVER_ENV.update(WITHOUT_AVX512)
     started = time.monotonic()
     runs = []
     with tempfile.TemporaryDirectory(prefix="qosgate-b8u-") as tmp_name:
@@ -200,8 +231,10 @@ def main() -> int:
         for seqs in args.seqs:
             runs.append(run_seqs(model, seqs, tmp, args.reserve, args.output_sigma,
                                  args.override, args.upstream))
+    host = cpu_model() + (", its AVX-512 hidden from the server (--without-avx512)"
+                          if args.without_avx512 else "")
     print("\nB8 upstream: qosgate in front of vllm serve "
-          f"(CPU build, tiny model; {os.cpu_count()} CPUs, {cpu_model()})\n")
+          f"(CPU build, tiny model; {os.cpu_count()} CPUs, {host})\n")
     ok = True
     for run in runs:
         d, q, ratio = run["direct"], run["qosgate"], run["interactive_ttft_p99_ratio"]
@@ -221,7 +254,7 @@ def main() -> int:
         "benchmark": "B8 upstream",
         "command": " ".join(shlex.quote(a) for a in
                             [".venv-vllm/bin/python", "benchmarks/b8_upstream.py", *sys.argv[1:]]),
-        "machine": {"cpus": os.cpu_count(), "cpu": cpu_model(),
+        "machine": {"cpus": os.cpu_count(), "cpu": host,
                     "python": platform.python_version()},
         "engine_args": ENGINE,
         "overload_s": OVERLOAD_S,
