@@ -392,8 +392,9 @@ class ReserveConfig(StrictModel):
     """qos only: the most of the backend's sequence slots also kept free for
     the top priority's expected arrivals, when the running requests are not
     expected to free slots for them within its queue budget (requests of one
-    length that started together end together, then none for a while); 0:
-    none. Where completions come evenly nothing is kept."""
+    length that started together end together, then none for a while; or
+    fewer than about six end within the budget); 0: none. The free slots of
+    `slots` count toward them."""
 
 
 class SchedulerConfig(StrictModel):

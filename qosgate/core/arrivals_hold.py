@@ -13,17 +13,23 @@ slots left free, with the running requests expected to end in time, cover the
 top level's expected arrivals. A running request is expected to end when it
 started plus the time requests have lately held a slot, so the running
 requests, in the order they started, give the completions ahead. With `n(t)`
-the running requests expected to end by `t`, `w` the top level's queue
-budget and `A(d)` the top level's expected arrivals in the next `d` seconds
-(its arrival rate times `d`, plus two standard deviations of a Poisson count
-and one request), the slots kept are
+the running requests expected to end by `t`, at most what the backend has
+lately completed in as long (a run past its expected end is a long one, not
+one about to end), `E(n)` the ends to count on of those (`n` less two
+standard deviations of a Poisson count: lengths vary, and which run ends
+first is a guess), `w` the top level's queue budget and `A(d)`
+the top level's expected arrivals in the next `d` seconds (its arrival rate
+times `d`, plus two standard deviations of a Poisson count and one request),
+the slots kept are
 
-    hold = max over t >= now of  A(t - now) - n(t + w),   at least 0,
+    hold = max over t >= now of  A(t - now) - E(n(t + w)),   at least 0,
 
-at most `max_share` of the backend's slots. Where completions come evenly,
-`n` outruns `A` within the budget and nothing is held (B3's sweep moves
-within the seeds' noise); before a gap, the slots its arrivals need are kept as the last
-completions ahead of it come in.
+less the reserve's slots (free for the top level already), at most
+`max_share` of the backend's slots. Where completions come evenly and many
+within the budget, `E(n)` outruns `A` and nothing is held; where few are
+expected within it (fewer than about six), a slot or two are, since then
+none may come at all. Before a gap, the slots its arrivals need are kept as
+the last completions ahead of it come in.
 
 Sans-I/O: every method takes `now`. One node's scheduler keeps one; in fleet
 mode each engine node keeps its own over its own runs and hands its claim the
@@ -65,18 +71,33 @@ def expected_arrivals(rate: float, seconds: float) -> float:
     return mean + SPREAD * math.sqrt(mean) + MARGIN
 
 
+def expected_ends(count: float) -> float:
+    """E(n): of `count` runs expected to end by some time, the ends to count
+    on by then. Their ends are guessed from their starts and the time runs
+    lately held a slot, while lengths vary run to run: as a count of random
+    ends, it may fall two standard deviations short."""
+    return max(0.0, count - SPREAD * math.sqrt(count))
+
+
 def arrivals_hold(
     starts: Iterable[float], now: float, hold_s: float, rate: float, budget_s: float,
-    *, ended: int = 0,
+    *, ended: int = 0, end_rate: float | None = None,
 ) -> float:
     """The slots to keep for top-level arrivals (module docstring), before
     any cap: `starts` the running requests' start times in ascending order,
     `hold_s` the time a request holds a slot, `rate` the top level's
     arrivals per second, `budget_s` its queue budget. The first `ended` of
     the running requests have left the backend already (it reports their
-    slots free) though their end has not reached the caller."""
+    slots free) though their end has not reached the caller. `end_rate`: the
+    runs the backend has lately completed a second (None: no bound)."""
     if rate <= 0.0 or hold_s <= 0.0:
         return 0.0
+
+    def ends(count: int, by: float) -> float:
+        if end_rate is not None:
+            count = min(count, end_rate * (by - now))
+        return expected_ends(count)
+
     ahead = now + budget_s
     # Nothing started later than now, so nothing ends after now + hold_s:
     # past the point where even that cannot beat the worst, stop.
@@ -93,22 +114,28 @@ def arrivals_hold(
             continue
         # Just before this one ends, k have: an arrival at end - w is served
         # by one of those, or by a slot kept free.
-        need = expected_arrivals(rate, end - ahead) - k
+        counted = ends(k, end)
+        need = expected_arrivals(rate, end - ahead) - counted
         if need > worst:
             worst = need
-        if most - k <= worst:
+        if most - counted <= worst:
             break
-    return max(0.0, worst, expected_arrivals(rate, 0.0) - within)
+    return max(0.0, worst, expected_arrivals(rate, 0.0) - ends(within, ahead))
 
 
 class ArrivalsHold:
     """One backend's estimates for `arrivals_hold`: the top level's arrival
     rate and the time a request holds a slot."""
 
-    def __init__(self, max_share: float) -> None:
+    def __init__(self, max_share: float, reserve: int = 0) -> None:
         self.max_share = max_share
         """The most of the backend's slots kept (0: none)."""
+        self.reserve = reserve
+        """Slots the reserve keeps free for top-level work: they serve its
+        arrivals as well as a slot kept here, so only what they do not cover
+        is kept on top of them."""
         self._arrivals = ArrivalRate(ARRIVALS_TAU_S)
+        self._ends = ArrivalRate(ARRIVALS_TAU_S)
         self._hold_s = 0.0
 
     def arrived(self, now: float) -> None:
@@ -118,6 +145,7 @@ class ArrivalsHold:
 
     def ended(self, now: float, started: float) -> None:
         """A request that started at `started` left the backend."""
+        self._ends.add(1.0, now)
         held = max(0.0, now - started)
         self._hold_s = held if self._hold_s <= 0.0 else (
             self._hold_s + HOLD_WEIGHT * (held - self._hold_s))
@@ -141,5 +169,5 @@ class ArrivalsHold:
         if cap <= 0:
             return 0
         hold = arrivals_hold(starts, now, self._hold_s, self._arrivals.rate(now), budget_s,
-                             ended=ended)  # fmt: skip
-        return min(cap, math.ceil(hold - 1e-9))
+                             ended=ended, end_rate=self._ends.rate(now))  # fmt: skip
+        return min(cap, max(0, math.ceil(hold - 1e-9) - self.reserve))

@@ -132,7 +132,8 @@ class Scheduler:
         self._room_slots = 0
         self._room_kv = 0
         share = policy.arrivals_share
-        self._arrivals_hold = ArrivalsHold(share) if share > 0.0 else None
+        self._arrivals_hold = (
+            ArrivalsHold(share, policy.held_slots) if share > 0.0 else None)
         # Free slots the last round kept for the top level's expected
         # arrivals and left free (admission counts them as reserve).
         self._kept_for_arrivals = 0

@@ -124,7 +124,8 @@ class EngineNode:
         # Slots this node keeps for the top level's expected arrivals, over
         # its own runs, as one node's scheduler does over its backend's.
         share = rules.arrivals_share
-        self._arrivals_hold = ArrivalsHold(share) if share > 0.0 else None
+        self._arrivals_hold = (
+            ArrivalsHold(share, rules.held_slots) if share > 0.0 else None)
         self._top_level = min(t.priority for t in rules.tiers.values())
         self._top_budget = top_budget(rules.tiers.values())
         self._started: dict[str, float] = {}
