@@ -1198,4 +1198,8 @@ async def test_an_engine_node_tells_its_backend_what_its_reserve_holds(
         Told(policy.backend),
     )  # fmt: skip
     assert told == [held]
+    # Its slots kept for expected arrivals count the reserve's as one
+    # node's scheduler does (core.arrivals_hold).
+    hold = node._arrivals_hold
+    assert (hold.reserve if hold is not None else None) == (3 if policy_kind == "qos" else None)
     await node.store.close()

@@ -15,14 +15,14 @@ started plus the time requests have lately held a slot, so the running
 requests, in the order they started, give the completions ahead. With `n(t)`
 the running requests expected to end by `t`, at most what the backend has
 lately completed in as long (a run past its expected end is a long one, not
-one about to end), `E(n)` the ends to count on of those (`n` less two
-standard deviations of a Poisson count: lengths vary, and which run ends
-first is a guess), `w` the top level's queue budget and `A(d)`
-the top level's expected arrivals in the next `d` seconds (its arrival rate
-times `d`, plus two standard deviations of a Poisson count and one request),
-the slots kept are
+one about to end), `w` the top level's queue budget and `S(d, n)` the
+slots the top level's arrivals in the next `d` seconds may want beyond `n`
+ends (their mean difference, plus two standard deviations of it as of
+Poisson counts, since lengths vary and which run ends first is a guess,
+and one request; with no ends, `A(d)`: its arrival rate times `d`, two
+standard deviations and one), the slots kept are
 
-    hold = max over t >= now of  A(t - now) - E(n(t + w)),   at least 0,
+    hold = max over t >= now of  S(t - now, n(t + w)),   at least 0,
 
 less the reserve's slots (free for the top level already), at most
 `max_share` of the backend's slots. Where completions come evenly and many
@@ -71,12 +71,15 @@ def expected_arrivals(rate: float, seconds: float) -> float:
     return mean + SPREAD * math.sqrt(mean) + MARGIN
 
 
-def expected_ends(count: float) -> float:
-    """E(n): of `count` runs expected to end by some time, the ends to count
-    on by then. Their ends are guessed from their starts and the time runs
-    lately held a slot, while lengths vary run to run: as a count of random
-    ends, it may fall two standard deviations short."""
-    return max(0.0, count - SPREAD * math.sqrt(count))
+def shortfall(rate: float, seconds: float, ends: float) -> float:
+    """S(d, n): the slots `seconds` of the top level's arrivals may want
+    beyond `ends` runs expected to end in time. Those ends are guessed from
+    the runs' starts and the time runs lately held a slot, while lengths vary
+    run to run, so both are random counts: their mean difference, two
+    standard deviations of it (as of Poisson counts), and one request. With
+    no ends it is A(d)."""
+    mean = rate * seconds
+    return mean - ends + SPREAD * math.sqrt(mean + ends) + MARGIN
 
 
 def arrivals_hold(
@@ -94,14 +97,14 @@ def arrivals_hold(
         return 0.0
 
     def ends(count: int, by: float) -> float:
-        if end_rate is not None:
-            count = min(count, end_rate * (by - now))
-        return expected_ends(count)
+        if end_rate is None:
+            return float(count)
+        return min(float(count), end_rate * (by - now))
 
     ahead = now + budget_s
     # Nothing started later than now, so nothing ends after now + hold_s:
     # past the point where even that cannot beat the worst, stop.
-    most = expected_arrivals(rate, max(0.0, now + hold_s - ahead))
+    latest = max(0.0, now + hold_s - ahead)
     within = 0  # n(now + w): ended by then (a prefix, in start order)
     worst = -math.inf
     for i, start in enumerate(starts):
@@ -115,12 +118,13 @@ def arrivals_hold(
         # Just before this one ends, k have: an arrival at end - w is served
         # by one of those, or by a slot kept free.
         counted = ends(k, end)
-        need = expected_arrivals(rate, end - ahead) - counted
+        need = shortfall(rate, end - ahead, counted)
         if need > worst:
             worst = need
-        if most - counted <= worst:
+        # What is to come has no more time and no fewer ends than this.
+        if shortfall(rate, latest, counted) <= worst:
             break
-    return max(0.0, worst, expected_arrivals(rate, 0.0) - ends(within, ahead))
+    return max(0.0, worst, shortfall(rate, 0.0, ends(within, ahead)))
 
 
 class ArrivalsHold:
